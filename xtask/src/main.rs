@@ -1,0 +1,4 @@
+//! Project automation.
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}
