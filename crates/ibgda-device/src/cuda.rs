@@ -23,6 +23,24 @@ pub enum CudaError {
         #[source]
         source: DriverError,
     },
+    /// The two GPUs cannot reach each other's memory.
+    #[error("GPU {from} cannot access GPU {to}'s memory (cuDeviceCanAccessPeer = 0)")]
+    NoPeerAccess {
+        /// The accessing GPU.
+        from: usize,
+        /// The GPU whose memory would be accessed.
+        to: usize,
+    },
+    /// A copy outside a buffer.
+    #[error("range {offset}+{len} outside a buffer of {size} bytes")]
+    OutOfRange {
+        /// Start of the range, in bytes.
+        offset: usize,
+        /// Length of the range, in bytes.
+        len: usize,
+        /// Size of the buffer.
+        size: usize,
+    },
     /// A device ordinal past the number of visible GPUs.
     #[error("GPU {ordinal} requested but only {count} visible")]
     NoSuchDevice {
@@ -44,9 +62,14 @@ pub fn device_count() -> Result<usize, CudaError> {
     if !driver_present() {
         return Err(CudaError::DriverMissing);
     }
-    cudarc::driver::result::init().map_err(|source| CudaError::Driver { call: "cuInit", source })?;
-    let n = CudaContext::device_count()
-        .map_err(|source| CudaError::Driver { call: "cuDeviceGetCount", source })?;
+    cudarc::driver::result::init().map_err(|source| CudaError::Driver {
+        call: "cuInit",
+        source,
+    })?;
+    let n = CudaContext::device_count().map_err(|source| CudaError::Driver {
+        call: "cuDeviceGetCount",
+        source,
+    })?;
     Ok(n.max(0) as usize)
 }
 
@@ -56,7 +79,200 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     if ordinal >= count {
         return Err(CudaError::NoSuchDevice { ordinal, count });
     }
-    CudaContext::new(ordinal).map_err(|source| CudaError::Driver { call: "cuDevicePrimaryCtxRetain", source })
+    CudaContext::new(ordinal).map_err(|source| CudaError::Driver {
+        call: "cuDevicePrimaryCtxRetain",
+        source,
+    })
+}
+
+/// Lets kernels and copies on `from` access memory of `to` over NVLink/PCIe (idempotent).
+pub fn enable_peer_access(from: &CudaContext, to: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    if from.cu_device() == to.cu_device() {
+        return Ok(());
+    }
+    let mut can = 0i32;
+    // SAFETY: both device handles come from live contexts; `can` is a valid out-pointer.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, from.cu_device(), to.cu_device()) }
+        .result()
+        .map_err(|source| CudaError::Driver {
+            call: "cuDeviceCanAccessPeer",
+            source,
+        })?;
+    if can == 0 {
+        return Err(CudaError::NoPeerAccess {
+            from: from.ordinal(),
+            to: to.ordinal(),
+        });
+    }
+    from.bind_to_thread().map_err(|source| CudaError::Driver {
+        call: "cuCtxSetCurrent",
+        source,
+    })?;
+    // SAFETY: `from` is bound to this thread and `to.cu_ctx()` is a live context.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) };
+    match r {
+        sys::cudaError_enum::CUDA_SUCCESS
+        | sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        other => Err(CudaError::Driver {
+            call: "cuCtxEnablePeerAccess",
+            source: DriverError(other),
+        }),
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+///
+/// Unlike cudarc's stream-ordered allocations (`cuMemAllocAsync`, from a memory pool), this
+/// memory can be read and written by peer GPUs once [`enable_peer_access`] has run, and exported
+/// through CUDA IPC: use it for anything another GPU or the NIC touches.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+}
+
+// SAFETY: the buffer is a device address plus the context that owns it; CUDA driver calls on it
+// are thread-safe once the context is bound, which every method does first.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: as for Send; `&self` methods only issue synchronous driver copies.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes (at least 1) on `ctx`'s GPU. The contents are undefined: poison or fill.
+    pub fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, CudaError> {
+        use cudarc::driver::sys;
+        bind(ctx)?;
+        let mut ptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer and the context is current.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) }
+            .result()
+            .map_err(|source| CudaError::Driver {
+                call: "cuMemAlloc",
+                source,
+            })?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice<T: bytemuck::Pod>(
+        ctx: &Arc<CudaContext>,
+        data: &[T],
+    ) -> Result<Self, CudaError> {
+        let b = Self::new(ctx, std::mem::size_of_val(data))?;
+        b.upload(0, data)?;
+        Ok(b)
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The owning context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Copies `data` to byte offset `offset` (synchronous).
+    pub fn upload<T: bytemuck::Pod>(&self, offset: usize, data: &[T]) -> Result<(), CudaError> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        self.check_range(offset, bytes.len())?;
+        bind(&self.ctx)?;
+        // SAFETY: the range was checked to lie inside this live allocation; `bytes` is readable.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoD_v2(
+                self.ptr + offset as u64,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+            )
+        }
+        .result()
+        .map_err(|source| CudaError::Driver {
+            call: "cuMemcpyHtoD",
+            source,
+        })
+    }
+
+    /// Copies `count` elements of `T` from byte offset `offset` to the host (synchronous).
+    pub fn download<T: bytemuck::Pod>(
+        &self,
+        offset: usize,
+        count: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::zeroed(); count];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        self.check_range(offset, bytes.len())?;
+        bind(&self.ctx)?;
+        // SAFETY: the range was checked to lie inside this live allocation; `bytes` is writable.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoH_v2(
+                bytes.as_mut_ptr().cast(),
+                self.ptr + offset as u64,
+                bytes.len(),
+            )
+        }
+        .result()
+        .map_err(|source| CudaError::Driver {
+            call: "cuMemcpyDtoH",
+            source,
+        })?;
+        Ok(out)
+    }
+
+    /// Fills the whole buffer with the byte `value` (synchronous).
+    pub fn fill_bytes(&self, value: u8) -> Result<(), CudaError> {
+        bind(&self.ctx)?;
+        // SAFETY: the whole live allocation is written.
+        unsafe { cudarc::driver::sys::cuMemsetD8_v2(self.ptr, value, self.len) }
+            .result()
+            .map_err(|source| CudaError::Driver {
+                call: "cuMemsetD8",
+                source,
+            })
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(CudaError::OutOfRange {
+                offset,
+                len,
+                size: self.len,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, here.
+            let _ = unsafe { cudarc::driver::sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
+    ctx.bind_to_thread().map_err(|source| CudaError::Driver {
+        call: "cuCtxSetCurrent",
+        source,
+    })
 }
 
 #[cfg(test)]

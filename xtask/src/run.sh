@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU suite, on the device machine. Written by `cargo xtask device-bundle`; do not edit the copy.
+#
+#   bash bundle/run.sh                 every GPU test and example smoke run
+#   bash bundle/run.sh --only REGEX    the tests whose "binary::test" name matches REGEX
+#   bash bundle/run.sh --bench [REGEX] the benchmarks (bin/bench_*) matching REGEX (all if none)
+#   bash bundle/run.sh --list          list what would run
+#
+# Logs go to $OUT (or bundle/out): suite.log (every test's output), summary.txt (the table),
+# bench JSON files. The table is printed last. A test that prints "SKIPPED (needs N GPUs, found M)"
+# on a machine with at least N GPUs counts as a failure: nothing the machine could run is skipped.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export RUST_BACKTRACE=1
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-$here/out}
+mkdir -p "$out"
+log="$out/suite.log"; summary="$out/summary.txt"
+: >"$log"; : >"$summary"
+per_test_limit=${EP_TEST_TIMEOUT:-300}
+
+mode=tests; pattern='.'; list=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --only) pattern="$2"; shift 2 ;;
+    --bench) mode=bench; shift; if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then pattern="$1"; shift; fi ;;
+    --list) list=1; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# What the tests can see: CUDA_VISIBLE_DEVICES narrows the machine's GPUs.
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+  ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c . || true)
+fi
+echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1) x $ngpu; $(date -u +%FT%TZ)" | tee -a "$log"
+
+rows=(); failed=0
+record() { # name result seconds
+  rows+=("$(printf '%-58s %-8s %8s' "$1" "$2" "$3")")
+  [ "$2" = PASS ] || failed=$((failed + 1))
+}
+
+run_one() { # name, command...
+  local name=$1; shift
+  if [ $list = 1 ]; then echo "$name"; return; fi
+  echo "=== $name" >>"$log"
+  local t0 t1 rc tmp; tmp=$(mktemp); t0=$(date +%s.%N)
+  timeout --kill-after=10 "$per_test_limit" "$@" >"$tmp" 2>&1; rc=$?
+  t1=$(date +%s.%N)
+  cat "$tmp" >>"$log"
+  local secs; secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')
+  local result=PASS
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then result=TIMEOUT
+  elif [ $rc -ne 0 ]; then result=FAIL
+  elif grep -q 'SKIPPED (needs' "$tmp"; then
+    local need; need=$(grep -o 'SKIPPED (needs [0-9]*' "$tmp" | head -1 | grep -o '[0-9]*$')
+    if [ "$need" -le "$ngpu" ]; then result=BADSKIP; else result=SKIP; fi
+  fi
+  # A skip the machine could not have run is not a failure.
+  if [ $result = SKIP ]; then rows+=("$(printf '%-58s %-8s %8s' "$name" SKIP "$secs")"); else record "$name" "$result" "$secs"; fi
+  echo "--- $name: $result ($secs s, exit $rc)" >>"$log"
+  rm -f "$tmp"
+}
+
+if [ $mode = tests ]; then
+  for bin in "$here"/tests/*; do
+    [ -x "$bin" ] || continue
+    b=$(basename "$bin")
+    while IFS= read -r line; do
+      t=${line%: test}
+      [ "$t" = "$line" ] && continue
+      name="$b::$t"
+      echo "$name" | grep -Eq -- "$pattern" || continue
+      run_one "$name" "$bin" --exact "$t" --nocapture --test-threads=1
+    done < <("$bin" --list --format terse 2>/dev/null)
+  done
+  while IFS='|' read -r name args; do
+    [ -n "$name" ] || continue
+    echo "example::$name" | grep -Eq -- "$pattern" || continue
+    # shellcheck disable=SC2086
+    run_one "example::$name" "$here/bin/$name" $args
+  done <"$here/examples.txt"
+else
+  for bin in "$here"/bin/bench_*; do
+    [ -x "$bin" ] || continue
+    b=$(basename "$bin")
+    echo "$b" | grep -Eq -- "$pattern" || continue
+    run_one "$b" "$bin" --json "$out/$b.json"
+  done
+fi
+
+[ $list = 1 ] && exit 0
+{
+  printf '%-58s %-8s %8s\n' TEST RESULT SECONDS
+  for r in "${rows[@]}"; do echo "$r"; done
+  echo "gpus: $ngpu; failed: $failed; logs: $log"
+} | tee "$summary"
+[ $failed -eq 0 ]
