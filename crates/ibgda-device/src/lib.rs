@@ -8,6 +8,8 @@
 //! Must not know about: experts, tokens or the layouts of dispatch/combine.
 
 pub mod cuda;
+pub mod qp_desc;
+pub mod wire;
 
 /// Folder holding this crate's CUDA headers (`#include "ibgda/…"`), for build tools.
 pub const INCLUDE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
