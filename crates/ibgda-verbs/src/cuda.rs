@@ -1,0 +1,197 @@
+//! The CUDA driver calls the NIC side needs: exporting GPU memory as a dma-buf, and mapping the
+//! UAR (NIC doorbell page) into the GPU's address space.
+//!
+//! `libcuda` is loaded at run time by cudarc, which panics when it is absent; every entry point
+//! here checks [`driver_present`] first and returns [`VerbsError::CudaDriverMissing`] instead.
+
+use std::ffi::CStr;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use crate::error::{Result, VerbsError};
+
+/// Whether `libcuda` can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to dlopen the candidate library names and closes them.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The driver's text for a `CUresult`.
+fn error_text(r: sys::CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `p` is a valid out-pointer; the driver only writes a pointer to a static string.
+    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: on success the driver returns a NUL-terminated static string.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    } else {
+        format!("{r:?}")
+    }
+}
+
+/// Turns a `CUresult` into this crate's error, naming the call.
+pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(VerbsError::Cuda {
+        call,
+        code: r as u32,
+        text: error_text(r),
+    })
+}
+
+/// `Ok` when `libcuda` is loadable, else [`VerbsError::CudaDriverMissing`] naming `what`.
+pub(crate) fn ensure_driver(what: &'static str) -> Result<()> {
+    if driver_present() {
+        Ok(())
+    } else {
+        Err(VerbsError::CudaDriverMissing(what))
+    }
+}
+
+/// Checks for the driver and makes `ctx` current on this thread.
+pub(crate) fn enter(ctx: &CudaContext, what: &'static str) -> Result<()> {
+    ensure_driver(what)?;
+    ctx.bind_to_thread().map_err(|e| VerbsError::Cuda {
+        call: "cuCtxSetCurrent",
+        code: e.0 as u32,
+        text: error_text(e.0),
+    })
+}
+
+/// A dma-buf file descriptor exported for the CUDA allocation that holds a device range.
+#[derive(Debug)]
+pub(crate) struct DmaBuf {
+    /// The dma-buf; closed on drop (registrations keep their own reference).
+    pub fd: OwnedFd,
+    /// Offset of the requested address inside the exported allocation.
+    pub offset: u64,
+}
+
+/// Exports the whole allocation that contains `[dptr, dptr + len)` as a dma-buf.
+///
+/// The allocation's base and size satisfy the driver's alignment rules for
+/// `cuMemGetHandleForAddressRange` (host-page aligned), which an arbitrary sub-range may not.
+pub(crate) fn export_dma_buf(ctx: &CudaContext, dptr: u64, len: usize) -> Result<DmaBuf> {
+    enter(ctx, "exporting GPU memory as a dma-buf")?;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: out-pointers are valid locals; the driver validates `dptr`.
+    check("cuMemGetAddressRange", unsafe {
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, dptr)
+    })?;
+    let end = dptr
+        .checked_add(len as u64)
+        .ok_or_else(|| VerbsError::Invalid("GPU range overflows".into()))?;
+    if end > base + size as u64 {
+        return Err(VerbsError::Invalid(format!(
+            "GPU range {dptr:#x}+{len:#x} runs past its allocation {base:#x}+{size:#x}"
+        )));
+    }
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: `fd` is a valid out-pointer for an int, as DMA_BUF_FD handles are; the range is a
+    // whole live allocation checked above.
+    check("cuMemGetHandleForAddressRange", unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            base,
+            size,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    if fd < 0 {
+        return Err(VerbsError::Invalid(
+            "cuMemGetHandleForAddressRange returned no descriptor".into(),
+        ));
+    }
+    // SAFETY: the driver just created this descriptor and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(DmaBuf {
+        fd,
+        offset: dptr - base,
+    })
+}
+
+/// Maps `[ptr, ptr + len)` of I/O memory (a mmapped UAR page) into the GPU and returns the device
+/// address of `ptr`. Error 800 becomes [`VerbsError::GpuDoorbellMappingNotPermitted`].
+///
+/// # Safety
+/// `ptr..ptr + len` must be a live, page-aligned mapping that stays mapped until
+/// [`unregister_io_memory`] is called with the same `ptr`.
+pub(crate) unsafe fn register_io_memory(
+    ctx: &CudaContext,
+    ptr: *mut u8,
+    len: usize,
+) -> Result<u64> {
+    enter(ctx, "mapping the NIC doorbell into the GPU")?;
+    let flags = sys::CU_MEMHOSTREGISTER_IOMEMORY
+        | sys::CU_MEMHOSTREGISTER_DEVICEMAP
+        | sys::CU_MEMHOSTREGISTER_PORTABLE;
+    // SAFETY: the caller guarantees the range is a live mapping; the driver pins it.
+    let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) };
+    if r == sys::CUresult::CUDA_ERROR_NOT_PERMITTED {
+        return Err(VerbsError::GpuDoorbellMappingNotPermitted);
+    }
+    check("cuMemHostRegister(IOMEMORY)", r)?;
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` was registered with DEVICEMAP just above; `dptr` is a valid out-pointer.
+    let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr.cast(), 0) };
+    if let Err(e) = check("cuMemHostGetDevicePointer", r) {
+        // SAFETY: undoes the registration made above.
+        unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+        return Err(e);
+    }
+    Ok(dptr)
+}
+
+/// Undoes [`register_io_memory`].
+///
+/// # Safety
+/// `ptr` was registered by [`register_io_memory`] and no GPU work uses the mapping any more.
+pub(crate) unsafe fn unregister_io_memory(ctx: &CudaContext, ptr: *mut u8) -> Result<()> {
+    enter(ctx, "unmapping the NIC doorbell from the GPU")?;
+    // SAFETY: per the contract, `ptr` is a registered range.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(ptr.cast())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_errors_name_the_call() {
+        let e = VerbsError::Cuda {
+            call: "cuMemHostRegister(IOMEMORY)",
+            code: 1,
+            text: "invalid argument".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cuMemHostRegister(IOMEMORY) failed: CUDA error 1 (invalid argument)"
+        );
+        assert!(check("x", sys::CUresult::CUDA_SUCCESS).is_ok());
+    }
+
+    #[test]
+    fn missing_driver_is_an_error_not_a_panic() {
+        match ensure_driver("mapping the NIC doorbell into the GPU") {
+            Ok(()) => eprintln!(
+                "SKIPPED (needs a machine without libcuda; the CUDA driver is installed here)"
+            ),
+            Err(e) => {
+                assert!(matches!(e, VerbsError::CudaDriverMissing(_)));
+                let text = e.to_string();
+                assert!(
+                    text.contains("libcuda.so") && text.contains("doorbell"),
+                    "{text}"
+                );
+            }
+        }
+    }
+}
