@@ -93,6 +93,8 @@ pub enum ErrorKind {
     TimeoutQuiet = 4,
     /// Any other bounded wait ran out.
     TimeoutOther = 5,
+    /// The descriptor breaks the protocol's assumptions (see [`QpDesc::validate`]).
+    InvalidDesc = 6,
 }
 
 impl ErrorKind {
@@ -105,6 +107,7 @@ impl ErrorKind {
             3 => Some(Self::TimeoutReady),
             4 => Some(Self::TimeoutQuiet),
             5 => Some(Self::TimeoutOther),
+            6 => Some(Self::InvalidDesc),
             _ => None,
         }
     }
@@ -118,6 +121,7 @@ impl ErrorKind {
             Self::TimeoutReady => "timed out waiting for ready_head to reach this submitter",
             Self::TimeoutQuiet => "timed out waiting for completions to cover ready_head",
             Self::TimeoutOther => "timed out",
+            Self::InvalidDesc => "invalid QP descriptor",
         }
     }
 }
@@ -138,7 +142,7 @@ pub struct QpCounters {
     pub cq_cons_idx: u64,
     /// `[40,44)` 0 free, 1 held: one thread at a time consumes CQEs.
     pub poll_lock: u32,
-    /// `[44,48)` zero.
+    /// `[44,48)` used by the device protocol (`protocol.cuh`) as the doorbell lock of mode gpu.
     pub reserved0: u32,
     /// `[48,64)` zero.
     pub reserved1: [u64; 2],

@@ -13,6 +13,13 @@
 #define IBGDA_HD inline
 #endif
 
+// Full unrolling in device code (constant indices keep a WQEBB in registers); nothing on the host.
+#if defined(__CUDA_ARCH__)
+#define IBGDA_UNROLL _Pragma("unroll")
+#else
+#define IBGDA_UNROLL
+#endif
+
 #if !defined(__CUDA_ARCH__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ibgda headers assume a little-endian host (the GPU is little-endian too)"
 #endif

@@ -33,6 +33,7 @@
 #define IBGDA_ERROR_TIMEOUT_READY 3u   // waited too long for ready_head to reach this submitter's base
 #define IBGDA_ERROR_TIMEOUT_QUIET 4u   // waited too long for completions to cover ready_head
 #define IBGDA_ERROR_TIMEOUT_OTHER 5u   // any other bounded wait ran out
+#define IBGDA_ERROR_INVALID_DESC 6u    // the descriptor breaks the protocol's assumptions
 
 // The per-QP counters, one 64-byte line. Device code updates them with atomics (resv_head,
 // ready_head) or under the CQ poller's ownership (cons_idx, cq_cons_idx).
@@ -43,7 +44,7 @@ struct alignas(64) ibgda_qp_counters {
     uint64_t cons_idx;    // [24,32)
     uint64_t cq_cons_idx; // [32,40)
     uint32_t poll_lock;   // [40,44) 0 free, 1 held: one thread at a time consumes CQEs
-    uint32_t reserved0;   // [44,48)
+    uint32_t reserved0;   // [44,48) protocol.cuh: the doorbell lock of mode gpu (0 free, 1 held)
     uint64_t reserved1[2]; // [48,64)
 };
 

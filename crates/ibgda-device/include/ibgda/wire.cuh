@@ -221,9 +221,7 @@ IBGDA_HD uint8_t ibgda_fm_ce_se(uint32_t fence_mode, bool cqe) {
 
 IBGDA_HD ibgda_wqebb ibgda_wqebb_zero() {
     ibgda_wqebb b;
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    IBGDA_UNROLL
     for (int i = 0; i < 16; ++i) b.w[i] = 0;
     return b;
 }
@@ -279,7 +277,8 @@ IBGDA_HD ibgda_wqebb ibgda_wqe_rdma_write_gather(uint32_t qpn, uint16_t idx, uin
     ibgda_put_ctrl(b, with_imm ? IBGDA_OPCODE_RDMA_WRITE_IMM : IBGDA_OPCODE_RDMA_WRITE, 0, idx, qpn, (uint8_t)(2u + n),
                    fm_ce_se, 0, with_imm ? imm : 0u);
     ibgda_put_raddr(b, 4, raddr, rkey);
-    for (uint32_t i = 0; i < n; ++i) ibgda_put_data(b, 8 + 4 * (int)i, sges[i].addr, sges[i].lkey, sges[i].len);
+    ibgda_put_data(b, 8, sges[0].addr, sges[0].lkey, sges[0].len);
+    if (n == 2u) ibgda_put_data(b, 12, sges[1].addr, sges[1].lkey, sges[1].len);
     return b;
 }
 
@@ -312,8 +311,19 @@ IBGDA_HD ibgda_wqebb ibgda_wqe_inline_write_ex(uint32_t qpn, uint16_t idx, uint8
                    ibgda_inline_ds(len), fm_ce_se, 0, with_imm ? imm : 0u);
     ibgda_put_raddr(b, 4, raddr, rkey);
     b.w[8] = ibgda_htobe32(len | IBGDA_INLINE_SEG);
+    // Bytes in memory order, packed into little-endian words 9..15; constant indices only, so the
+    // block stays in registers.
     const uint8_t* src = (const uint8_t*)data;
-    for (uint32_t i = 0; i < len; ++i) b.w[9 + i / 4] |= (uint32_t)src[i] << (8u * (i % 4u));
+    IBGDA_UNROLL
+    for (uint32_t wi = 0; wi < 7u; ++wi) {
+        uint32_t word = 0;
+        IBGDA_UNROLL
+        for (uint32_t bi = 0; bi < 4u; ++bi) {
+            uint32_t k = 4u * wi + bi;
+            if (k < len) word |= (uint32_t)src[k] << (8u * bi);
+        }
+        b.w[9 + wi] = word;
+    }
     return b;
 }
 

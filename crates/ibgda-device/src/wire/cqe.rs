@@ -208,6 +208,16 @@ impl CqeStatus {
         }
     }
 
+    /// The 16 bytes device code writes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        bytemuck::cast_ref(self)
+    }
+
+    /// The status from the 16 bytes device code wrote.
+    pub fn from_bytes(bytes: &[u8; 16]) -> Self {
+        bytemuck::pod_read_unaligned(bytes)
+    }
+
     /// Decodes the CQE slot read at consumer index `cons_idx` of a ring of `ncqes` (a power of two).
     pub fn parse(cqe: &Cqe64, cons_idx: u64, ncqes: u32) -> Self {
         let word = cqe.sop_drop_qpn.get();
@@ -329,6 +339,16 @@ impl Cqe64 {
             ..ErrCqe::zeroed()
         };
         bytemuck::cast(e)
+    }
+
+    /// The 64 bytes, as they lie in the CQ ring.
+    pub fn as_bytes(&self) -> &[u8; 64] {
+        bytemuck::cast_ref(self)
+    }
+
+    /// The CQE in the 64 bytes of a CQ slot.
+    pub fn from_bytes(bytes: &[u8; 64]) -> Self {
+        bytemuck::pod_read_unaligned(bytes)
     }
 
     /// The CQE opcode (`op_own >> 4`).
