@@ -8,6 +8,8 @@
 //! Must not know about: experts, tokens or the layouts of dispatch/combine.
 
 pub mod cuda;
+pub mod protocol;
+pub mod proxy;
 pub mod qp_desc;
 pub mod wire;
 

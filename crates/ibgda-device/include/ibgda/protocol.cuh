@@ -1,0 +1,517 @@
+// The device side of the IBGDA submit/quiet protocol, the same for a real mlx5 NIC and the
+// emulator: only the descriptor's pointers differ.
+//
+// Per QP (see qp_desc.cuh for the counters):
+//   1. reserve  base = atomicAdd(resv_head, n), then wait (bounded) until the ring has room:
+//               base + n - cons_idx <= nwqes. A WQE slot is never rewritten before the NIC has
+//               completed the WQE that was in it.
+//   2. write    the WQEs into slots base .. base+n-1; the last one asks for a CQE (every
+//               submission ends with a CQE-bearing WQEBB, so completions always land on a
+//               submission boundary and quiet can wait for ready_head exactly).
+//   3. publish  fence, wait (bounded) until ready_head == base, store ready_head = base + n.
+//               Every submitter on a QP goes through this queue: ours, a barrier's, anyone's.
+//   4. doorbell by handler mode:
+//               gpu             under the QP's doorbell lock: read ready_head, write the doorbell
+//                               record, store the 8-byte doorbell word to db_reg, advance prod_idx.
+//                               The lock keeps doorbell values monotonic across threads.
+//               cpu, cpu_host_memory
+//                               a system-scope release atomicMax of the new frontier on the QP's
+//                               8-byte producer slot; the CPU proxy polls the slots and rings.
+//   5. quiet    make sure the doorbell covers ready_head, then wait (bounded) until completions
+//               cover it: cons_idx >= ready_head, in every mode (never a counter that only one
+//               mode advances: that was the upstream drain bug).
+//
+// No wait is unbounded. When a wait runs past desc->timeout_ns (%globaltimer), or an error CQE
+// arrives, the first failing thread fills the host-visible ibgda_error_record (rank, QP, the four
+// indices, mode, syndrome) and every function returns a non-zero status up the call chain; any
+// other waiter that sees a recorded error stops early with IBGDA_STATUS_ABORTED. After a failure
+// the QP is unusable until the host rebuilds it (a reservation that was never published blocks
+// every later submitter, by design: that is what the bounded wait reports).
+//
+// Doorbell batching: publish with ring = false to add WQEs without a doorbell; the next ringing
+// submission on the QP covers them, as do ibgda_ring_published, ibgda_quiet and a reservation
+// that finds the ring full.
+#pragma once
+
+#include "common.cuh"
+#include "qp_desc.cuh"
+#include "wire.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Status codes (host and device). Zero is success; a non-zero status is the IBGDA_ERROR_* kind of
+// the failure that stopped the call, or IBGDA_STATUS_ABORTED.
+
+#define IBGDA_STATUS_OK 0
+// Stopped early because a failure was already recorded in this QP's error record (by another
+// thread, possibly on another QP sharing the record). The record says what happened.
+#define IBGDA_STATUS_ABORTED 0x100
+
+// A descriptor that breaks the protocol's assumptions (ring size, a misaligned producer slot, a
+// missing doorbell pointer): reported through the error record with this kind.
+#ifndef IBGDA_ERROR_INVALID_DESC
+#define IBGDA_ERROR_INVALID_DESC 6u
+#endif
+
+// Bound of every wait when the descriptor's timeout_ns is 0: long enough for any sane completion
+// (a real NIC retries a lost packet for well under a second), short enough that a test suite
+// reports a broken protocol instead of stalling.
+#define IBGDA_DEFAULT_TIMEOUT_NS 10000000000ull
+// Largest ring: a CQE's 16-bit wqe_counter names a WQEBB exactly only while fewer than 65536 are
+// outstanding, and half that keeps a margin.
+#define IBGDA_MAX_NWQES 32768u
+// Polls of a counter before a waiter starts to sleep between polls: short waits stay fast, long
+// ones stop hammering the line other warps (maybe the ones being waited for) need.
+#define IBGDA_SPIN_FAST 64u
+// Sleep between polls once the fast polls are spent (__nanosleep hint, ns).
+#define IBGDA_SPIN_SLEEP_NS 64u
+// A waiter reads the (host-memory, PCIe-slow) error record once per this many polls.
+#define IBGDA_ERROR_POLL_MASK 255u
+// Payload bytes of one RDMA-write WQE in ibgda_put_warp: far below the 2 GiB a data segment can
+// describe, and small enough that a large put spreads over the lanes of a warp.
+#define IBGDA_PUT_CHUNK_BYTES (1u << 20)
+
+#if defined(__CUDACC__)
+
+// ---------------------------------------------------------------------------------------------
+// Memory-model primitives. Generic addresses throughout: counters live in GPU memory, the error
+// record and (cpu_host_memory) the producer slot in pinned host memory mapped for the device.
+
+__device__ __forceinline__ uint64_t ibgda_globaltimer() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint64_t ibgda_ld_acquire_gpu(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ibgda_ld_relaxed_gpu(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.relaxed.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void ibgda_st_release_gpu(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void ibgda_st_relaxed_gpu(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ibgda_ld_relaxed_sys(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ibgda_ld_acquire_sys_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ibgda_ld_relaxed_sys_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void ibgda_st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.relaxed.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void ibgda_st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void ibgda_st_release_sys_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The store to a doorbell register: exactly once, never merged or cached (st.mmio). On the
+// emulator db_reg is a host page the emulator polls; the same instruction serves.
+__device__ __forceinline__ void ibgda_st_mmio_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.mmio.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Monotonic publish to a producer slot the CPU reads: release at system scope, so every WQE store
+// this thread has observed (its own and, through ready_head, its predecessors') is visible to the
+// proxy and the NIC before the new value is.
+__device__ __forceinline__ void ibgda_red_max_release_sys(uint64_t* p, uint64_t v) {
+    asm volatile("red.release.sys.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ bool ibgda_try_lock(uint32_t* lock) {
+    uint32_t old;
+    asm volatile("atom.acquire.gpu.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(lock) : "memory");
+    return old == 0u;
+}
+
+__device__ __forceinline__ void ibgda_unlock(uint32_t* lock) {
+    asm volatile("st.release.gpu.u32 [%0], 0;" ::"l"(lock) : "memory");
+}
+
+// The doorbell lock of mode gpu: the counters line's word at byte 44 (reserved0 in the layout),
+// owned by this header. Only the ringer that holds it writes the doorbell record and db_reg.
+__device__ __forceinline__ uint32_t* ibgda_db_lock(ibgda_qp_desc* d) { return &d->counters.reserved0; }
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+// Whether some thread has already recorded a failure in this QP's error record.
+__device__ __forceinline__ bool ibgda_error_seen(const ibgda_qp_desc* d) {
+    const ibgda_error_record* r = (const ibgda_error_record*)d->error_record;
+    return r != nullptr && ibgda_ld_relaxed_sys_u32(&r->kind) != IBGDA_ERROR_NONE;
+}
+
+// Fills the error record if no one has (the first failure wins): counters, mode, and for an
+// error CQE its syndromes. `kind` is stored last, after a system fence, so the host never sees
+// a half-written record.
+__device__ __noinline__ void ibgda_record_error(ibgda_qp_desc* d, uint32_t kind, const ibgda_cqe_status* cqe) {
+    ibgda_error_record* r = (ibgda_error_record*)d->error_record;
+    if (r == nullptr) return;
+    if (atomicCAS_system(&r->claim, 0u, 1u) != 0u) return;
+    ibgda_qp_counters* c = &d->counters;
+    uint64_t prod = ibgda_ld_relaxed_gpu(&c->prod_idx);
+    // In the CPU modes the proxy rings and cannot write GPU memory: report what was handed to it.
+    if (d->handler_mode != IBGDA_HANDLER_GPU && d->producer_slot != 0 && (d->producer_slot & 7u) == 0)
+        prod = ibgda_ld_relaxed_sys((const uint64_t*)d->producer_slot);
+    ibgda_st_relaxed_sys_u32(&r->rank, d->rank);
+    ibgda_st_relaxed_sys_u32(&r->qp_index, d->qp_index);
+    ibgda_st_relaxed_sys_u32(&r->qpn, d->qpn);
+    ibgda_st_relaxed_sys_u64(&r->resv_head, ibgda_ld_relaxed_gpu(&c->resv_head));
+    ibgda_st_relaxed_sys_u64(&r->ready_head, ibgda_ld_relaxed_gpu(&c->ready_head));
+    ibgda_st_relaxed_sys_u64(&r->prod_idx, prod);
+    ibgda_st_relaxed_sys_u64(&r->cons_idx, ibgda_ld_relaxed_gpu(&c->cons_idx));
+    ibgda_st_relaxed_sys_u32(&r->handler_mode, d->handler_mode);
+    // Bytes [52,56): syndrome, vendor syndrome, CQE opcode, WQE opcode; then [56,60) counter.
+    uint32_t synd = 0, counter = 0;
+    if (cqe != nullptr) {
+        synd = (uint32_t)cqe->syndrome | ((uint32_t)cqe->vendor_syndrome << 8) | ((uint32_t)cqe->opcode << 16) |
+               ((uint32_t)cqe->wqe_opcode << 24);
+        counter = (uint32_t)cqe->wqe_counter;
+    }
+    ibgda_st_relaxed_sys_u32((uint32_t*)((uint8_t*)r + 52), synd);
+    ibgda_st_relaxed_sys_u32((uint32_t*)((uint8_t*)r + 56), counter);
+    __threadfence_system();
+    ibgda_st_release_sys_u32(&r->kind, kind);
+}
+
+// A bounded wait: started from the descriptor's timeout, stepped once per poll.
+struct ibgda_waiter {
+    uint64_t deadline;
+    uint32_t polls;
+};
+
+__device__ __forceinline__ ibgda_waiter ibgda_wait_begin(const ibgda_qp_desc* d) {
+    uint64_t bound = d->timeout_ns != 0 ? d->timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
+    ibgda_waiter w;
+    w.deadline = ibgda_globaltimer() + bound;
+    w.polls = 0;
+    return w;
+}
+
+// One more poll: IBGDA_STATUS_OK to keep waiting; on expiry records `kind` and returns it; when a
+// failure is already recorded, IBGDA_STATUS_ABORTED.
+__device__ __forceinline__ int ibgda_wait_step(ibgda_qp_desc* d, ibgda_waiter& w, uint32_t kind) {
+    ++w.polls;
+    if (w.polls > IBGDA_SPIN_FAST) __nanosleep(IBGDA_SPIN_SLEEP_NS);
+    if ((w.polls & IBGDA_ERROR_POLL_MASK) == 0u && ibgda_error_seen(d)) return IBGDA_STATUS_ABORTED;
+    if (ibgda_globaltimer() > w.deadline) {
+        ibgda_record_error(d, kind, nullptr);
+        return (int)kind;
+    }
+    return IBGDA_STATUS_OK;
+}
+
+// Checks what the protocol assumes of a descriptor; records IBGDA_ERROR_INVALID_DESC when broken.
+// The producer slot in particular must be an 8-byte-aligned u64: the proxy reads it with one
+// 8-byte load, and a misaligned or narrower slot would tear or clobber its neighbour.
+__device__ __noinline__ int ibgda_check_desc(ibgda_qp_desc* d) {
+    bool ok = d->nwqes != 0u && (d->nwqes & (d->nwqes - 1u)) == 0u && d->nwqes <= IBGDA_MAX_NWQES &&
+              d->ncqes != 0u && (d->ncqes & (d->ncqes - 1u)) == 0u && d->ncqes >= d->nwqes && d->wq_base != 0 &&
+              (d->wq_base & 63u) == 0 && d->cq_base != 0 && (d->cq_base & 63u) == 0;
+    if (d->handler_mode == IBGDA_HANDLER_GPU)
+        ok = ok && d->dbr != 0 && (d->dbr & 7u) == 0 && d->db_reg != 0 && (d->db_reg & 7u) == 0;
+    else if (d->handler_mode == IBGDA_HANDLER_CPU || d->handler_mode == IBGDA_HANDLER_CPU_HOST_MEMORY)
+        ok = ok && d->producer_slot != 0 && (d->producer_slot & 7u) == 0;
+    else
+        ok = false;
+    if (ok) return IBGDA_STATUS_OK;
+    ibgda_record_error(d, IBGDA_ERROR_INVALID_DESC, nullptr);
+    return (int)IBGDA_ERROR_INVALID_DESC;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completions
+
+// Consumes every CQE the NIC has written, if no other thread is doing it right now, advancing
+// cons_idx past each completed WQEBB. An error CQE is left in place (so every later poller sees
+// it too), recorded, and returned as IBGDA_ERROR_CQE.
+__device__ __noinline__ int ibgda_poll_cq(ibgda_qp_desc* d) {
+    ibgda_qp_counters* c = &d->counters;
+    if (!ibgda_try_lock(&c->poll_lock)) return IBGDA_STATUS_OK;
+    const ibgda_cqe64* cq = (const ibgda_cqe64*)d->cq_base;
+    uint64_t ci = ibgda_ld_relaxed_gpu(&c->cq_cons_idx);
+    uint64_t cons = ibgda_ld_relaxed_gpu(&c->cons_idx);
+    uint64_t done = cons;
+    int status = IBGDA_STATUS_OK;
+    for (uint32_t k = 0; k < d->ncqes; ++k) {
+        ibgda_cqe_status s = ibgda_cqe_poll(cq, ci, d->ncqes);
+        if (s.state == IBGDA_CQE_STATE_EMPTY) break;
+        if (s.state == IBGDA_CQE_STATE_ERROR) {
+            ibgda_record_error(d, IBGDA_ERROR_CQE, &s);
+            status = (int)IBGDA_ERROR_CQE;
+            break;
+        }
+        // Every written WQEBB lies in [cons_idx, cons_idx + nwqes) (the reservation's wait), so
+        // the 16-bit counter names one index in [done, done + 65536).
+        done = ibgda_wqe_index_from_counter(s.wqe_counter, done + 65536u) + 1u;
+        ++ci;
+    }
+    if (ci != ibgda_ld_relaxed_gpu(&c->cq_cons_idx)) {
+        ibgda_st_relaxed_gpu(&c->cq_cons_idx, ci);
+        // The CQ doorbell record tells the NIC these CQE slots are free again.
+        if (d->cq_dbr != 0) ibgda_st_relaxed_sys_u32((uint32_t*)d->cq_dbr, ibgda_htobe32((uint32_t)ci & 0xffffffu));
+    }
+    if (done > cons) ibgda_st_release_gpu(&c->cons_idx, done);
+    ibgda_unlock(&c->poll_lock);
+    return status;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Doorbells
+
+// Mode gpu: rings the NIC up to the current ready_head unless prod_idx already covers `target`
+// (which the caller has published). Serialised by the QP's doorbell lock, so the doorbell record
+// and the doorbell register only ever move forward. `wait` = false gives up when another thread
+// holds the lock (that thread may ring for us; a caller who must be covered passes true).
+__device__ __noinline__ int ibgda_ring_gpu(ibgda_qp_desc* d, uint64_t target, bool wait) {
+    ibgda_qp_counters* c = &d->counters;
+    uint32_t* lock = ibgda_db_lock(d);
+    ibgda_waiter w = ibgda_wait_begin(d);
+    for (;;) {
+        if (ibgda_ld_acquire_gpu(&c->prod_idx) >= target) return IBGDA_STATUS_OK;
+        if (ibgda_try_lock(lock)) {
+            uint64_t v = ibgda_ld_acquire_gpu(&c->ready_head);
+            uint64_t p = ibgda_ld_relaxed_gpu(&c->prod_idx);
+            if (v > p) {
+                // The WQEs below v (ours, and our predecessors' seen through ready_head) reach the
+                // system before the NIC can learn of them.
+                __threadfence_system();
+                ibgda_st_relaxed_sys_u32((uint32_t*)(d->dbr + IBGDA_DBR_SEND_OFFSET), ibgda_dbr_send_word(v));
+                // The record before the doorbell: the NIC may read it when the doorbell arrives.
+                __threadfence_system();
+                ibgda_st_mmio_u64((uint64_t*)d->db_reg, ibgda_db_word(d->qpn, v));
+                // Our doorbell is performed before the next ringer's, which takes the lock after us.
+                __threadfence_system();
+                ibgda_st_release_gpu(&c->prod_idx, v);
+            }
+            ibgda_unlock(lock);
+            return IBGDA_STATUS_OK;
+        }
+        if (!wait) return IBGDA_STATUS_OK;
+        int st = ibgda_wait_step(d, w, IBGDA_ERROR_TIMEOUT_OTHER);
+        if (st != IBGDA_STATUS_OK) return st;
+    }
+}
+
+// Makes sure a doorbell covers `target` (<= ready_head, published by the caller or observed by
+// it): in mode gpu by ringing (or seeing someone else ring), in the CPU modes by raising the
+// producer slot, which the proxy turns into a doorbell.
+__device__ __forceinline__ int ibgda_ring_to(ibgda_qp_desc* d, uint64_t target) {
+    if (d->handler_mode == IBGDA_HANDLER_GPU) return ibgda_ring_gpu(d, target, true);
+    if (d->producer_slot == 0 || (d->producer_slot & 7u) != 0) return ibgda_check_desc(d);
+    ibgda_red_max_release_sys((uint64_t*)d->producer_slot, target);
+    return IBGDA_STATUS_OK;
+}
+
+// Flushes batched publishes: rings up to the current ready_head.
+__device__ __forceinline__ int ibgda_ring_published(ibgda_qp_desc* d) {
+    return ibgda_ring_to(d, ibgda_ld_acquire_gpu(&d->counters.ready_head));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting for completions
+
+// Waits (bounded; `kind` on expiry) until cons_idx >= target, consuming CQEs as they come. While
+// waiting it keeps the doorbell up to ready_head, so a batch published without a doorbell (by
+// anyone) can never leave this wait stuck.
+__device__ __noinline__ int ibgda_wait_cons(ibgda_qp_desc* d, uint64_t target, uint32_t kind) {
+    ibgda_qp_counters* c = &d->counters;
+    ibgda_waiter w = ibgda_wait_begin(d);
+    uint64_t pushed = 0; // CPU modes: the highest value this wait has put in the producer slot
+    for (;;) {
+        if (ibgda_ld_acquire_gpu(&c->cons_idx) >= target) return IBGDA_STATUS_OK;
+        int st = ibgda_poll_cq(d);
+        if (st != IBGDA_STATUS_OK) return st;
+        if (ibgda_ld_acquire_gpu(&c->cons_idx) >= target) return IBGDA_STATUS_OK;
+        uint64_t ready = ibgda_ld_acquire_gpu(&c->ready_head);
+        if (d->handler_mode == IBGDA_HANDLER_GPU) {
+            // Cheap when prod_idx already covers ready_head; never blocks on the doorbell lock
+            // (its holder rings whatever was published before it took the lock).
+            st = ibgda_ring_gpu(d, ready, false);
+            if (st != IBGDA_STATUS_OK) return st;
+        } else if (ready > pushed) {
+            ibgda_red_max_release_sys((uint64_t*)d->producer_slot, ready);
+            pushed = ready;
+        }
+        st = ibgda_wait_step(d, w, kind);
+        if (st != IBGDA_STATUS_OK) return st;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Submit
+
+// Step 1: reserves `n` WQEBBs (1 <= n <= nwqes) and waits until their slots are free. On success
+// *base is the index of the first; the caller must write and then publish exactly [base, base+n)
+// before it reserves again on this QP.
+__device__ __forceinline__ int ibgda_reserve(ibgda_qp_desc* d, uint32_t n, uint64_t* base) {
+    if (n == 0u || n > d->nwqes) {
+        // No wait could ever make room: report it as the reservation failure it is, at once.
+        ibgda_record_error(d, IBGDA_ERROR_TIMEOUT_RESERVE, nullptr);
+        return (int)IBGDA_ERROR_TIMEOUT_RESERVE;
+    }
+    ibgda_qp_counters* c = &d->counters;
+    uint64_t b = atomicAdd((unsigned long long*)&c->resv_head, (unsigned long long)n);
+    *base = b;
+    uint64_t end = b + n;
+    if (end <= (uint64_t)d->nwqes) return IBGDA_STATUS_OK;
+    uint64_t need = end - d->nwqes;
+    if (ibgda_ld_acquire_gpu(&c->cons_idx) >= need) return IBGDA_STATUS_OK;
+    return ibgda_wait_cons(d, need, IBGDA_ERROR_TIMEOUT_RESERVE);
+}
+
+// The ring slot of WQEBB index `idx`.
+__device__ __forceinline__ void* ibgda_slot(const ibgda_qp_desc* d, uint64_t idx) {
+    return (void*)(d->wq_base + (idx & (uint64_t)(d->nwqes - 1u)) * IBGDA_WQEBB_BYTES);
+}
+
+// Steps 3 and 4: publishes [base, base+n) in order and, with `ring`, makes a doorbell cover it.
+// Every WQE store of the submission (by this thread, or by lanes that synchronised with it since)
+// must precede the call.
+__device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, uint32_t n, bool ring) {
+    ibgda_qp_counters* c = &d->counters;
+    __threadfence();
+    if (ibgda_ld_acquire_gpu(&c->ready_head) != base) {
+        ibgda_waiter w = ibgda_wait_begin(d);
+        do {
+            int st = ibgda_wait_step(d, w, IBGDA_ERROR_TIMEOUT_READY);
+            if (st != IBGDA_STATUS_OK) return st;
+        } while (ibgda_ld_acquire_gpu(&c->ready_head) != base);
+    }
+    ibgda_st_release_gpu(&c->ready_head, base + n);
+    return ring ? ibgda_ring_to(d, base + n) : IBGDA_STATUS_OK;
+}
+
+// Step 5: waits until every WQE published on this QP so far has completed.
+__device__ __forceinline__ int ibgda_quiet(ibgda_qp_desc* d) {
+    uint64_t target = ibgda_ld_acquire_gpu(&d->counters.ready_head);
+    if (ibgda_ld_acquire_gpu(&d->counters.cons_idx) >= target) return IBGDA_STATUS_OK;
+    int st = ibgda_ring_to(d, target);
+    if (st != IBGDA_STATUS_OK) return st;
+    return ibgda_wait_cons(d, target, IBGDA_ERROR_TIMEOUT_QUIET);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operations (one thread unless the name says warp). Each is one submission whose last WQEBB asks
+// for a CQE, posted with the descriptor's lkey for local buffers.
+
+// RDMA write of `bytes` (<= 2 GiB) from local `laddr` to remote `raddr`.
+__device__ __forceinline__ int ibgda_put(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t laddr,
+                                         uint32_t bytes, bool ring) {
+    uint64_t base;
+    int st = ibgda_reserve(d, 1u, &base);
+    if (st != IBGDA_STATUS_OK) return st;
+    ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_rdma_write(d->qpn, (uint16_t)base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true),
+                                                                raddr, rkey, laddr, d->lkey, bytes));
+    return ibgda_publish(d, base, 1u, ring);
+}
+
+// Inline RDMA write of a 4-byte value: the payload travels in the WQE, no local buffer.
+__device__ __forceinline__ int ibgda_put_inline4(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint32_t value,
+                                                 bool ring) {
+    uint64_t base;
+    int st = ibgda_reserve(d, 1u, &base);
+    if (st != IBGDA_STATUS_OK) return st;
+    ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_inline_write(d->qpn, (uint16_t)base,
+                                                                  ibgda_fm_ce_se(IBGDA_FENCE_NONE, true), raddr, rkey,
+                                                                  &value, 4u));
+    return ibgda_publish(d, base, 1u, ring);
+}
+
+// Inline RDMA write of an 8-byte value.
+__device__ __forceinline__ int ibgda_put_inline8(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t value,
+                                                 bool ring) {
+    uint64_t base;
+    int st = ibgda_reserve(d, 1u, &base);
+    if (st != IBGDA_STATUS_OK) return st;
+    ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_inline_write(d->qpn, (uint16_t)base,
+                                                                  ibgda_fm_ce_se(IBGDA_FENCE_NONE, true), raddr, rkey,
+                                                                  &value, 8u));
+    return ibgda_publish(d, base, 1u, ring);
+}
+
+// Non-fetching 64-bit remote atomic add, for signals: the old value goes to the descriptor's
+// scratch word, which nobody reads. With `fence` the add waits for this QP's earlier WQEs (the
+// data a signal announces) to complete first.
+__device__ __forceinline__ int ibgda_signal_add(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t add,
+                                                bool fence, bool ring) {
+    uint64_t base;
+    int st = ibgda_reserve(d, 1u, &base);
+    if (st != IBGDA_STATUS_OK) return st;
+    ibgda_wqebb_store(ibgda_slot(d, base),
+                      ibgda_wqe_fetch_add64(d->qpn, (uint16_t)base,
+                                            ibgda_fm_ce_se(fence ? IBGDA_FENCE_SMALL_AND_FENCE : IBGDA_FENCE_NONE, true),
+                                            raddr, rkey, d->scratch, d->lkey, add));
+    return ibgda_publish(d, base, 1u, ring);
+}
+
+// A NOP that asks for a CQE: a submission with no effect, for barriers and tests.
+__device__ __forceinline__ int ibgda_nop(ibgda_qp_desc* d, bool ring) {
+    uint64_t base;
+    int st = ibgda_reserve(d, 1u, &base);
+    if (st != IBGDA_STATUS_OK) return st;
+    ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_nop(d->qpn, (uint16_t)base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true)));
+    return ibgda_publish(d, base, 1u, ring);
+}
+
+// Warp-cooperative RDMA write: all 32 lanes call it with the same arguments. The put is cut into
+// chunks of `chunk` bytes (0: IBGDA_PUT_CHUNK_BYTES); up to 32 chunks go in one submission, lane i
+// writing the WQE of chunk i, lane 0 reserving and publishing. Returns the same status on every lane.
+__device__ __forceinline__ int ibgda_put_warp(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t laddr,
+                                              uint64_t bytes, uint32_t chunk, bool ring) {
+    const uint32_t lane = threadIdx.x & 31u;
+    if (chunk == 0u) chunk = IBGDA_PUT_CHUNK_BYTES;
+    const uint64_t nchunks = bytes == 0 ? 0 : (bytes + chunk - 1u) / chunk;
+    const uint32_t per_sub = d->nwqes < 32u ? d->nwqes : 32u;
+    for (uint64_t first = 0; first < nchunks; first += per_sub) {
+        uint32_t n = (uint32_t)((nchunks - first) < per_sub ? (nchunks - first) : per_sub);
+        uint64_t base = 0;
+        int st = IBGDA_STATUS_OK;
+        if (lane == 0u) st = ibgda_reserve(d, n, &base);
+        st = __shfl_sync(0xffffffffu, st, 0);
+        if (st != IBGDA_STATUS_OK) return st;
+        base = __shfl_sync(0xffffffffu, base, 0);
+        if (lane < n) {
+            uint64_t off = (first + lane) * (uint64_t)chunk;
+            uint32_t len = (uint32_t)((bytes - off) < chunk ? (bytes - off) : chunk);
+            bool last = lane == n - 1u;
+            ibgda_wqebb_store(ibgda_slot(d, base + lane),
+                              ibgda_wqe_rdma_write(d->qpn, (uint16_t)(base + lane), ibgda_fm_ce_se(IBGDA_FENCE_NONE, last),
+                                                   raddr + off, rkey, laddr + off, d->lkey, len));
+        }
+        __syncwarp();
+        if (lane == 0u) st = ibgda_publish(d, base, n, ring);
+        st = __shfl_sync(0xffffffffu, st, 0);
+        if (st != IBGDA_STATUS_OK) return st;
+    }
+    return IBGDA_STATUS_OK;
+}
+
+#endif // __CUDACC__
