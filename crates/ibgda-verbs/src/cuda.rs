@@ -181,9 +181,9 @@ mod tests {
     #[test]
     fn missing_driver_is_an_error_not_a_panic() {
         match ensure_driver("mapping the NIC doorbell into the GPU") {
-            Ok(()) => eprintln!(
-                "SKIPPED (needs a machine without libcuda; the CUDA driver is installed here)"
-            ),
+            Ok(()) => {
+                eprintln!("note: libcuda is installed here; the no-driver path is not exercised")
+            }
             Err(e) => {
                 assert!(matches!(e, VerbsError::CudaDriverMissing(_)));
                 let text = e.to_string();

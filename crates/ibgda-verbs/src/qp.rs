@@ -452,11 +452,11 @@ pub struct RtrAttrs {
     pub path: PathKind,
     /// P_Key index.
     pub pkey_index: u16,
-    /// log2 of the largest message.
+    /// log2 of the largest message (clamped to the device's `log_max_msg`).
     pub log_msg_max: u8,
     /// RNR NAK timer code.
     pub min_rnr_nak: u8,
-    /// log2 of outstanding reads/atomics accepted as responder.
+    /// log2 of outstanding reads/atomics accepted as responder (clamped to the device's limit).
     pub log_rra_max: u8,
 }
 
@@ -561,11 +561,17 @@ impl Qp<Init> {
                 })
             }
         };
+        // Never ask for more than the device allows.
+        let caps = self.inner.pd.context().general_caps();
+        let log_msg_max = caps.map_or(attrs.log_msg_max, |g| attrs.log_msg_max.min(g.log_max_msg));
+        let log_rra_max = caps.map_or(attrs.log_rra_max, |g| {
+            attrs.log_rra_max.min(g.log_max_ra_res_qp)
+        });
         let img = path.and_then(|path| {
             Init2Rtr::new(self.inner.qpn, remote.qpn, remote.psn, attrs.mtu, path)
-                .log_msg_max(attrs.log_msg_max)
+                .log_msg_max(log_msg_max)
                 .min_rnr_nak(attrs.min_rnr_nak)
-                .log_rra_max(attrs.log_rra_max)
+                .log_rra_max(log_rra_max)
                 .build()
                 .map_err(VerbsError::from)
         });
@@ -584,7 +590,7 @@ pub struct RtsAttrs {
     pub retry_count: u8,
     /// RNR retries (7 = forever).
     pub rnr_retry: u8,
-    /// log2 of outstanding reads/atomics as requester.
+    /// log2 of outstanding reads/atomics as requester (clamped to the device's limit).
     pub log_sra_max: u8,
 }
 
@@ -605,11 +611,15 @@ impl RtsAttrs {
 impl Qp<Rtr> {
     /// RTR → RTS: the QP is connected and may send.
     pub fn rts(self, attrs: &RtsAttrs) -> Result<Qp<Rts>, TransitionError<Rtr>> {
+        let caps = self.inner.pd.context().general_caps();
+        let log_sra_max = caps.map_or(attrs.log_sra_max, |g| {
+            attrs.log_sra_max.min(g.log_max_ra_req_qp)
+        });
         let img = Rtr2Rts::new(self.inner.qpn, attrs.psn)
             .ack_timeout(attrs.ack_timeout)
             .retry_count(attrs.retry_count)
             .rnr_retry(attrs.rnr_retry)
-            .log_sra_max(attrs.log_sra_max)
+            .log_sra_max(log_sra_max)
             .build()
             .map_err(VerbsError::from);
         self.step("RTR2RTS_QP", img)
