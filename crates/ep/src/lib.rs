@@ -2,3 +2,30 @@
 //!
 //! Owns the user API: buffers, configuration, rank bootstrap, dispatch layout, dispatch/combine
 //! (intranode and low-latency), handles and events, and the choice of real or emulated NIC.
+//!
+//! The intranode path ([`Buffer`]) moves tokens between the GPUs of one host over NVLink: ranks
+//! (threads of one process today) build their buffers together with [`Buffer::create_group`],
+//! compute a [`DispatchLayout`] from top-k expert ids, [`dispatch`](Buffer::dispatch) tokens to
+//! the ranks holding their experts and [`combine`](Buffer::combine) the expert outputs back.
+//! [`reference`] is the CPU definition of every result, used by the tests.
+
+mod config;
+mod dtype;
+mod error;
+mod event;
+mod intranode;
+mod mapped;
+pub mod reference;
+mod rendezvous;
+mod tensor;
+
+pub use config::{BufferOptions, Config};
+pub use dtype::{Bf16, Element, Fp8E4M3};
+pub use error::EpError;
+pub use event::Event;
+pub use intranode::{
+    Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchLayout, DispatchOutput, DispatchX,
+    Handle, RecvX, StreamOrder, TopK, FP8_BLOCK,
+};
+pub use rendezvous::{Exchange, ThreadGroup, ThreadMember};
+pub use tensor::Tensor;

@@ -1,0 +1,121 @@
+// Device helpers shared by the EP kernels: memory-model primitives at system scope (peers and
+// the host observe these words), streaming 16-byte copies, bounded waits and error reporting.
+#pragma once
+#include <cstdint>
+
+#include "ep/intranode.cuh"
+
+namespace ep {
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// A read-once 16-byte load: not kept in L1 (the row is read once and sent on).
+__device__ __forceinline__ int4 ld_stream_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// A 16-byte store that is not kept in L1 (peer memory or a row nobody on this SM reads back).
+__device__ __forceinline__ void st_stream_v4(int4* p, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Records the first error of this rank in host-mapped memory; later errors are dropped.
+__device__ __forceinline__ void record_error(uint64_t error_addr, uint32_t code, int rank, int peer,
+                                             uint32_t what, uint64_t epoch, uint64_t detail) {
+    ErrorWord* e = reinterpret_cast<ErrorWord*>(error_addr);
+    if (atomicCAS_system(&e->code, 0u, 0xFFFFFFFFu) == 0u) {
+        e->rank = static_cast<uint32_t>(rank);
+        e->peer = static_cast<uint32_t>(peer);
+        e->what = what;
+        e->epoch = epoch;
+        e->detail = detail;
+        __threadfence_system();
+        atomicExch_system(&e->code, code);
+    }
+}
+
+// Whether this rank has recorded an error (any thread may call; reads host memory).
+__device__ __forceinline__ bool error_recorded(uint64_t error_addr) {
+    return ld_volatile_u32(&reinterpret_cast<const ErrorWord*>(error_addr)->code) != 0u;
+}
+
+__device__ __forceinline__ SignalHead* signal_of(const uint64_t* signals, int r) {
+    return reinterpret_cast<SignalHead*>(signals[r]);
+}
+
+// Thread r < ranks releases `epoch` to rank r's flag slot for this rank. Everything this block
+// wrote before (ordered by the caller's __syncthreads) becomes visible to rank r first.
+__device__ __forceinline__ void release_to_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch) {
+    const int r = threadIdx.x;
+    if (r < ranks) {
+        __threadfence_system();
+        st_release_sys(&signal_of(signals, r)->flag[rank], epoch);
+    }
+}
+
+// Thread r < ranks waits, bounded, until rank r has released `epoch` to this rank. Returns false
+// on every thread of the block if any wait ran out (the error is recorded).
+__device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
+                                               uint64_t timeout_ns, uint64_t error_addr, uint32_t what) {
+    __shared__ int timed_out;
+    if (threadIdx.x == 0) timed_out = 0;
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r < ranks) {
+        const uint64_t* f = &signal_of(signals, rank)->flag[r];
+        const uint64_t start = globaltimer_ns();
+        uint64_t seen;
+        while ((seen = ld_acquire_sys(f)) < epoch) {
+            if (globaltimer_ns() - start > timeout_ns) {
+                record_error(error_addr, kErrTimeout, rank, r, what, epoch, seen);
+                atomicExch(&timed_out, 1);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    return timed_out == 0;
+}
+
+__device__ __forceinline__ uint16_t f32_to_bf16_rn(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+
+}  // namespace ep

@@ -1,0 +1,206 @@
+// Intranode (NVLink) dispatch/combine: the structs that cross the host/device boundary, and the
+// layout of the per-rank regions that peers write into. Mirrored by `ep_kernels::intranode` in
+// Rust; sizes and offsets are asserted on both sides.
+#pragma once
+#include <cstdint>
+
+namespace ep {
+
+// Ranks of one host reachable by NVLink loads/stores. Arrays of per-rank pointers are kernel
+// parameters of this length, so a launch needs no extra device allocation.
+constexpr int kMaxRanks = 8;
+
+// Error codes in the host-mapped error word (`ErrorWord::code`).
+enum ErrorCode : uint32_t {
+    kErrNone = 0,
+    // A bounded wait on peer flags ran out; `what` says which wait.
+    kErrTimeout = 1,
+    // More tokens arrived than `num_worst_tokens` rows.
+    kErrWorstTokensExceeded = 2,
+};
+
+// What a wait was waiting for (`ErrorWord::what`).
+enum WaitWhat : uint32_t {
+    kWaitDispatchCounts = 1,  // the count exchange that starts a dispatch
+    kWaitDispatchData = 2,    // every peer's tokens having landed
+    kWaitCombineStart = 3,    // every peer being ready for a combine
+    kWaitCombineData = 4,     // every peer's combine rows having landed
+};
+
+// One rank's error report, in host-mapped pinned memory. The first writer wins (code is set by
+// atomicCAS from 0); the host turns it into an `EpError` naming the rank, the peer and the wait.
+struct ErrorWord {
+    uint32_t code;
+    uint32_t rank;
+    uint32_t peer;
+    uint32_t what;
+    uint64_t epoch;
+    uint64_t detail;
+};
+static_assert(sizeof(ErrorWord) == 32, "ErrorWord layout");
+
+// Per-rank signal region, in device memory that every peer maps. Peers write flags, counts and
+// their receive-region address here; only the owner reads it.
+struct SignalHead {
+    // Barrier flags: flag[src] = the last epoch rank src released to this rank. Monotonic, so
+    // never reset; waits are `>= epoch`.
+    uint64_t flag[kMaxRanks];
+    // recv_base[src] = rank src's receive region for the dispatch in flight.
+    uint64_t recv_base[kMaxRanks];
+    // tokens[src][dst]: how many tokens src sends to dst (each src writes its whole row to all).
+    int32_t tokens[kMaxRanks][kMaxRanks];
+    // Blocks of the owner's current push kernel that have finished (the last one resets it).
+    uint32_t blocks_done;
+    uint32_t pad[15];
+    // Followed by int32 experts[kMaxRanks][num_local_experts]: tokens src sends to each of this
+    // rank's local experts.
+};
+static_assert(sizeof(SignalHead) == 448, "SignalHead layout");
+
+// Per-dispatch facts a rank computed, stored at the start of its receive region (so a handle
+// that keeps the region keeps them too).
+struct Meta {
+    // Where this rank's tokens start in each destination's receive rows.
+    int32_t send_offset[kMaxRanks];
+    // recv_offset[src]: where tokens from src start in this rank's rows; [ranks] = total.
+    int32_t recv_offset[kMaxRanks + 1];
+    int32_t num_recv;
+    int32_t pad[14];
+    // Followed by int32 expert_counts[num_local_experts] (rounded up to the alignment).
+};
+static_assert(sizeof(Meta) == 128, "Meta layout");
+
+// What the host waits for after the count exchange, in host-mapped pinned memory.
+struct HostInfo {
+    uint64_t tag;  // the epoch of the dispatch these numbers belong to (written last)
+    int32_t num_recv;
+    int32_t pad;
+    // Followed by int32 expert_counts[num_local_experts].
+};
+static_assert(sizeof(HostInfo) == 16, "HostInfo layout");
+
+// ---- Launch parameters (passed by value) ----
+
+// get_dispatch_layout.
+struct LayoutParams {
+    uint64_t topk_idx;            // const int32 [tokens][topk]
+    uint64_t tokens_per_rank;     // int32 [ranks]
+    uint64_t tokens_per_expert;   // int32 [experts]
+    uint64_t is_token_in_rank;    // uint8 [tokens][ranks]
+    uint64_t send_pos;            // int32 [tokens][ranks]: position among tokens to that rank, or -1
+    uint64_t invalid;             // int32: number of ids outside [-1, num_experts)
+    int32_t num_tokens;
+    int32_t topk;
+    int32_t ranks;
+    int32_t num_experts;
+};
+static_assert(sizeof(LayoutParams) == 64, "LayoutParams layout");
+
+// Count exchange and start barrier of a dispatch (one block).
+struct NotifyParams {
+    uint64_t signal[kMaxRanks];   // every rank's signal region
+    uint64_t recv_base;           // this rank's receive region for this dispatch
+    uint64_t cached_meta;         // a previous dispatch's Meta to reuse, or 0
+    uint64_t tokens_per_rank;     // int32 [ranks] (unused when cached)
+    uint64_t tokens_per_expert;   // int32 [experts], or 0 without top-k
+    uint64_t host_info;           // HostInfo in mapped memory, or 0 (no host wait)
+    uint64_t error;               // ErrorWord in mapped memory
+    uint64_t epoch;
+    uint64_t timeout_ns;
+    int32_t rank;
+    int32_t ranks;
+    int32_t num_local_experts;
+    int32_t expert_alignment;
+    int32_t num_worst_tokens;     // 0: none
+    int32_t pad;
+};
+static_assert(sizeof(NotifyParams) == 152, "NotifyParams layout");
+
+// Receive-region section offsets (bytes from the region's base), equal on every rank. The region
+// starts with a Meta and its expert counts; these sections follow.
+struct RegionLayout {
+    uint64_t x;
+    uint64_t scales;
+    uint64_t topk_idx;
+    uint64_t topk_weights;
+};
+static_assert(sizeof(RegionLayout) == 32, "RegionLayout layout");
+
+// The push of a dispatch (`num_sms` blocks).
+struct DispatchParams {
+    uint64_t signal[kMaxRanks];   // every rank's signal region (this rank's holds peers' recv_base)
+    RegionLayout region;
+    uint64_t meta;                // this rank's Meta for this dispatch
+    uint64_t x;                   // [tokens][row_bytes]
+    uint64_t scales;              // f32 [tokens][scale_words], or 0
+    uint64_t topk_idx;            // int32 [tokens][topk], or 0
+    uint64_t topk_weights;        // f32 [tokens][topk], or 0
+    uint64_t send_pos;            // int32 [tokens][ranks]
+    uint64_t error;
+    uint64_t epoch;
+    uint64_t timeout_ns;
+    int32_t rank;
+    int32_t ranks;
+    int32_t num_tokens;
+    int32_t row_bytes;            // multiple of 16
+    int32_t scale_words;
+    int32_t topk;
+    int32_t num_local_experts;
+    int32_t num_worst_tokens;     // 0: none; else pad rows [num_recv, this) of top-k
+};
+static_assert(sizeof(DispatchParams) == 200, "DispatchParams layout");
+
+// A bare barrier (one block), e.g. before a combine.
+struct BarrierParams {
+    uint64_t signal[kMaxRanks];
+    uint64_t error;
+    uint64_t epoch;
+    uint64_t timeout_ns;
+    int32_t rank;
+    int32_t ranks;
+    int32_t what;
+    int32_t pad;
+};
+static_assert(sizeof(BarrierParams) == 104, "BarrierParams layout");
+
+// The push of a combine (`num_sms` blocks): receive row i goes back to its source rank's combine
+// region at [this rank][position].
+struct CombinePushParams {
+    uint64_t signal[kMaxRanks];
+    uint64_t comb_x[kMaxRanks];   // every rank's combine rows: [ranks][max_tokens][row_bytes]
+    uint64_t comb_w[kMaxRanks];   // every rank's combine weights: [ranks][max_tokens][topk]
+    uint64_t meta;                // the handle's Meta
+    uint64_t x;                   // bf16 [num_recv][hidden]
+    uint64_t topk_weights;        // f32 [num_recv][topk], or 0
+    uint64_t error;
+    uint64_t epoch;
+    uint64_t timeout_ns;
+    int32_t rank;
+    int32_t ranks;
+    int32_t row_bytes;
+    int32_t topk;
+    int32_t max_tokens;
+    int32_t pad;
+};
+static_assert(sizeof(CombinePushParams) == 264, "CombinePushParams layout");
+
+// The local reduction of a combine (`num_sms` blocks).
+struct CombineReduceParams {
+    uint64_t comb_x;              // this rank's combine rows
+    uint64_t comb_w;              // this rank's combine weights
+    uint64_t send_pos;            // int32 [tokens][ranks]
+    uint64_t bias0;               // bf16 [tokens][hidden], or 0
+    uint64_t bias1;
+    uint64_t out;                 // bf16 [tokens][hidden]
+    uint64_t out_weights;         // f32 [tokens][topk], or 0
+    uint64_t error;
+    int32_t ranks;
+    int32_t num_tokens;
+    int32_t hidden;
+    int32_t topk;
+    int32_t max_tokens;
+    int32_t pad;
+};
+static_assert(sizeof(CombineReduceParams) == 88, "CombineReduceParams layout");
+
+}  // namespace ep

@@ -1,0 +1,331 @@
+// Intranode (NVLink) dispatch and combine between ranks whose memory is mapped into each other's
+// address space (peer access or CUDA IPC).
+//
+// Dispatch: `ep_intranode_notify` (one block) exchanges token counts and receive-region
+// addresses, runs the start barrier and computes where this rank's tokens go in every
+// destination; `ep_intranode_dispatch` pushes each token straight into its final row in every
+// destination's receive region (16-byte streaming loads, stores to peer memory), then its last
+// block releases the data and waits for every peer's. Combine: `ep_intranode_barrier`, then
+// `ep_intranode_combine` pushes every received row back to its source's combine region at
+// [this rank][position], then `ep_intranode_combine_reduce` sums the copies of each token locally.
+// Every wait is bounded and reports through the host-mapped error word.
+#include <cstdint>
+
+#include "ep/device.cuh"
+
+using namespace ep;
+
+// The push kernels run one 1024-thread block per SM: 32 warps, each moving one token at a time,
+// is enough memory parallelism to saturate an SM's share of NVLink with kUnroll loads in flight.
+constexpr int kPushThreads = 1024;
+// 16-byte loads each lane issues before its first store: 4 x 32 lanes x 16 B = 2 KiB per warp in
+// flight, 64 KiB per SM; more costs registers under the 64-per-thread cap of 1024 threads.
+constexpr int kUnroll = 4;
+constexpr int kNotifyThreads = 256;
+
+__device__ __forceinline__ int* experts_of(SignalHead* s) { return reinterpret_cast<int*>(s + 1); }
+__device__ __forceinline__ int* expert_counts_of(Meta* m) { return reinterpret_cast<int*>(m + 1); }
+
+__device__ __forceinline__ int ld_volatile_i32(const int* p) {
+    return static_cast<int>(ld_volatile_u32(reinterpret_cast<const uint32_t*>(p)));
+}
+
+extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify(const NotifyParams p) {
+    __shared__ int abort;
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    __syncthreads();
+    if (abort) return;
+    const int L = p.num_local_experts;
+    const bool cached = p.cached_meta != 0;
+    // 1. Publish: this rank's receive region, its count row and per-expert counts, to every rank.
+    for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) signal_of(p.signal, d)->recv_base[p.rank] = p.recv_base;
+    if (!cached) {
+        const int* per_rank = reinterpret_cast<const int*>(p.tokens_per_rank);
+        for (int i = threadIdx.x; i < p.ranks * p.ranks; i += blockDim.x) {
+            const int d = i / p.ranks, j = i % p.ranks;
+            signal_of(p.signal, d)->tokens[p.rank][j] = per_rank[j];
+        }
+        const int* per_expert = reinterpret_cast<const int*>(p.tokens_per_expert);
+        for (int i = threadIdx.x; i < p.ranks * L; i += blockDim.x) {
+            const int d = i / L, l = i % L;
+            experts_of(signal_of(p.signal, d))[p.rank * L + l] = per_expert != nullptr ? per_expert[d * L + l] : 0;
+        }
+    }
+    __syncthreads();
+    release_to_peers(p.signal, p.rank, p.ranks, p.epoch);
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitDispatchCounts)) return;
+
+    // 2. This dispatch's Meta, at the start of the receive region.
+    SignalHead* mine = signal_of(p.signal, p.rank);
+    Meta* meta = reinterpret_cast<Meta*>(p.recv_base);
+    if (cached) {
+        const int* from = reinterpret_cast<const int*>(p.cached_meta);
+        int* to = reinterpret_cast<int*>(meta);
+        for (int i = threadIdx.x; i < static_cast<int>(sizeof(Meta) / 4) + L; i += blockDim.x) to[i] = from[i];
+    } else {
+        if (threadIdx.x == 0) {
+            int off = 0;
+            for (int r = 0; r < p.ranks; ++r) {
+                meta->recv_offset[r] = off;
+                off += ld_volatile_i32(&mine->tokens[r][p.rank]);
+            }
+            meta->recv_offset[p.ranks] = off;
+            meta->num_recv = off;
+        }
+        if (threadIdx.x < p.ranks) {
+            const int d = threadIdx.x;
+            int off = 0;
+            for (int r = 0; r < p.rank; ++r) off += ld_volatile_i32(&mine->tokens[r][d]);
+            meta->send_offset[d] = off;
+        }
+        const int align = p.expert_alignment > 0 ? p.expert_alignment : 1;
+        for (int l = threadIdx.x; l < L; l += blockDim.x) {
+            int c = 0;
+            for (int r = 0; r < p.ranks; ++r) c += ld_volatile_i32(&experts_of(mine)[r * L + l]);
+            expert_counts_of(meta)[l] = (c + align - 1) / align * align;
+        }
+    }
+    __syncthreads();
+    const int num_recv = meta->num_recv;
+    if (p.num_worst_tokens > 0 && num_recv > p.num_worst_tokens && threadIdx.x == 0)
+        record_error(p.error, kErrWorstTokensExceeded, p.rank, p.rank, 0, p.epoch, static_cast<uint64_t>(num_recv));
+
+    // 3. What the host waits for (skipped with num_worst_tokens: no host wait).
+    if (p.host_info != 0) {
+        HostInfo* h = reinterpret_cast<HostInfo*>(p.host_info);
+        int* counts = reinterpret_cast<int*>(h + 1);
+        for (int l = threadIdx.x; l < L; l += blockDim.x) counts[l] = expert_counts_of(meta)[l];
+        if (threadIdx.x == 0) h->num_recv = num_recv;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            *reinterpret_cast<volatile uint64_t*>(&h->tag) = p.epoch;
+        }
+    }
+}
+
+// The last block of a push kernel to finish: every block fences its peer stores and counts
+// itself done; the last one then releases `epoch` to every peer (cumulatively covering all
+// blocks' stores) and waits for every peer's release. Returns true on that block only, after a
+// successful wait.
+__device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
+                                            uint64_t timeout_ns, uint64_t error, uint32_t what) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        SignalHead* mine = signal_of(signals, rank);
+        const unsigned prev = atomicAdd(&mine->blocks_done, 1u);
+        last = prev == gridDim.x - 1;
+        if (last) {
+            mine->blocks_done = 0;  // every block has counted itself: nobody else touches it now
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!last) return false;
+    release_to_peers(signals, rank, ranks, epoch);
+    return wait_for_peers(signals, rank, ranks, epoch, timeout_ns, error, what);
+}
+
+extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispatch(const DispatchParams p) {
+    __shared__ uint64_t dst_base[kMaxRanks];
+    __shared__ int send_offset[kMaxRanks];
+    __shared__ int abort;
+    SignalHead* mine = signal_of(p.signal, p.rank);
+    const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    if (threadIdx.x < p.ranks) {
+        dst_base[threadIdx.x] = ld_volatile_u64(&mine->recv_base[threadIdx.x]);
+        send_offset[threadIdx.x] = meta->send_offset[threadIdx.x];
+    }
+    __syncthreads();
+    if (abort) return;
+
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int n16 = p.row_bytes / 16;
+    const int L = p.num_local_experts;
+    const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
+    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
+        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
+        if (mask == 0) continue;
+        int64_t row[kMaxRanks];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            const int pd = __shfl_sync(0xffffffffu, pos, d);
+            row[d] = static_cast<int64_t>(send_offset[d < p.ranks ? d : 0]) + pd;
+        }
+
+        const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<uint64_t>(t) * p.row_bytes);
+        for (int i = lane; i < n16; i += 32 * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * 32 < n16) v[u] = ld_stream_v4(src + i + u * 32);
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (!((mask >> d) & 1u)) continue;
+                int4* dst = reinterpret_cast<int4*>(dst_base[d] + p.region.x + static_cast<uint64_t>(row[d]) * p.row_bytes);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i + u * 32 < n16) st_stream_v4(dst + i + u * 32, v[u]);
+            }
+        }
+        if (p.scale_words > 0) {
+            const float* s = reinterpret_cast<const float*>(p.scales) + static_cast<int64_t>(t) * p.scale_words;
+            for (int w = lane; w < p.scale_words; w += 32) {
+                const float v = s[w];
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d)
+                    if ((mask >> d) & 1u)
+                        reinterpret_cast<float*>(dst_base[d] + p.region.scales)[row[d] * p.scale_words + w] = v;
+            }
+        }
+        if (p.topk > 0) {
+            for (int k = lane; k < p.topk; k += 32) {
+                const int e = reinterpret_cast<const int*>(p.topk_idx)[static_cast<int64_t>(t) * p.topk + k];
+                const float w = reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(t) * p.topk + k];
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d) {
+                    if (!((mask >> d) & 1u)) continue;
+                    const int local = (e >= d * L && e < (d + 1) * L) ? e - d * L : -1;
+                    reinterpret_cast<int*>(dst_base[d] + p.region.topk_idx)[row[d] * p.topk + k] = local;
+                    reinterpret_cast<float*>(dst_base[d] + p.region.topk_weights)[row[d] * p.topk + k] =
+                        local >= 0 ? w : 0.0f;
+                }
+            }
+        }
+    }
+
+    if (!finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitDispatchData)) return;
+    // Fixed-size output: rows past the received ones carry no expert.
+    if (p.num_worst_tokens > 0 && p.topk > 0) {
+        const Meta* my_meta = reinterpret_cast<const Meta*>(dst_base[p.rank]);
+        const int n = my_meta->num_recv;
+        int* idx = reinterpret_cast<int*>(dst_base[p.rank] + p.region.topk_idx);
+        float* wts = reinterpret_cast<float*>(dst_base[p.rank] + p.region.topk_weights);
+        for (int64_t i = static_cast<int64_t>(n) * p.topk + threadIdx.x;
+             i < static_cast<int64_t>(p.num_worst_tokens) * p.topk; i += blockDim.x) {
+            idx[i] = -1;
+            wts[i] = 0.0f;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_barrier(const BarrierParams p) {
+    __shared__ int abort;
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    __syncthreads();
+    if (abort) return;
+    release_to_peers(p.signal, p.rank, p.ranks, p.epoch);
+    wait_for_peers(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
+}
+
+extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine(const CombinePushParams p) {
+    __shared__ int recv_offset[kMaxRanks + 1];
+    __shared__ uint64_t comb_x[kMaxRanks], comb_w[kMaxRanks];
+    __shared__ int abort;
+    const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    if (threadIdx.x <= p.ranks) recv_offset[threadIdx.x] = meta->recv_offset[threadIdx.x];
+    if (threadIdx.x < p.ranks) {
+        comb_x[threadIdx.x] = p.comb_x[threadIdx.x];
+        comb_w[threadIdx.x] = p.comb_w[threadIdx.x];
+    }
+    __syncthreads();
+    if (abort) return;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int n16 = p.row_bytes / 16;
+    const int num_recv = recv_offset[p.ranks];
+    for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < num_recv; i += gridDim.x * warps) {
+        int r = 0;
+        while (r + 1 < p.ranks && recv_offset[r + 1] <= i) ++r;
+        const int64_t slot = static_cast<int64_t>(p.rank) * p.max_tokens + (i - recv_offset[r]);
+        const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<uint64_t>(i) * p.row_bytes);
+        int4* dst = reinterpret_cast<int4*>(comb_x[r] + static_cast<uint64_t>(slot) * p.row_bytes);
+        for (int j = lane; j < n16; j += 32 * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (j + u * 32 < n16) v[u] = ld_stream_v4(src + j + u * 32);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (j + u * 32 < n16) st_stream_v4(dst + j + u * 32, v[u]);
+        }
+        if (p.topk_weights != 0) {
+            for (int k = lane; k < p.topk; k += 32)
+                reinterpret_cast<float*>(comb_w[r])[slot * p.topk + k] =
+                    reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(i) * p.topk + k];
+        }
+    }
+    finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitCombineData);
+}
+
+// Sums the copies of each token that came back (f32), adds the biases, writes BF16.
+extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_reduce(const CombineReduceParams p) {
+    __shared__ int abort;
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    __syncthreads();
+    if (abort) return;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int n16 = p.hidden / 8;
+    const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
+    const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
+    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
+        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
+        int64_t slot[kMaxRanks];
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+            slot[d] = static_cast<int64_t>(d) * p.max_tokens + __shfl_sync(0xffffffffu, pos, d);
+        for (int c = lane; c < n16; c += 32) {
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (!((mask >> d) & 1u)) continue;
+                const int4 v = ld_stream_v4(reinterpret_cast<const int4*>(p.comb_x + slot[d] * row_bytes) + c);
+                const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
+                    acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const uint64_t bias = b == 0 ? p.bias0 : p.bias1;
+                if (bias == 0) continue;
+                const int4 v = ld_stream_v4(reinterpret_cast<const int4*>(bias + t * row_bytes) + c);
+                const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
+                    acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
+                }
+            }
+            int4 o;
+            o.x = static_cast<int>(f32_to_bf16_rn(acc[0]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[1])) << 16));
+            o.y = static_cast<int>(f32_to_bf16_rn(acc[2]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[3])) << 16));
+            o.z = static_cast<int>(f32_to_bf16_rn(acc[4]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[5])) << 16));
+            o.w = static_cast<int>(f32_to_bf16_rn(acc[6]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[7])) << 16));
+            reinterpret_cast<int4*>(p.out + t * row_bytes)[c] = o;
+        }
+        if (p.out_weights != 0) {
+            for (int k = lane; k < p.topk; k += 32) {
+                float s = 0.0f;
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d)
+                    if ((mask >> d) & 1u) s += reinterpret_cast<const float*>(p.comb_w)[slot[d] * p.topk + k];
+                reinterpret_cast<float*>(p.out_weights)[static_cast<int64_t>(t) * p.topk + k] = s;
+            }
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! Launch parameters of the layout and intranode kernels (`cuda/layout.cu`, `cuda/intranode.cu`),
+//! mirrored from `cuda/include/ep/intranode.cuh`. Each struct is passed to its kernel by value;
+//! sizes and field offsets are asserted here and (sizes) in the header, so a change on one side
+//! that is not made on the other fails the build.
+//!
+//! Addresses are device addresses (`u64`), 0 meaning "none". The safe API that fills them in
+//! lives in the `ep` crate.
+
+use cudarc::driver::DeviceRepr;
+
+/// Ranks of one host that can reach each other over NVLink; per-rank arrays have this length.
+pub const MAX_RANKS: usize = 8;
+/// Threads per block of the push and reduce kernels (one block per SM).
+pub const PUSH_THREADS: u32 = 1024;
+/// Threads of the one-block notify and barrier kernels.
+pub const NOTIFY_THREADS: u32 = 256;
+/// Threads per block of the layout kernel.
+pub const LAYOUT_THREADS: u32 = 1024;
+
+/// Kernel module of the layout kernel.
+pub const LAYOUT_MODULE: &str = "layout";
+/// Kernel module of the intranode kernels.
+pub const INTRANODE_MODULE: &str = "intranode";
+
+/// Error codes in [`ErrorWord::code`].
+pub mod error_code {
+    /// No error.
+    pub const NONE: u32 = 0;
+    /// A bounded wait on peer flags ran out.
+    pub const TIMEOUT: u32 = 1;
+    /// More tokens arrived than `num_worst_tokens` rows.
+    pub const WORST_TOKENS_EXCEEDED: u32 = 2;
+}
+
+/// What a device wait was waiting for ([`ErrorWord::what`]).
+pub mod wait_what {
+    /// The count exchange that starts a dispatch.
+    pub const DISPATCH_COUNTS: u32 = 1;
+    /// Every peer's tokens having landed.
+    pub const DISPATCH_DATA: u32 = 2;
+    /// Every peer being ready for a combine.
+    pub const COMBINE_START: u32 = 3;
+    /// Every peer's combine rows having landed.
+    pub const COMBINE_DATA: u32 = 4;
+}
+
+/// One rank's error report, in host-mapped memory (`ErrorWord` in the header).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ErrorWord {
+    /// An [`error_code`]; 0 while no error was recorded.
+    pub code: u32,
+    /// The rank that recorded it.
+    pub rank: u32,
+    /// The peer waited for.
+    pub peer: u32,
+    /// A [`wait_what`] value.
+    pub what: u32,
+    /// The epoch waited for.
+    pub epoch: u64,
+    /// The last value seen (timeouts) or the count that overflowed.
+    pub detail: u64,
+}
+
+/// The start of each rank's signal region (`SignalHead`); per-expert counts follow it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SignalHead {
+    /// Barrier flags, indexed by source rank.
+    pub flag: [u64; MAX_RANKS],
+    /// Each rank's receive region for the dispatch in flight.
+    pub recv_base: [u64; MAX_RANKS],
+    /// Tokens `[src][dst]`.
+    pub tokens: [[i32; MAX_RANKS]; MAX_RANKS],
+    /// Blocks of the owner's push kernel that have finished.
+    pub blocks_done: u32,
+    /// Padding.
+    pub pad: [u32; 15],
+}
+
+/// Per-dispatch facts at the start of a receive region (`Meta`); expert counts follow it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct Meta {
+    /// Where this rank's tokens start in each destination's rows.
+    pub send_offset: [i32; MAX_RANKS],
+    /// Where each source's tokens start in this rank's rows; `[ranks]` is the total.
+    pub recv_offset: [i32; MAX_RANKS + 1],
+    /// Rows received.
+    pub num_recv: i32,
+    /// Padding.
+    pub pad: [i32; 14],
+}
+
+/// What the host waits for after the count exchange (`HostInfo`); expert counts follow it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct HostInfo {
+    /// The epoch of the dispatch the numbers belong to, written last.
+    pub tag: u64,
+    /// Rows received.
+    pub num_recv: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// `ep_dispatch_layout` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LayoutParams {
+    /// `i32 [tokens][topk]`.
+    pub topk_idx: u64,
+    /// `i32 [ranks]`.
+    pub tokens_per_rank: u64,
+    /// `i32 [experts]`.
+    pub tokens_per_expert: u64,
+    /// `u8 [tokens][ranks]`.
+    pub is_token_in_rank: u64,
+    /// `i32 [tokens][ranks]`: position among the tokens sent to that rank, or -1.
+    pub send_pos: u64,
+    /// `i32`: ids outside `[-1, num_experts)`.
+    pub invalid: u64,
+    /// Tokens.
+    pub num_tokens: i32,
+    /// Top-k width.
+    pub topk: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Experts over all ranks.
+    pub num_experts: i32,
+}
+
+/// `ep_intranode_notify` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NotifyParams {
+    /// Every rank's signal region.
+    pub signal: [u64; MAX_RANKS],
+    /// This rank's receive region for this dispatch.
+    pub recv_base: u64,
+    /// A previous dispatch's [`Meta`] to reuse (cached dispatch), or 0.
+    pub cached_meta: u64,
+    /// `i32 [ranks]`.
+    pub tokens_per_rank: u64,
+    /// `i32 [experts]`, or 0.
+    pub tokens_per_expert: u64,
+    /// [`HostInfo`] in mapped memory, or 0.
+    pub host_info: u64,
+    /// [`ErrorWord`] in mapped memory.
+    pub error: u64,
+    /// Barrier epoch.
+    pub epoch: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Experts per rank.
+    pub num_local_experts: i32,
+    /// Per-expert counts are rounded up to this.
+    pub expert_alignment: i32,
+    /// Fixed output rows, or 0.
+    pub num_worst_tokens: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// Byte offsets of a receive region's sections (`RegionLayout`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionLayout {
+    /// Token rows.
+    pub x: u64,
+    /// FP8 scales.
+    pub scales: u64,
+    /// Local expert ids.
+    pub topk_idx: u64,
+    /// Top-k weights.
+    pub topk_weights: u64,
+}
+
+/// `ep_intranode_dispatch` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DispatchParams {
+    /// Every rank's signal region.
+    pub signal: [u64; MAX_RANKS],
+    /// Receive-region sections.
+    pub region: RegionLayout,
+    /// This rank's [`Meta`] for this dispatch.
+    pub meta: u64,
+    /// `[tokens][row_bytes]`.
+    pub x: u64,
+    /// `f32 [tokens][scale_words]`, or 0.
+    pub scales: u64,
+    /// `i32 [tokens][topk]`, or 0.
+    pub topk_idx: u64,
+    /// `f32 [tokens][topk]`, or 0.
+    pub topk_weights: u64,
+    /// `i32 [tokens][ranks]`.
+    pub send_pos: u64,
+    /// [`ErrorWord`].
+    pub error: u64,
+    /// Barrier epoch.
+    pub epoch: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Tokens sent.
+    pub num_tokens: i32,
+    /// Bytes per token row (multiple of 16).
+    pub row_bytes: i32,
+    /// f32 scales per row.
+    pub scale_words: i32,
+    /// Top-k width, 0 without top-k.
+    pub topk: i32,
+    /// Experts per rank.
+    pub num_local_experts: i32,
+    /// Fixed output rows, or 0.
+    pub num_worst_tokens: i32,
+}
+
+/// `ep_intranode_barrier` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BarrierParams {
+    /// Every rank's signal region.
+    pub signal: [u64; MAX_RANKS],
+    /// [`ErrorWord`].
+    pub error: u64,
+    /// Barrier epoch.
+    pub epoch: u64,
+    /// Bound of the wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// A [`wait_what`] value for the error report.
+    pub what: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// `ep_intranode_combine` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombinePushParams {
+    /// Every rank's signal region.
+    pub signal: [u64; MAX_RANKS],
+    /// Every rank's combine rows `[ranks][max_tokens][row_bytes]`.
+    pub comb_x: [u64; MAX_RANKS],
+    /// Every rank's combine weights `[ranks][max_tokens][topk]`.
+    pub comb_w: [u64; MAX_RANKS],
+    /// The handle's [`Meta`].
+    pub meta: u64,
+    /// `bf16 [num_recv][hidden]`.
+    pub x: u64,
+    /// `f32 [num_recv][topk]`, or 0.
+    pub topk_weights: u64,
+    /// [`ErrorWord`].
+    pub error: u64,
+    /// Barrier epoch.
+    pub epoch: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Bytes per row.
+    pub row_bytes: i32,
+    /// Top-k width (of the weights), 0 without.
+    pub topk: i32,
+    /// Rows per source in a combine region.
+    pub max_tokens: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// `ep_intranode_combine_reduce` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombineReduceParams {
+    /// This rank's combine rows.
+    pub comb_x: u64,
+    /// This rank's combine weights.
+    pub comb_w: u64,
+    /// `i32 [tokens][ranks]`.
+    pub send_pos: u64,
+    /// `bf16 [tokens][hidden]`, or 0.
+    pub bias0: u64,
+    /// `bf16 [tokens][hidden]`, or 0.
+    pub bias1: u64,
+    /// `bf16 [tokens][hidden]`.
+    pub out: u64,
+    /// `f32 [tokens][topk]`, or 0.
+    pub out_weights: u64,
+    /// [`ErrorWord`].
+    pub error: u64,
+    /// Ranks.
+    pub ranks: i32,
+    /// Tokens.
+    pub num_tokens: i32,
+    /// Hidden size.
+    pub hidden: i32,
+    /// Top-k width, 0 without weights.
+    pub topk: i32,
+    /// Rows per source in a combine region.
+    pub max_tokens: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+// SAFETY: each is a #[repr(C)] struct of plain integers whose layout matches the CUDA struct of
+// the same name (sizes asserted below and in the header), so its bytes are a valid kernel
+// parameter.
+unsafe impl DeviceRepr for LayoutParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for NotifyParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for DispatchParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for BarrierParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for CombinePushParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for CombineReduceParams {}
+
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<ErrorWord>() == 32);
+    assert!(size_of::<SignalHead>() == 448);
+    assert!(offset_of!(SignalHead, tokens) == 128);
+    assert!(offset_of!(SignalHead, blocks_done) == 384);
+    assert!(size_of::<Meta>() == 128);
+    assert!(offset_of!(Meta, num_recv) == 68);
+    assert!(size_of::<HostInfo>() == 16);
+    assert!(size_of::<LayoutParams>() == 64);
+    assert!(size_of::<NotifyParams>() == 152);
+    assert!(offset_of!(NotifyParams, rank) == 128);
+    assert!(size_of::<RegionLayout>() == 32);
+    assert!(size_of::<DispatchParams>() == 200);
+    assert!(offset_of!(DispatchParams, rank) == 168);
+    assert!(size_of::<BarrierParams>() == 104);
+    assert!(size_of::<CombinePushParams>() == 264);
+    assert!(offset_of!(CombinePushParams, rank) == 240);
+    assert!(size_of::<CombineReduceParams>() == 88);
+};

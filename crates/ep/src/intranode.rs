@@ -1,0 +1,1346 @@
+//! The intranode (NVLink) [`Buffer`]: ranks on one host whose GPUs map each other's memory.
+//!
+//! Per rank the buffer holds a signal region (flags, counts; peers write it), pooled receive
+//! regions (peers push tokens straight into their final rows there, so the returned tensors are
+//! views with no copy), a combine region (peers push expert outputs back into it), pooled
+//! combine outputs, and a host-mapped word where kernels report errors. Operations run on the
+//! buffer's communication stream; every wait, on the GPU and on the host, is bounded.
+//!
+//! Every rank of a group must call the same operations in the same order (they are collectives).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use ep_kernels::intranode as k;
+use ibgda_device::cuda::DeviceBuffer;
+
+use crate::config::{BufferOptions, Config};
+use crate::dtype::{Bf16, Element, Fp8E4M3};
+use crate::error::{invalid, EpError};
+use crate::event::{backoff, Event};
+use crate::rendezvous::{Exchange, ThreadGroup};
+use crate::tensor::Tensor;
+
+const ALIGN: usize = 256;
+const ERROR_OFFSET: usize = 0;
+const HOST_INFO_OFFSET: usize = 64;
+/// FP8 scales cover this many channels each.
+pub const FP8_BLOCK: usize = 128;
+
+fn align_up(x: usize) -> usize {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Where the sections of a receive region lie, for given options.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RegionPlan {
+    pub(crate) layout: k::RegionLayout,
+    pub(crate) bytes: usize,
+}
+
+impl RegionPlan {
+    pub(crate) fn new(o: &BufferOptions, ranks: usize) -> Self {
+        let cap = ranks * o.max_tokens_per_rank;
+        let local = o.num_experts / ranks.max(1);
+        let mut at = align_up(std::mem::size_of::<k::Meta>() + 4 * local);
+        let mut take = |n: usize| {
+            let here = at;
+            at = align_up(at + n);
+            here as u64
+        };
+        let x = take(cap * o.max_hidden * 2);
+        let scales = take(cap * o.max_hidden.div_ceil(FP8_BLOCK) * 4);
+        let topk_idx = take(cap * o.max_topk * 4);
+        let topk_weights = take(cap * o.max_topk * 4);
+        Self {
+            layout: k::RegionLayout {
+                x,
+                scales,
+                topk_idx,
+                topk_weights,
+            },
+            bytes: at,
+        }
+    }
+}
+
+/// Regions handed out as tensor storage, reused once nothing refers to them.
+#[derive(Debug)]
+struct Pool {
+    what: &'static str,
+    bytes: usize,
+    limit: usize,
+    regions: Vec<Arc<DeviceBuffer>>,
+}
+
+impl Pool {
+    fn acquire(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+    ) -> Result<Arc<DeviceBuffer>, EpError> {
+        if let Some(r) = self.regions.iter().find(|r| Arc::strong_count(r) == 1) {
+            return Ok(r.clone());
+        }
+        if self.regions.len() >= self.limit {
+            return Err(EpError::RegionsInUse {
+                rank,
+                what: self.what,
+                limit: self.limit,
+            });
+        }
+        let r = Arc::new(
+            DeviceBuffer::new(ctx, self.bytes)
+                .map_err(|source| EpError::Device { rank, source })?,
+        );
+        self.regions.push(r.clone());
+        Ok(r)
+    }
+}
+
+struct Kernels {
+    layout: CudaFunction,
+    notify: CudaFunction,
+    dispatch: CudaFunction,
+    barrier: CudaFunction,
+    combine: CudaFunction,
+    reduce: CudaFunction,
+}
+
+impl Kernels {
+    fn load(ctx: &Arc<CudaContext>, rank: usize) -> Result<Self, EpError> {
+        let f = |module, name| {
+            ep_kernels::load_function(ctx, module, name)
+                .map_err(|source| EpError::Kernel { rank, source })
+        };
+        Ok(Self {
+            layout: f(k::LAYOUT_MODULE, "ep_dispatch_layout")?,
+            notify: f(k::INTRANODE_MODULE, "ep_intranode_notify")?,
+            dispatch: f(k::INTRANODE_MODULE, "ep_intranode_dispatch")?,
+            barrier: f(k::INTRANODE_MODULE, "ep_intranode_barrier")?,
+            combine: f(k::INTRANODE_MODULE, "ep_intranode_combine")?,
+            reduce: f(k::INTRANODE_MODULE, "ep_intranode_combine_reduce")?,
+        })
+    }
+}
+
+/// Where each token goes: the result of [`Buffer::get_dispatch_layout`].
+#[derive(Debug, Clone)]
+pub struct DispatchLayout {
+    /// Tokens this rank sends to each rank, `[ranks]`.
+    pub tokens_per_rank: Tensor<i32>,
+    /// Tokens this rank sends to each expert, `[num_experts]`.
+    pub tokens_per_expert: Tensor<i32>,
+    /// Whether each token goes to each rank (0/1), `[tokens][ranks]`.
+    pub is_token_in_rank: Tensor<u8>,
+    /// Each token's position among those sent to each rank, or -1, `[tokens][ranks]`.
+    send_pos: Tensor<i32>,
+    num_tokens: usize,
+    buffer_id: u64,
+}
+
+impl DispatchLayout {
+    /// Tokens the layout was computed for.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// The token rows to dispatch.
+#[derive(Debug, Clone, Copy)]
+pub enum DispatchX<'a> {
+    /// BF16 `[tokens][hidden]`; `hidden` a multiple of 8 (16-byte rows).
+    Bf16(&'a Tensor<Bf16>),
+    /// FP8 e4m3 `[tokens][hidden]` with f32 scales `[tokens][hidden / 128]`; `hidden` a multiple
+    /// of 128.
+    Fp8 {
+        /// The values.
+        x: &'a Tensor<Fp8E4M3>,
+        /// One scale per 128 channels.
+        scales: &'a Tensor<f32>,
+    },
+}
+
+/// Top-k routing sent along with the tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct TopK<'a> {
+    /// Global expert ids `[tokens][k]`, -1 for none.
+    pub idx: &'a Tensor<i32>,
+    /// Weights `[tokens][k]`.
+    pub weights: &'a Tensor<f32>,
+}
+
+/// Ordering of an operation against the caller's work.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamOrder<'a> {
+    /// Start after this event instead of after the compute stream's current work.
+    pub previous_event: Option<&'a Event>,
+    /// Do not make the compute stream wait for the operation: the caller waits on the returned
+    /// event when it needs the outputs.
+    pub async_finish: bool,
+}
+
+/// The arguments of [`Buffer::dispatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchArgs<'a> {
+    /// The tokens.
+    pub x: DispatchX<'a>,
+    /// Where they go.
+    pub layout: &'a DispatchLayout,
+    /// Top-k ids and weights to send along (returned as local expert ids), or none.
+    pub topk: Option<TopK<'a>>,
+    /// Return exactly this many rows with no host wait (CUDA-graph capturable); rows past the
+    /// received ones have top-k id -1. `None`: as many rows as received, after a bounded host wait.
+    pub num_worst_tokens: Option<usize>,
+    /// Per-expert counts are rounded up to a multiple of this (at least 1).
+    pub expert_alignment: usize,
+    /// Kernel tuning.
+    pub config: Config,
+    /// Stream ordering.
+    pub order: StreamOrder<'a>,
+}
+
+impl<'a> DispatchArgs<'a> {
+    /// Dispatch `x` by `layout`, no top-k, default config for `ranks`.
+    pub fn new(x: DispatchX<'a>, layout: &'a DispatchLayout, ranks: usize) -> Self {
+        Self {
+            x,
+            layout,
+            topk: None,
+            num_worst_tokens: None,
+            expert_alignment: 1,
+            config: Config::default_for(ranks),
+            order: StreamOrder::default(),
+        }
+    }
+}
+
+/// Received token rows.
+#[derive(Debug, Clone)]
+pub enum RecvX {
+    /// BF16 `[rows][hidden]`.
+    Bf16(Tensor<Bf16>),
+    /// FP8 `[rows][hidden]` and scales `[rows][hidden / 128]`.
+    Fp8 {
+        /// The values.
+        x: Tensor<Fp8E4M3>,
+        /// The scales.
+        scales: Tensor<f32>,
+    },
+}
+
+/// What a dispatch returns. Rows are ordered by source rank, then by token index at the source.
+#[derive(Debug)]
+pub struct DispatchOutput {
+    /// The received rows.
+    pub x: RecvX,
+    /// Local expert ids `[rows][k]` (-1 where the expert is not on this rank), with top-k.
+    pub topk_idx: Option<Tensor<i32>>,
+    /// Weights `[rows][k]` (0 where the id is -1), with top-k.
+    pub topk_weights: Option<Tensor<f32>>,
+    /// Rows received; `None` with `num_worst_tokens` (the count stays on the GPU).
+    pub num_recv_tokens: Option<usize>,
+    /// Tokens per local expert, rounded up to the alignment; `None` with `num_worst_tokens`.
+    pub num_recv_tokens_per_expert: Option<Vec<usize>>,
+    /// The same per-expert counts on the GPU, `[num_local_experts]`.
+    pub recv_tokens_per_expert: Tensor<i32>,
+    /// What combine and cached dispatch need.
+    pub handle: Handle,
+    /// Recorded after the dispatch on the communication stream.
+    pub event: Event,
+}
+
+/// How a dispatch routed tokens: the input of [`Buffer::combine`] and cached dispatch.
+#[derive(Debug, Clone)]
+pub struct Handle {
+    buffer_id: u64,
+    region: Arc<DeviceBuffer>,
+    send_pos: Tensor<i32>,
+    num_tokens: usize,
+    rows: usize,
+    num_recv: Option<usize>,
+    worst: bool,
+}
+
+impl Handle {
+    /// Tokens the source side sent (rows of the combine output).
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// Rows of the dispatch output (and of the combine input).
+    pub fn num_rows(&self) -> usize {
+        self.rows
+    }
+    /// Rows actually received, when known on the host.
+    pub fn num_recv_tokens(&self) -> Option<usize> {
+        self.num_recv
+    }
+}
+
+/// The arguments of [`Buffer::combine`].
+#[derive(Debug, Clone, Copy)]
+pub struct CombineArgs<'a> {
+    /// Expert outputs, one row per dispatch output row, BF16 `[rows][hidden]`.
+    pub x: &'a Tensor<Bf16>,
+    /// The dispatch's handle.
+    pub handle: &'a Handle,
+    /// Weights `[rows][k]` to sum per token, or none.
+    pub topk_weights: Option<&'a Tensor<f32>>,
+    /// Up to two BF16 `[tokens][hidden]` tensors added to the sum.
+    pub bias: [Option<&'a Tensor<Bf16>>; 2],
+    /// Kernel tuning.
+    pub config: Config,
+    /// Stream ordering.
+    pub order: StreamOrder<'a>,
+}
+
+impl<'a> CombineArgs<'a> {
+    /// Combine `x` over `handle`, no weights or bias, default config for `ranks`.
+    pub fn new(x: &'a Tensor<Bf16>, handle: &'a Handle, ranks: usize) -> Self {
+        Self {
+            x,
+            handle,
+            topk_weights: None,
+            bias: [None, None],
+            config: Config::default_for(ranks),
+            order: StreamOrder::default(),
+        }
+    }
+}
+
+/// What a combine returns.
+#[derive(Debug)]
+pub struct CombineOutput {
+    /// The sum of every copy of each token (f32 accumulation) plus the biases, BF16 `[tokens][hidden]`.
+    pub x: Tensor<Bf16>,
+    /// The summed weights `[tokens][k]`, when weights were given.
+    pub topk_weights: Option<Tensor<f32>>,
+    /// Recorded after the combine on the communication stream.
+    pub event: Event,
+}
+
+/// One rank's intranode communication buffer.
+pub struct Buffer {
+    id: u64,
+    rank: usize,
+    ranks: usize,
+    ctx: Arc<CudaContext>,
+    comm: Arc<CudaStream>,
+    compute: Arc<CudaStream>,
+    opts: BufferOptions,
+    num_local_experts: usize,
+    kernels: Kernels,
+    _signal: DeviceBuffer,
+    peer_signal: [u64; k::MAX_RANKS],
+    comb: DeviceBuffer,
+    comb_w_offset: usize,
+    peer_comb_x: [u64; k::MAX_RANKS],
+    peer_comb_w: [u64; k::MAX_RANKS],
+    plan: RegionPlan,
+    recv_pool: Pool,
+    out_pool: Pool,
+    out_w_offset: usize,
+    mapped: crate::mapped::MappedHost,
+    epoch: u64,
+    poisoned: Option<String>,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("id", &self.id)
+            .field("rank", &self.rank)
+            .field("ranks", &self.ranks)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Buffer {
+    /// Builds one buffer per context, ranks as threads of this process (rank `i` on `ctxs[i]`),
+    /// with peer access enabled between every pair.
+    pub fn create_group(
+        ctxs: &[Arc<CudaContext>],
+        opts: &BufferOptions,
+    ) -> Result<Vec<Buffer>, EpError> {
+        let group = ThreadGroup::new(ctxs.len(), opts.timeout);
+        std::thread::scope(|s| {
+            let joins: Vec<_> = ctxs
+                .iter()
+                .enumerate()
+                .map(|(r, ctx)| {
+                    let m = group.member(r);
+                    s.spawn(move || Buffer::new(ctx, &m, opts))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .enumerate()
+                .map(|(r, j)| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
+                })
+                .collect()
+        })
+    }
+
+    /// Builds this rank's buffer; every rank of `group` calls this at the same time.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        group: &dyn Exchange,
+        opts: &BufferOptions,
+    ) -> Result<Buffer, EpError> {
+        let rank = group.rank();
+        let ranks = group.ranks();
+        Self::check_options(rank, ranks, opts)?;
+        if !group.same_process() {
+            return Err(invalid(
+                rank,
+                "ranks as processes (CUDA IPC) are not wired into the intranode buffer yet",
+            ));
+        }
+        let dev = |source| EpError::Device { rank, source };
+        let cuda = |call, source| EpError::Cuda { rank, call, source };
+        let num_local_experts = opts.num_experts / ranks;
+        let kernels = Kernels::load(ctx, rank)?;
+        let comm = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
+        let compute = ctx.default_stream();
+
+        let signal = DeviceBuffer::new(
+            ctx,
+            std::mem::size_of::<k::SignalHead>() + 4 * ranks * num_local_experts,
+        )
+        .map_err(dev)?;
+        signal.fill_bytes(0).map_err(dev)?;
+        let comb_w_offset = align_up(ranks * opts.max_tokens_per_rank * opts.max_hidden * 2);
+        let comb = DeviceBuffer::new(
+            ctx,
+            comb_w_offset + ranks * opts.max_tokens_per_rank * opts.max_topk * 4,
+        )
+        .map_err(dev)?;
+        let mapped = crate::mapped::MappedHost::new(
+            ctx,
+            HOST_INFO_OFFSET + std::mem::size_of::<k::HostInfo>() + 4 * num_local_experts,
+            rank,
+        )?;
+
+        let all = group.all_gather(&[ctx.ordinal() as u64, signal.ptr(), comb.ptr()])?;
+        let mut peer_signal = [0u64; k::MAX_RANKS];
+        let mut peer_comb_x = [0u64; k::MAX_RANKS];
+        let mut peer_comb_w = [0u64; k::MAX_RANKS];
+        for (r, v) in all.iter().enumerate() {
+            if v.len() != 3 {
+                return Err(EpError::Rendezvous {
+                    rank,
+                    what: format!("rank {r} sent {} words, expected 3", v.len()),
+                });
+            }
+            let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
+            ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
+            peer_signal[r] = v[1];
+            peer_comb_x[r] = v[2];
+            peer_comb_w[r] = v[2] + comb_w_offset as u64;
+        }
+        // Nobody writes a peer's signal region before every rank has zeroed its own.
+        group.all_gather(&[])?;
+
+        let plan = RegionPlan::new(opts, ranks);
+        let out_w_offset = align_up(opts.max_tokens_per_rank * opts.max_hidden * 2);
+        Ok(Buffer {
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+            rank,
+            ranks,
+            ctx: ctx.clone(),
+            comm,
+            compute,
+            opts: opts.clone(),
+            num_local_experts,
+            kernels,
+            _signal: signal,
+            peer_signal,
+            comb,
+            comb_w_offset,
+            peer_comb_x,
+            peer_comb_w,
+            plan,
+            recv_pool: Pool {
+                what: "receive",
+                bytes: plan.bytes,
+                limit: opts.max_live_outputs,
+                regions: Vec::new(),
+            },
+            out_pool: Pool {
+                what: "combine output",
+                bytes: out_w_offset + opts.max_tokens_per_rank * opts.max_topk * 4,
+                limit: opts.max_live_outputs,
+                regions: Vec::new(),
+            },
+            out_w_offset,
+            mapped,
+            epoch: 0,
+            poisoned: None,
+        })
+    }
+
+    fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
+        if ranks == 0 || ranks > k::MAX_RANKS {
+            return Err(invalid(
+                rank,
+                format!(
+                    "{ranks} ranks: the intranode buffer supports 1..={}",
+                    k::MAX_RANKS
+                ),
+            ));
+        }
+        if o.num_experts == 0 || o.num_experts % ranks != 0 {
+            return Err(invalid(
+                rank,
+                format!(
+                    "num_experts {} is not a positive multiple of {ranks} ranks",
+                    o.num_experts
+                ),
+            ));
+        }
+        if o.num_experts * 4 > 48 * 1024 {
+            return Err(invalid(
+                rank,
+                format!("num_experts {} above 12288", o.num_experts),
+            ));
+        }
+        if o.max_tokens_per_rank == 0 || o.max_tokens_per_rank > i32::MAX as usize / k::MAX_RANKS {
+            return Err(invalid(
+                rank,
+                format!("max_tokens_per_rank {} out of range", o.max_tokens_per_rank),
+            ));
+        }
+        if o.max_hidden == 0 || o.max_hidden % 8 != 0 {
+            return Err(invalid(
+                rank,
+                format!(
+                    "max_hidden {} is not a positive multiple of 8",
+                    o.max_hidden
+                ),
+            ));
+        }
+        if o.max_live_outputs == 0 {
+            return Err(invalid(rank, "max_live_outputs must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Ranks in the group.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+    /// Experts on each rank.
+    pub fn num_local_experts(&self) -> usize {
+        self.num_local_experts
+    }
+    /// The options the buffer was built with.
+    pub fn options(&self) -> &BufferOptions {
+        &self.opts
+    }
+    /// The GPU context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream every operation runs on.
+    pub fn comm_stream(&self) -> &Arc<CudaStream> {
+        &self.comm
+    }
+    /// The stream operations order against by default (the context's default stream).
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    fn cuda(&self, call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
+        move |source| EpError::Cuda {
+            rank: self.rank,
+            call,
+            source,
+        }
+    }
+
+    fn usable(&self) -> Result<(), EpError> {
+        match &self.poisoned {
+            Some(first) => Err(EpError::Poisoned {
+                rank: self.rank,
+                first: first.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn on_this_gpu<T: Element>(&self, t: &Tensor<T>, name: &str) -> Result<(), EpError> {
+        if t.device_ordinal() != self.ctx.ordinal() {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{name} is on GPU {}, this rank uses GPU {}",
+                    t.device_ordinal(),
+                    self.ctx.ordinal()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn shape_is<T: Element>(
+        &self,
+        t: &Tensor<T>,
+        want: &[usize],
+        name: &str,
+    ) -> Result<(), EpError> {
+        self.on_this_gpu(t, name)?;
+        if t.shape() != want {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{name} ({}) has shape {:?}, expected {want:?}",
+                    T::NAME,
+                    t.shape()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn launch<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        p: &P,
+        call: &'static str,
+    ) -> Result<(), EpError> {
+        let mut b = self.comm.launch_builder(f);
+        b.arg(p);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: every kernel of ep-kernels takes exactly one by-value parameter struct, and `P`
+        // is the #[repr(C)] mirror of that kernel's struct (the caller pairs them); every address
+        // in it is a live allocation of this rank or a peer-mapped one.
+        unsafe { b.launch(cfg) }.map_err(self.cuda(call))?;
+        Ok(())
+    }
+
+    /// Makes the communication stream wait for `order.previous_event`, or for the compute
+    /// stream's work so far.
+    fn start(&self, order: &StreamOrder<'_>) -> Result<(), EpError> {
+        match order.previous_event {
+            Some(e) => e.wait_on(&self.comm),
+            None => Event::record(&self.compute, self.rank)?.wait_on(&self.comm),
+        }
+    }
+
+    fn finish(&self, order: &StreamOrder<'_>) -> Result<Event, EpError> {
+        let e = Event::record(&self.comm, self.rank)?;
+        if !order.async_finish {
+            e.wait_on(&self.compute)?;
+        }
+        Ok(e)
+    }
+
+    fn check_config(&self, c: &Config) -> Result<(), EpError> {
+        if c.num_sms == 0 || c.num_sms > 1024 {
+            return Err(invalid(
+                self.rank,
+                format!("config.num_sms {} out of 1..=1024", c.num_sms),
+            ));
+        }
+        if c.block_threads < 32 || c.block_threads > k::PUSH_THREADS || c.block_threads % 32 != 0 {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "config.block_threads {} is not a multiple of 32 in 32..=1024",
+                    c.block_threads
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn poison(&self, region: &DeviceBuffer) -> Result<(), EpError> {
+        if self.opts.poison_outputs {
+            // SAFETY: the whole live allocation is written, ordered on the communication stream.
+            unsafe {
+                cudarc::driver::sys::cuMemsetD8Async(
+                    region.ptr(),
+                    0xAB,
+                    region.len(),
+                    self.comm.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(self.cuda("cuMemsetD8Async"))?;
+        }
+        Ok(())
+    }
+
+    /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
+    fn check_device_error(&mut self) -> Result<(), EpError> {
+        let code = self.mapped.read_u32(ERROR_OFFSET);
+        if code == k::error_code::NONE {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut code = code;
+        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
+            std::hint::spin_loop();
+            code = self.mapped.read_u32(ERROR_OFFSET);
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        let peer = self.mapped.read_u32(ERROR_OFFSET + 8) as usize;
+        let what = self.mapped.read_u32(ERROR_OFFSET + 12);
+        let epoch = self.mapped.read_u64(ERROR_OFFSET + 16);
+        let detail = self.mapped.read_u64(ERROR_OFFSET + 24);
+        let err = match code {
+            k::error_code::WORST_TOKENS_EXCEEDED => EpError::WorstTokensExceeded {
+                rank: self.rank,
+                received: detail as usize,
+                worst: 0,
+            },
+            _ => EpError::PeerTimeout {
+                rank: self.rank,
+                peer,
+                what: match what {
+                    k::wait_what::DISPATCH_COUNTS => "dispatch count exchange",
+                    k::wait_what::DISPATCH_DATA => "dispatch data",
+                    k::wait_what::COMBINE_START => "combine start",
+                    k::wait_what::COMBINE_DATA => "combine data",
+                    _ => "unknown wait",
+                },
+                epoch,
+                seen: detail,
+                timeout: self.opts.timeout,
+            },
+        };
+        self.poisoned = Some(err.to_string());
+        Err(err)
+    }
+
+    /// Waits (bounded) until everything queued on the communication stream has run, then reports
+    /// any error the kernels recorded.
+    pub fn synchronize(&mut self) -> Result<(), EpError> {
+        let e = Event::record(&self.comm, self.rank)?;
+        let r = e.wait_host(self.opts.timeout * 2, "the communication stream");
+        self.check_device_error()?;
+        r
+    }
+
+    /// From top-k expert ids `[tokens][k]` (-1 for none), computes tokens per rank and per
+    /// expert, `is_token_in_rank`, and the send order. Ids out of range are an `Err`. Waits
+    /// (bounded) for the result.
+    pub fn get_dispatch_layout(
+        &mut self,
+        topk_idx: &Tensor<i32>,
+    ) -> Result<DispatchLayout, EpError> {
+        self.usable()?;
+        self.on_this_gpu(topk_idx, "topk_idx")?;
+        if topk_idx.shape().len() != 2 {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "topk_idx has shape {:?}, expected [tokens, k]",
+                    topk_idx.shape()
+                ),
+            ));
+        }
+        let (t, kk) = (topk_idx.dim(0), topk_idx.dim(1));
+        if t > self.opts.max_tokens_per_rank {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{t} tokens, more than max_tokens_per_rank {}",
+                    self.opts.max_tokens_per_rank
+                ),
+            ));
+        }
+        if kk > self.opts.max_topk {
+            return Err(invalid(
+                self.rank,
+                format!("top-{kk}, more than max_topk {}", self.opts.max_topk),
+            ));
+        }
+        let (r, e) = (self.ranks, self.opts.num_experts);
+        let per_rank_at = 0;
+        let per_expert_at = align_up(4 * r);
+        let invalid_at = per_expert_at + align_up(4 * e);
+        let in_rank_at = invalid_at + ALIGN;
+        let send_pos_at = in_rank_at + align_up(t * r);
+        let bytes = send_pos_at + 4 * t * r;
+        let buf =
+            Arc::new(
+                DeviceBuffer::new(&self.ctx, bytes).map_err(|source| EpError::Device {
+                    rank: self.rank,
+                    source,
+                })?,
+            );
+        self.start(&StreamOrder::default())?;
+        let p = k::LayoutParams {
+            topk_idx: topk_idx.device_address(),
+            tokens_per_rank: buf.ptr() + per_rank_at as u64,
+            tokens_per_expert: buf.ptr() + per_expert_at as u64,
+            is_token_in_rank: buf.ptr() + in_rank_at as u64,
+            send_pos: buf.ptr() + send_pos_at as u64,
+            invalid: buf.ptr() + invalid_at as u64,
+            num_tokens: t as i32,
+            topk: kk as i32,
+            ranks: r as i32,
+            num_experts: e as i32,
+        };
+        self.launch(
+            &self.kernels.layout,
+            r as u32 + 1,
+            k::LAYOUT_THREADS,
+            (4 * e) as u32,
+            &p,
+            "cuLaunchKernel(ep_dispatch_layout)",
+        )?;
+        let done = self.finish(&StreamOrder::default())?;
+        done.wait_host(self.opts.timeout, "the dispatch layout")?;
+        let bad: Vec<i32> = buf
+            .download(invalid_at, 1)
+            .map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
+        if bad[0] != 0 {
+            return Err(EpError::ExpertIdOutOfRange {
+                rank: self.rank,
+                count: bad[0] as usize,
+                num_experts: e,
+            });
+        }
+        Ok(DispatchLayout {
+            tokens_per_rank: Tensor::view(buf.clone(), per_rank_at, vec![r]),
+            tokens_per_expert: Tensor::view(buf.clone(), per_expert_at, vec![e]),
+            is_token_in_rank: Tensor::view(buf.clone(), in_rank_at, vec![t, r]),
+            send_pos: Tensor::view(buf, send_pos_at, vec![t, r]),
+            num_tokens: t,
+            buffer_id: self.id,
+        })
+    }
+
+    /// Checks the rows to send; returns (tokens, hidden, row bytes, scale words).
+    fn check_x(
+        &self,
+        x: &DispatchX<'_>,
+        tokens: Option<usize>,
+    ) -> Result<(usize, usize, usize, usize), EpError> {
+        let (shape, elem, scales) = match x {
+            DispatchX::Bf16(t) => {
+                self.on_this_gpu(*t, "x")?;
+                (t.shape(), 2, None)
+            }
+            DispatchX::Fp8 { x, scales } => {
+                self.on_this_gpu(*x, "x")?;
+                (x.shape(), 1, Some(*scales))
+            }
+        };
+        if shape.len() != 2 {
+            return Err(invalid(
+                self.rank,
+                format!("x has shape {shape:?}, expected [tokens, hidden]"),
+            ));
+        }
+        let (t, h) = (shape[0], shape[1]);
+        if let Some(want) = tokens {
+            if t != want {
+                return Err(invalid(
+                    self.rank,
+                    format!("x has {t} tokens, the layout/handle {want}"),
+                ));
+            }
+        }
+        if t > self.opts.max_tokens_per_rank {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{t} tokens, more than max_tokens_per_rank {}",
+                    self.opts.max_tokens_per_rank
+                ),
+            ));
+        }
+        if h > self.opts.max_hidden {
+            return Err(invalid(
+                self.rank,
+                format!("hidden {h} above max_hidden {}", self.opts.max_hidden),
+            ));
+        }
+        let row_bytes = h * elem;
+        if h == 0 || row_bytes % 16 != 0 {
+            return Err(invalid(
+                self.rank,
+                format!("hidden {h}: rows of {row_bytes} bytes are not a positive multiple of 16"),
+            ));
+        }
+        let mut scale_words = 0;
+        if let Some(s) = scales {
+            if h % FP8_BLOCK != 0 {
+                return Err(invalid(
+                    self.rank,
+                    format!("FP8 hidden {h} is not a multiple of {FP8_BLOCK}"),
+                ));
+            }
+            scale_words = h / FP8_BLOCK;
+            self.shape_is(s, &[t, scale_words], "scales")?;
+        }
+        Ok((t, h, row_bytes, scale_words))
+    }
+
+    fn recv_views(
+        &self,
+        region: &Arc<DeviceBuffer>,
+        x: &DispatchX<'_>,
+        rows: usize,
+        hidden: usize,
+        scale_words: usize,
+    ) -> RecvX {
+        let l = &self.plan.layout;
+        match x {
+            DispatchX::Bf16(_) => RecvX::Bf16(Tensor::view(
+                region.clone(),
+                l.x as usize,
+                vec![rows, hidden],
+            )),
+            DispatchX::Fp8 { .. } => RecvX::Fp8 {
+                x: Tensor::view(region.clone(), l.x as usize, vec![rows, hidden]),
+                scales: Tensor::view(region.clone(), l.scales as usize, vec![rows, scale_words]),
+            },
+        }
+    }
+
+    fn next_epochs(&mut self) -> (u64, u64) {
+        self.epoch += 2;
+        (self.epoch - 1, self.epoch)
+    }
+
+    fn timeout_ns(&self) -> u64 {
+        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+
+    /// Waits (bounded) for the count exchange of dispatch `epoch`; returns (rows, per-expert).
+    fn wait_counts(&mut self, epoch: u64) -> Result<(usize, Vec<usize>), EpError> {
+        let start = Instant::now();
+        let bound = self.opts.timeout * 2;
+        let mut spins = 0;
+        while self.mapped.read_u64(HOST_INFO_OFFSET) != epoch {
+            self.check_device_error()?;
+            if start.elapsed() > bound {
+                let e = EpError::HostTimeout {
+                    rank: self.rank,
+                    what: "the dispatch's received-token count",
+                    timeout: bound,
+                };
+                self.poisoned = Some(e.to_string());
+                return Err(e);
+            }
+            backoff(&mut spins);
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        self.check_device_error()?;
+        let n = self.mapped.read_i32(HOST_INFO_OFFSET + 8).max(0) as usize;
+        let counts = (0..self.num_local_experts)
+            .map(|l| self.mapped.read_i32(HOST_INFO_OFFSET + 16 + 4 * l).max(0) as usize)
+            .collect();
+        Ok((n, counts))
+    }
+
+    /// Sends each token to every rank that holds one of its experts. Rows arrive ordered by
+    /// source rank, then by token. All ranks call this together.
+    pub fn dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchOutput, EpError> {
+        self.usable()?;
+        let layout = args.layout;
+        if layout.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "layout",
+            });
+        }
+        let (t, hidden, row_bytes, scale_words) = self.check_x(&args.x, Some(layout.num_tokens))?;
+        self.check_config(&args.config)?;
+        let mut topk = 0;
+        if let Some(tk) = &args.topk {
+            self.on_this_gpu(tk.idx, "topk_idx")?;
+            topk = tk.idx.dim(1);
+            if topk > self.opts.max_topk || topk == 0 {
+                return Err(invalid(
+                    self.rank,
+                    format!("top-{topk}: expected 1..={}", self.opts.max_topk),
+                ));
+            }
+            self.shape_is(tk.idx, &[t, topk], "topk_idx")?;
+            self.shape_is(tk.weights, &[t, topk], "topk_weights")?;
+        }
+        let cap = self.ranks * self.opts.max_tokens_per_rank;
+        if let Some(w) = args.num_worst_tokens {
+            if w == 0 || w > cap {
+                return Err(invalid(
+                    self.rank,
+                    format!("num_worst_tokens {w} out of 1..={cap}"),
+                ));
+            }
+        }
+        let region = self.recv_pool.acquire(&self.ctx, self.rank)?;
+        let (e1, e2) = self.next_epochs();
+        self.start(&args.order)?;
+        self.poison(&region)?;
+        let worst = args.num_worst_tokens.unwrap_or(0);
+        let notify = k::NotifyParams {
+            signal: self.peer_signal,
+            recv_base: region.ptr(),
+            cached_meta: 0,
+            tokens_per_rank: layout.tokens_per_rank.device_address(),
+            tokens_per_expert: if args.topk.is_some() {
+                layout.tokens_per_expert.device_address()
+            } else {
+                0
+            },
+            host_info: if worst == 0 {
+                self.mapped.device_addr(HOST_INFO_OFFSET)
+            } else {
+                0
+            },
+            error: self.mapped.device_addr(ERROR_OFFSET),
+            epoch: e1,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            num_local_experts: self.num_local_experts as i32,
+            expert_alignment: args.expert_alignment.max(1) as i32,
+            num_worst_tokens: worst as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.kernels.notify,
+            1,
+            k::NOTIFY_THREADS,
+            0,
+            &notify,
+            "cuLaunchKernel(ep_intranode_notify)",
+        )?;
+        self.push(
+            &args.x,
+            args.topk.as_ref(),
+            &layout.send_pos,
+            &region,
+            t,
+            row_bytes,
+            scale_words,
+            topk,
+            worst,
+            e2,
+            &args.config,
+        )?;
+        let event = self.finish(&args.order)?;
+
+        let (rows, num_recv, per_expert) = if worst == 0 {
+            let (n, c) = self.wait_counts(e1)?;
+            (n, Some(n), Some(c))
+        } else {
+            (worst, None, None)
+        };
+        let l = &self.plan.layout;
+        Ok(DispatchOutput {
+            x: self.recv_views(&region, &args.x, rows, hidden, scale_words),
+            topk_idx: args
+                .topk
+                .map(|_| Tensor::view(region.clone(), l.topk_idx as usize, vec![rows, topk])),
+            topk_weights: args
+                .topk
+                .map(|_| Tensor::view(region.clone(), l.topk_weights as usize, vec![rows, topk])),
+            num_recv_tokens: num_recv,
+            num_recv_tokens_per_expert: per_expert,
+            recv_tokens_per_expert: Tensor::view(
+                region.clone(),
+                std::mem::size_of::<k::Meta>(),
+                vec![self.num_local_experts],
+            ),
+            handle: Handle {
+                buffer_id: self.id,
+                region,
+                send_pos: layout.send_pos.clone(),
+                num_tokens: t,
+                rows,
+                num_recv,
+                worst: worst != 0,
+            },
+            event,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &self,
+        x: &DispatchX<'_>,
+        topk: Option<&TopK<'_>>,
+        send_pos: &Tensor<i32>,
+        region: &DeviceBuffer,
+        tokens: usize,
+        row_bytes: usize,
+        scale_words: usize,
+        topk_n: usize,
+        worst: usize,
+        epoch: u64,
+        config: &Config,
+    ) -> Result<(), EpError> {
+        let (xa, sa) = match x {
+            DispatchX::Bf16(t) => (t.device_address(), 0),
+            DispatchX::Fp8 { x, scales } => (x.device_address(), scales.device_address()),
+        };
+        let p = k::DispatchParams {
+            signal: self.peer_signal,
+            region: self.plan.layout,
+            meta: region.ptr(),
+            x: xa,
+            scales: sa,
+            topk_idx: topk.map_or(0, |t| t.idx.device_address()),
+            topk_weights: topk.map_or(0, |t| t.weights.device_address()),
+            send_pos: send_pos.device_address(),
+            error: self.mapped.device_addr(ERROR_OFFSET),
+            epoch,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            num_tokens: tokens as i32,
+            row_bytes: row_bytes as i32,
+            scale_words: scale_words as i32,
+            topk: topk_n as i32,
+            num_local_experts: self.num_local_experts as i32,
+            num_worst_tokens: worst as i32,
+        };
+        self.launch(
+            &self.kernels.dispatch,
+            config.num_sms,
+            config.block_threads,
+            0,
+            &p,
+            "cuLaunchKernel(ep_intranode_dispatch)",
+        )
+    }
+
+    /// Sends `x` along the routes of an earlier dispatch (no layout, no top-k, no count exchange
+    /// on the host). All ranks call this together.
+    pub fn dispatch_cached(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        config: &Config,
+        order: &StreamOrder<'_>,
+    ) -> Result<DispatchOutput, EpError> {
+        self.usable()?;
+        if handle.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "handle",
+            });
+        }
+        let (t, hidden, row_bytes, scale_words) = self.check_x(&x, Some(handle.num_tokens))?;
+        self.check_config(config)?;
+        let region = self.recv_pool.acquire(&self.ctx, self.rank)?;
+        let (e1, e2) = self.next_epochs();
+        self.start(order)?;
+        self.poison(&region)?;
+        let worst = if handle.worst { handle.rows } else { 0 };
+        let notify = k::NotifyParams {
+            signal: self.peer_signal,
+            recv_base: region.ptr(),
+            cached_meta: handle.region.ptr(),
+            tokens_per_rank: 0,
+            tokens_per_expert: 0,
+            host_info: 0,
+            error: self.mapped.device_addr(ERROR_OFFSET),
+            epoch: e1,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            num_local_experts: self.num_local_experts as i32,
+            expert_alignment: 1,
+            num_worst_tokens: worst as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.kernels.notify,
+            1,
+            k::NOTIFY_THREADS,
+            0,
+            &notify,
+            "cuLaunchKernel(ep_intranode_notify)",
+        )?;
+        self.push(
+            &x,
+            None,
+            &handle.send_pos,
+            &region,
+            t,
+            row_bytes,
+            scale_words,
+            0,
+            worst,
+            e2,
+            config,
+        )?;
+        let event = self.finish(order)?;
+        Ok(DispatchOutput {
+            x: self.recv_views(&region, &x, handle.rows, hidden, scale_words),
+            topk_idx: None,
+            topk_weights: None,
+            num_recv_tokens: handle.num_recv,
+            num_recv_tokens_per_expert: None,
+            recv_tokens_per_expert: Tensor::view(
+                region.clone(),
+                std::mem::size_of::<k::Meta>(),
+                vec![self.num_local_experts],
+            ),
+            handle: Handle {
+                region,
+                ..handle.clone()
+            },
+            event,
+        })
+    }
+
+    /// Sums every copy of each token back on the rank that sent it: the inverse of the dispatch
+    /// that made `args.handle`. All ranks call this together.
+    pub fn combine(&mut self, args: &CombineArgs<'_>) -> Result<CombineOutput, EpError> {
+        self.usable()?;
+        let h = args.handle;
+        if h.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "handle",
+            });
+        }
+        self.check_config(&args.config)?;
+        self.on_this_gpu(args.x, "x")?;
+        let hidden = args.x.dim(1);
+        self.shape_is(args.x, &[h.rows, hidden], "x")?;
+        if hidden == 0 || hidden % 8 != 0 || hidden > self.opts.max_hidden {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "combine hidden {hidden}: expected a multiple of 8 in 8..={}",
+                    self.opts.max_hidden
+                ),
+            ));
+        }
+        let mut topk = 0;
+        if let Some(w) = args.topk_weights {
+            topk = w.dim(1);
+            if topk == 0 || topk > self.opts.max_topk {
+                return Err(invalid(
+                    self.rank,
+                    format!("combine top-{topk}: expected 1..={}", self.opts.max_topk),
+                ));
+            }
+            self.shape_is(w, &[h.rows, topk], "topk_weights")?;
+        }
+        for (i, b) in args.bias.iter().enumerate() {
+            if let Some(b) = b {
+                self.shape_is(
+                    *b,
+                    &[h.num_tokens, hidden],
+                    if i == 0 { "bias[0]" } else { "bias[1]" },
+                )?;
+            }
+        }
+        let out = self.out_pool.acquire(&self.ctx, self.rank)?;
+        let (e1, e2) = self.next_epochs();
+        self.start(&args.order)?;
+        self.poison(&out)?;
+        let error = self.mapped.device_addr(ERROR_OFFSET);
+        let barrier = k::BarrierParams {
+            signal: self.peer_signal,
+            error,
+            epoch: e1,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            what: k::wait_what::COMBINE_START as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.kernels.barrier,
+            1,
+            k::NOTIFY_THREADS,
+            0,
+            &barrier,
+            "cuLaunchKernel(ep_intranode_barrier)",
+        )?;
+        let push = k::CombinePushParams {
+            signal: self.peer_signal,
+            comb_x: self.peer_comb_x,
+            comb_w: self.peer_comb_w,
+            meta: h.region.ptr(),
+            x: args.x.device_address(),
+            topk_weights: args.topk_weights.map_or(0, |w| w.device_address()),
+            error,
+            epoch: e2,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            row_bytes: (hidden * 2) as i32,
+            topk: topk as i32,
+            max_tokens: self.opts.max_tokens_per_rank as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.kernels.combine,
+            args.config.num_sms,
+            args.config.block_threads,
+            0,
+            &push,
+            "cuLaunchKernel(ep_intranode_combine)",
+        )?;
+        let reduce = k::CombineReduceParams {
+            comb_x: self.comb.ptr(),
+            comb_w: self.comb.ptr() + self.comb_w_offset as u64,
+            send_pos: h.send_pos.device_address(),
+            bias0: args.bias[0].map_or(0, |b| b.device_address()),
+            bias1: args.bias[1].map_or(0, |b| b.device_address()),
+            out: out.ptr(),
+            out_weights: if topk > 0 {
+                out.ptr() + self.out_w_offset as u64
+            } else {
+                0
+            },
+            error,
+            ranks: self.ranks as i32,
+            num_tokens: h.num_tokens as i32,
+            hidden: hidden as i32,
+            topk: topk as i32,
+            max_tokens: self.opts.max_tokens_per_rank as i32,
+            pad: 0,
+        };
+        self.launch(
+            &self.kernels.reduce,
+            args.config.num_sms,
+            args.config.block_threads,
+            0,
+            &reduce,
+            "cuLaunchKernel(ep_intranode_combine_reduce)",
+        )?;
+        let event = self.finish(&args.order)?;
+        Ok(CombineOutput {
+            x: Tensor::view(out.clone(), 0, vec![h.num_tokens, hidden]),
+            topk_weights: (topk > 0)
+                .then(|| Tensor::view(out, self.out_w_offset, vec![h.num_tokens, topk])),
+            event,
+        })
+    }
+}

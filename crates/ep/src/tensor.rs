@@ -1,0 +1,125 @@
+//! Typed device tensors: a shape over (part of) a peer-mappable device allocation.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use ibgda_device::cuda::DeviceBuffer;
+
+use crate::dtype::Element;
+use crate::error::EpError;
+
+/// A dense row-major tensor of `T` in GPU memory.
+///
+/// The memory comes from `cuMemAlloc` (peer-mappable). Cloning shares the storage. Outputs of
+/// [`Buffer`](crate::Buffer) operations are views into the buffer's pooled regions, which stay
+/// reserved while any view or handle on them is alive.
+#[derive(Debug)]
+pub struct Tensor<T: Element> {
+    storage: Arc<DeviceBuffer>,
+    offset: usize,
+    shape: Vec<usize>,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> Clone for Tensor<T> {
+    fn clone(&self) -> Self {
+        Self {
+            storage: self.storage.clone(),
+            offset: self.offset,
+            shape: self.shape.clone(),
+            _t: PhantomData,
+        }
+    }
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl<T: Element> Tensor<T> {
+    /// A tensor of `shape` holding a copy of `data` (row-major) on `ctx`'s GPU.
+    pub fn from_host(ctx: &Arc<CudaContext>, data: &[T], shape: &[usize]) -> Result<Self, EpError> {
+        if numel(shape) != data.len() {
+            return Err(crate::error::invalid(
+                usize::MAX,
+                format!(
+                    "shape {shape:?} holds {} elements, data has {}",
+                    numel(shape),
+                    data.len()
+                ),
+            ));
+        }
+        let storage =
+            DeviceBuffer::new(ctx, std::mem::size_of_val(data).max(16)).map_err(|source| {
+                EpError::Device {
+                    rank: usize::MAX,
+                    source,
+                }
+            })?;
+        if !data.is_empty() {
+            storage.upload(0, data).map_err(|source| EpError::Device {
+                rank: usize::MAX,
+                source,
+            })?;
+        }
+        Ok(Self::view(Arc::new(storage), 0, shape.to_vec()))
+    }
+
+    /// A tensor of `shape` with every element equal to `value`.
+    pub fn filled(ctx: &Arc<CudaContext>, value: T, shape: &[usize]) -> Result<Self, EpError> {
+        Self::from_host(ctx, &vec![value; numel(shape)], shape)
+    }
+
+    pub(crate) fn view(storage: Arc<DeviceBuffer>, offset: usize, shape: Vec<usize>) -> Self {
+        debug_assert!(
+            offset + numel(&shape) * std::mem::size_of::<T>() <= storage.len().max(offset)
+        );
+        Self {
+            storage,
+            offset,
+            shape,
+            _t: PhantomData,
+        }
+    }
+
+    /// Copies the tensor to the host (synchronous). Work queued on non-default streams is not
+    /// waited for: synchronize first (e.g. [`Buffer::synchronize`](crate::Buffer::synchronize)).
+    pub fn to_host(&self) -> Result<Vec<T>, EpError> {
+        if self.numel() == 0 {
+            return Ok(Vec::new());
+        }
+        self.storage
+            .download(self.offset, self.numel())
+            .map_err(|source| EpError::Device {
+                rank: usize::MAX,
+                source,
+            })
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+
+    /// Size of dimension `i` (0 past the last).
+    pub fn dim(&self, i: usize) -> usize {
+        self.shape.get(i).copied().unwrap_or(0)
+    }
+
+    /// The device address of the first element, for handing to other CUDA code. Reading or
+    /// writing through it is the caller's responsibility.
+    pub fn device_address(&self) -> u64 {
+        self.storage.ptr() + self.offset as u64
+    }
+
+    /// The GPU ordinal holding the tensor.
+    pub fn device_ordinal(&self) -> usize {
+        self.storage.context().ordinal()
+    }
+}
