@@ -1,0 +1,54 @@
+//! Bringing ranks together: who is in the job, how they exchange small messages, and how they see
+//! each other's GPU buffers.
+//!
+//! A job is `world_size` ranks that all call the same collectives in the same order. Two kinds of
+//! rank share one interface, [`Communicator`]:
+//!
+//! - **ranks as processes** ([`TcpCommunicator`]): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
+//!   (loopback by default), the others connect to it; every message goes through rank 0. A per-job
+//!   [`JobToken`] keeps a stray process (another job, an old run) from joining. Configured from the
+//!   environment ([`RankConfig::from_env`]) or through [`RankConfig::new`].
+//! - **ranks as threads** of one process ([`ThreadGroup`]): the same collectives through shared
+//!   memory.
+//!
+//! GPU buffers are shared with [`exchange_buffers`]: through CUDA IPC between processes
+//! ([`IpcHandle`], [`PeerMapping`]) and through peer access between threads of one process.
+//!
+//! [`Launcher`] (or [`launch`]) lets a program start its own ranks: run without `RANK` set, it
+//! re-executes itself once per rank with the environment filled in, prefixes each rank's output with
+//! `[rank N] `, and fails as soon as one rank fails.
+//!
+//! Every wait here has a time bound, and every error names the rank, the step and, for sockets, the
+//! peer's address.
+//!
+//! ```no_run
+//! use ep::bootstrap::{launch, Communicator};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//!     launch(4, |comm| {
+//!         let all = comm.all_gather_bytes(&[comm.rank() as u8])?;
+//!         assert_eq!(all, vec![vec![0], vec![1], vec![2], vec![3]]);
+//!         comm.barrier()
+//!     })?;
+//!     Ok(())
+//! }
+//! ```
+
+mod communicator;
+mod config;
+mod error;
+mod ipc;
+mod launcher;
+mod tcp;
+mod thread;
+mod token;
+mod wire;
+
+pub use communicator::Communicator;
+pub use config::{vars, RankConfig, DEFAULT_MASTER_ADDR, DEFAULT_TIMEOUT, MAX_WORLD_SIZE};
+pub use error::BootstrapError;
+pub use ipc::{exchange_buffers, export, IpcHandle, PeerBuffer, PeerMapping};
+pub use launcher::{launch, Launcher};
+pub use tcp::TcpCommunicator;
+pub use thread::{ThreadCommunicator, ThreadGroup};
+pub use token::JobToken;

@@ -1,0 +1,468 @@
+//! The bootstrap's messages on a TCP stream: length-prefixed frames, every read and write bounded
+//! by a deadline.
+//!
+//! Frame: `u32` little-endian payload length, then the payload, whose first byte is the kind.
+
+use std::io::{self, Read as _, Write as _};
+use std::net::TcpStream;
+use std::time::Instant;
+
+use super::JobToken;
+
+/// Opens every hello, so a connection from anything else is recognised and turned away.
+const MAGIC: [u8; 8] = *b"EPBOOT01";
+
+/// No bootstrap message is larger: a length beyond it means the other side is not speaking this
+/// protocol (or is broken), and reading on would only allocate garbage.
+pub(crate) const MAX_FRAME: usize = 1 << 30;
+
+/// A collective, as carried in its messages so that ranks calling different ones are caught.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    AllGather = 1,
+    Barrier = 2,
+}
+
+impl Op {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::AllGather => "all_gather",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Op::AllGather),
+            2 => Some(Op::Barrier),
+            _ => None,
+        }
+    }
+}
+
+/// Why rank 0 turned a joining process away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RejectCode {
+    Token = 1,
+    WorldSize = 2,
+    BadRank = 3,
+    Duplicate = 4,
+}
+
+impl RejectCode {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(RejectCode::Token),
+            2 => Some(RejectCode::WorldSize),
+            3 => Some(RejectCode::BadRank),
+            4 => Some(RejectCode::Duplicate),
+            _ => None,
+        }
+    }
+}
+
+/// One message.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Msg {
+    /// Joining rank → rank 0.
+    Hello {
+        token: JobToken,
+        rank: u32,
+        world: u32,
+    },
+    /// Rank 0 → every rank, once all have joined.
+    Welcome,
+    /// Rank 0 → a process it turns away; `value` is rank 0's world size for `WorldSize`.
+    Reject {
+        code: RejectCode,
+        value: u32,
+        text: String,
+    },
+    /// A rank's part of collective number `seq` → rank 0.
+    Contrib { seq: u64, op: Op, data: Vec<u8> },
+    /// Rank 0 → every rank: all parts of collective `seq` (none for a barrier).
+    Gathered {
+        seq: u64,
+        op: Op,
+        parts: Vec<Vec<u8>>,
+    },
+    /// Rank 0 → every rank: the group failed, for this reason.
+    Abort { reason: String },
+}
+
+const K_HELLO: u8 = 1;
+const K_WELCOME: u8 = 2;
+const K_REJECT: u8 = 3;
+const K_CONTRIB: u8 = 4;
+const K_GATHERED: u8 = 5;
+const K_ABORT: u8 = 6;
+
+/// Why a message could not be read or written.
+#[derive(Debug)]
+pub(crate) enum WireError {
+    /// The deadline passed; `partial` when part of a frame had already moved.
+    TimedOut { partial: bool },
+    /// The other side closed the connection.
+    Closed,
+    /// The socket failed.
+    Io(io::Error),
+    /// The bytes are not a bootstrap message.
+    Malformed(String),
+}
+
+impl Msg {
+    /// The whole frame, length prefix included.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut p = vec![0u8; 4];
+        match self {
+            Msg::Hello { token, rank, world } => {
+                p.push(K_HELLO);
+                p.extend_from_slice(&MAGIC);
+                p.extend_from_slice(token.as_bytes());
+                p.extend_from_slice(&rank.to_le_bytes());
+                p.extend_from_slice(&world.to_le_bytes());
+            }
+            Msg::Welcome => {
+                p.push(K_WELCOME);
+                p.extend_from_slice(&MAGIC);
+            }
+            Msg::Reject { code, value, text } => {
+                p.push(K_REJECT);
+                p.extend_from_slice(&MAGIC);
+                p.push(*code as u8);
+                p.extend_from_slice(&value.to_le_bytes());
+                p.extend_from_slice(text.as_bytes());
+            }
+            Msg::Contrib { seq, op, data } => {
+                p.push(K_CONTRIB);
+                p.extend_from_slice(&seq.to_le_bytes());
+                p.push(*op as u8);
+                p.extend_from_slice(data);
+            }
+            Msg::Gathered { seq, op, parts } => {
+                p.push(K_GATHERED);
+                p.extend_from_slice(&seq.to_le_bytes());
+                p.push(*op as u8);
+                p.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+                for part in parts {
+                    p.extend_from_slice(&(part.len() as u64).to_le_bytes());
+                    p.extend_from_slice(part);
+                }
+            }
+            Msg::Abort { reason } => {
+                p.push(K_ABORT);
+                p.extend_from_slice(reason.as_bytes());
+            }
+        }
+        let len = (p.len() - 4) as u32;
+        p[..4].copy_from_slice(&len.to_le_bytes());
+        p
+    }
+
+    /// Parses one payload (the bytes after the length prefix).
+    pub(crate) fn decode(payload: &[u8]) -> Result<Msg, WireError> {
+        let mut r = Reader(payload);
+        let kind = r.u8()?;
+        let msg = match kind {
+            K_HELLO | K_WELCOME | K_REJECT => {
+                if r.take(MAGIC.len())? != MAGIC {
+                    return Err(WireError::Malformed(
+                        "not an ep bootstrap message (bad magic)".into(),
+                    ));
+                }
+                match kind {
+                    K_HELLO => Msg::Hello {
+                        token: JobToken::from_bytes(r.array()?),
+                        rank: r.u32()?,
+                        world: r.u32()?,
+                    },
+                    K_WELCOME => Msg::Welcome,
+                    _ => Msg::Reject {
+                        code: RejectCode::from_u8(r.u8()?)
+                            .ok_or_else(|| WireError::Malformed("unknown rejection code".into()))?,
+                        value: r.u32()?,
+                        text: String::from_utf8_lossy(r.rest()).into_owned(),
+                    },
+                }
+            }
+            K_CONTRIB => Msg::Contrib {
+                seq: r.u64()?,
+                op: r.op()?,
+                data: r.rest().to_vec(),
+            },
+            K_GATHERED => {
+                let seq = r.u64()?;
+                let op = r.op()?;
+                let n = r.u32()? as usize;
+                if n > super::MAX_WORLD_SIZE {
+                    return Err(WireError::Malformed(format!(
+                        "{n} parts in a gathered message"
+                    )));
+                }
+                let mut parts = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let len = usize::try_from(r.u64()?)
+                        .map_err(|_| WireError::Malformed("part length overflows".into()))?;
+                    parts.push(r.take(len)?.to_vec());
+                }
+                Msg::Gathered { seq, op, parts }
+            }
+            K_ABORT => Msg::Abort {
+                reason: String::from_utf8_lossy(r.rest()).into_owned(),
+            },
+            other => {
+                return Err(WireError::Malformed(format!(
+                    "unknown message kind {other} (not an ep bootstrap peer?)"
+                )))
+            }
+        };
+        if !r.0.is_empty() {
+            return Err(WireError::Malformed(format!(
+                "{} trailing bytes after a message of kind {kind}",
+                r.0.len()
+            )));
+        }
+        Ok(msg)
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if self.0.len() < n {
+            return Err(WireError::Malformed(format!(
+                "message truncated: wanted {n} more bytes, {} left",
+                self.0.len()
+            )));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn op(&mut self) -> Result<Op, WireError> {
+        let v = self.u8()?;
+        Op::from_u8(v).ok_or_else(|| WireError::Malformed(format!("unknown collective {v}")))
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.0)
+    }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Fills `buf`, giving up at `deadline`. `moved` counts bytes of the current frame already read.
+fn read_exact_by(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    moved: &mut usize,
+) -> Result<(), WireError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(WireError::TimedOut {
+                partial: *moved > 0,
+            });
+        }
+        s.set_read_timeout(Some(left)).map_err(WireError::Io)?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(WireError::Closed),
+            Ok(n) => {
+                got += n;
+                *moved += n;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {
+                return Err(WireError::TimedOut {
+                    partial: *moved > 0,
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Err(WireError::Closed),
+            Err(e) => return Err(WireError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// The largest hello: what rank 0 accepts from a connection it knows nothing about yet.
+pub(crate) const MAX_HELLO: usize = 64;
+
+/// Reads one message, giving up at `deadline`.
+pub(crate) fn read_msg(s: &mut TcpStream, deadline: Instant) -> Result<Msg, WireError> {
+    read_msg_max(s, deadline, MAX_FRAME)
+}
+
+/// Reads one message of at most `max` bytes, giving up at `deadline`.
+pub(crate) fn read_msg_max(
+    s: &mut TcpStream,
+    deadline: Instant,
+    max: usize,
+) -> Result<Msg, WireError> {
+    let mut moved = 0;
+    let mut len = [0u8; 4];
+    read_exact_by(s, &mut len, deadline, &mut moved)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > max {
+        return Err(WireError::Malformed(format!(
+            "frame length {len} outside 1..={max} (not an ep bootstrap peer?)"
+        )));
+    }
+    let mut payload = vec![0u8; len];
+    read_exact_by(s, &mut payload, deadline, &mut moved)?;
+    Msg::decode(&payload)
+}
+
+/// Writes an encoded frame, giving up at `deadline`.
+pub(crate) fn write_frame(
+    s: &mut TcpStream,
+    frame: &[u8],
+    deadline: Instant,
+) -> Result<(), WireError> {
+    if frame.len() - 4 > MAX_FRAME {
+        return Err(WireError::Malformed(format!(
+            "message of {} bytes exceeds the {MAX_FRAME}-byte limit",
+            frame.len() - 4
+        )));
+    }
+    let mut sent = 0;
+    while sent < frame.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(WireError::TimedOut { partial: sent > 0 });
+        }
+        s.set_write_timeout(Some(left)).map_err(WireError::Io)?;
+        match s.write(&frame[sent..]) {
+            Ok(0) => return Err(WireError::Closed),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => return Err(WireError::TimedOut { partial: sent > 0 }),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Err(WireError::Closed)
+            }
+            Err(e) => return Err(WireError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Writes one message, giving up at `deadline`.
+pub(crate) fn write_msg(s: &mut TcpStream, msg: &Msg, deadline: Instant) -> Result<(), WireError> {
+    write_frame(s, &msg.encode(), deadline)
+}
+
+/// What a stream holds right now, without waiting: data, nothing yet, or end of stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pending {
+    Data,
+    Nothing,
+    Closed,
+}
+
+pub(crate) fn pending(s: &TcpStream) -> Pending {
+    if s.set_nonblocking(true).is_err() {
+        return Pending::Closed;
+    }
+    let r = s.peek(&mut [0u8; 1]);
+    let _ = s.set_nonblocking(false);
+    match r {
+        Ok(0) => Pending::Closed,
+        Ok(_) => Pending::Data,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Pending::Nothing,
+        Err(_) => Pending::Closed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_round_trips() {
+        let msgs = [
+            Msg::Hello {
+                token: JobToken::from_bytes([7; 16]),
+                rank: 3,
+                world: 8,
+            },
+            Msg::Welcome,
+            Msg::Reject {
+                code: RejectCode::WorldSize,
+                value: 4,
+                text: "world size".into(),
+            },
+            Msg::Contrib {
+                seq: 9,
+                op: Op::AllGather,
+                data: vec![1, 2, 3],
+            },
+            Msg::Gathered {
+                seq: u64::MAX,
+                op: Op::Barrier,
+                parts: vec![vec![], vec![5; 100], vec![6]],
+            },
+            Msg::Abort {
+                reason: "rank 2 timed out".into(),
+            },
+        ];
+        for m in msgs {
+            let frame = m.encode();
+            let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
+            assert_eq!(len, frame.len() - 4);
+            assert_eq!(Msg::decode(&frame[4..]).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn hello_fits_the_hello_limit() {
+        let hello = Msg::Hello {
+            token: JobToken::UNSET,
+            rank: u32::MAX,
+            world: u32::MAX,
+        };
+        assert!(hello.encode().len() - 4 <= MAX_HELLO);
+    }
+
+    #[test]
+    fn garbage_is_malformed() {
+        for bad in [
+            &b"GET / HTTP/1.1"[..],
+            &[K_HELLO, b'x', b'y'][..],
+            &[K_CONTRIB, 0, 0][..],
+            &[
+                K_GATHERED, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0,
+            ][..],
+            &[K_WELCOME, b'E', b'P', b'B', b'O', b'O', b'T', b'0', b'1', 0][..],
+        ] {
+            assert!(
+                matches!(Msg::decode(bad), Err(WireError::Malformed(_))),
+                "{bad:?}"
+            );
+        }
+    }
+}
