@@ -172,35 +172,6 @@ unsafe impl CpuView for HostMapping {
 mod tests {
     use super::*;
 
-    fn gpus() -> usize {
-        gpu_count().unwrap_or(0)
-    }
-
-    #[test]
-    fn host_mapping_round_trip() {
-        let found = gpus();
-        if found < 1 {
-            // Straight to stderr: libtest captures eprintln! of passing tests, and a skip must
-            // show in every run (the device bundle's run.sh also reads it).
-            use std::io::Write as _;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED (needs 1 GPUs, found {found}): host_mapping_round_trip"
-            );
-            return;
-        }
-        let m = HostMapping::for_device(0, 4096).expect("pinned host memory");
-        assert_ne!(m.device_ptr(), 0);
-        assert_eq!(m.len(), 4096);
-        assert_eq!(m.read_u64(64), 0, "zeroed");
-        m.write_u64(64, 0xdead_beef_0bad_cafe);
-        assert_eq!(m.read_u64(64), 0xdead_beef_0bad_cafe);
-        m.write_bytes(100, b"ibgda");
-        let mut b = [0u8; 5];
-        m.read_bytes(100, &mut b);
-        assert_eq!(&b, b"ibgda");
-    }
-
     #[test]
     fn no_driver_or_no_gpu_is_an_error_not_a_panic() {
         if cuda_driver_present() {

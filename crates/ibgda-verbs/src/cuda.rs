@@ -116,6 +116,53 @@ pub(crate) fn export_dma_buf(ctx: &CudaContext, dptr: u64, len: usize) -> Result
     })
 }
 
+/// Whether `ctx`'s GPU can export its memory as a dma-buf, the first way [`MemoryRegion`] and
+/// [`Umem`] register GPU memory: the device attribute must say so and a 2 MiB test allocation
+/// must actually export (which needs NVIDIA's open kernel modules). `Ok(false)` means the
+/// peer-memory path (`nvidia-peermem`) is the only one left.
+///
+/// [`MemoryRegion`]: crate::MemoryRegion
+/// [`Umem`]: crate::Umem
+pub fn dma_buf_export_supported(ctx: &CudaContext) -> Result<bool> {
+    enter(ctx, "probing dma-buf export")?;
+    let mut attr = 0;
+    // SAFETY: valid out-pointer; the device handle comes from a live context.
+    check("cuDeviceGetAttribute(DMA_BUF_SUPPORTED)", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut attr,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+            ctx.cu_device(),
+        )
+    })?;
+    if attr == 0 {
+        return Ok(false);
+    }
+    const PROBE: usize = 2 << 20;
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: context bound by `enter`; valid out-pointer.
+    check("cuMemAlloc", unsafe {
+        sys::cuMemAlloc_v2(&mut dptr, PROBE)
+    })?;
+    let exported = export_dma_buf(ctx, dptr, PROBE);
+    // SAFETY: allocated just above; the dma-buf (if any) is closed already or on drop below,
+    // and the driver keeps exported pages alive until then.
+    let freed = check("cuMemFree", unsafe { sys::cuMemFree_v2(dptr) });
+    let supported = match exported {
+        Ok(buf) => {
+            drop(buf);
+            true
+        }
+        Err(VerbsError::Cuda { code, .. })
+            if code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED as u32 =>
+        {
+            false
+        }
+        Err(e) => return Err(e),
+    };
+    freed?;
+    Ok(supported)
+}
+
 /// Maps `[ptr, ptr + len)` of I/O memory (a mmapped UAR page) into the GPU and returns the device
 /// address of `ptr`. Error 800 becomes [`VerbsError::GpuDoorbellMappingNotPermitted`].
 ///

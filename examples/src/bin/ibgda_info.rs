@@ -262,7 +262,22 @@ fn show_gpu_side() {
     println!("GPU side:");
     if ibgda_gdr::cuda_driver_present() {
         match ibgda_gdr::gpu_count() {
-            Ok(n) => println!("  CUDA driver: present, {n} GPU(s)"),
+            Ok(n) => {
+                println!("  CUDA driver: present, {n} GPU(s)");
+                for i in 0..n {
+                    let probe = ibgda_device::cuda::context(i)
+                        .map_err(|e| e.to_string())
+                        .and_then(|ctx| {
+                            ibgda_verbs::cuda::dma_buf_export_supported(&ctx)
+                                .map_err(|e| e.to_string())
+                        });
+                    match probe {
+                        Ok(true) => println!("  GPU {i}: dma-buf export yes (GPU memory registers without nvidia-peermem)"),
+                        Ok(false) => println!("  GPU {i}: dma-buf export no (GPU memory registration needs nvidia-peermem)"),
+                        Err(e) => println!("  GPU {i}: dma-buf probe failed: {e}"),
+                    }
+                }
+            }
             Err(e) => println!("  CUDA driver: present but unusable: {e}"),
         }
     } else {

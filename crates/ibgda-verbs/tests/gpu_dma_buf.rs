@@ -1,0 +1,39 @@
+//! On a GPU machine: the dma-buf export that GPU memory registration tries first. Needs no NIC.
+
+use std::io::Write as _;
+
+use cudarc::driver::CudaContext;
+use ibgda_verbs::cuda::{dma_buf_export_supported, driver_present};
+
+fn gpu_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    cudarc::driver::result::init()
+        .ok()
+        .and_then(|_| CudaContext::device_count().ok())
+        .unwrap_or(0)
+        .max(0) as usize
+}
+
+#[test]
+fn gpu_dma_buf_export_probe_answers() {
+    let found = gpu_count();
+    if found < 1 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED (needs 1 GPUs, found {found}): gpu_dma_buf_export_probe_answers"
+        );
+        return;
+    }
+    let ctx = CudaContext::new(0).expect("GPU 0");
+    let supported = dma_buf_export_supported(&ctx).expect("the probe itself must not fail");
+    println!(
+        "GPU 0 dma-buf export: {}",
+        if supported {
+            "supported"
+        } else {
+            "not supported (peer memory only)"
+        }
+    );
+}
