@@ -9,7 +9,7 @@
 //! proxy never saw one because the GPU published to a counter it did not poll).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -129,7 +129,8 @@ struct Shared {
 struct Worker {
     name: String,
     handle: Option<JoinHandle<()>>,
-    exited: mpsc::Receiver<()>,
+    /// In a mutex only so that `Proxy` is `Sync`; `shutdown` has `&mut` access.
+    exited: Mutex<mpsc::Receiver<()>>,
 }
 
 /// The running proxy. [`stop`](Proxy::stop) it to learn whether it shut down cleanly; dropping it
@@ -188,7 +189,7 @@ impl Proxy {
             proxy.workers.push(Worker {
                 name,
                 handle: Some(handle),
-                exited: rx,
+                exited: Mutex::new(rx),
             });
         }
         tracing::debug!(target: "ibgda", "proxy started: {} QP(s) on {nthreads} thread(s)", shared.rung.len());
@@ -239,7 +240,8 @@ impl Proxy {
                 continue;
             };
             let left = deadline.saturating_duration_since(Instant::now());
-            match w.exited.recv_timeout(left) {
+            let exited = w.exited.get_mut().unwrap_or_else(|p| p.into_inner());
+            match exited.recv_timeout(left) {
                 Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => {
                     if let Err(p) = handle.join() {
                         let message = p

@@ -1,0 +1,763 @@
+//! QPs on the emulated NIC: a rank's NIC ([`EmuRank`]), its registered memory ([`Arena`]), and a
+//! group of RC QPs to a peer ([`QpGroup`]) with every piece of protocol memory placed where its
+//! handler mode puts it, the device descriptors filled, and the CPU proxy started when the mode
+//! needs one.
+//!
+//! | | `gpu` | `cpu` | `cpu_host_memory` |
+//! |---|---|---|---|
+//! | send ring, CQ | [`RingPlacement`]: pinned host memory (the emulator reads it with CPU loads) or GPU memory | same | same |
+//! | doorbell record | pinned host memory, written by the GPU | host, written by the proxy | host, written by the proxy |
+//! | doorbell | GPU stores to the emulated UAR page (`db_reg`) | proxy | proxy |
+//! | producer slot | none | GPU memory mapped by GDRCopy | pinned host memory, 8 bytes per QP, packed |
+//! | descriptors, counters | GPU memory | GPU memory | GPU memory |
+//! | error record | pinned host memory, one per group | same | same |
+//!
+//! The emulator is never told where producer slots are: in the CPU modes only the proxy rings, as
+//! on real hardware. On the host backend (CI) the same layout lives in plain host memory and
+//! host threads drive it through [`HostQp`].
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use ibgda_device::cuda::DeviceBuffer;
+use ibgda_device::protocol::{check_record, select, HandlerChoice, HandlerProbe, HostQp};
+use ibgda_device::proxy::{ProducerSlot, Proxy, ProxyConfig, ProxyQp, ProxyReport};
+use ibgda_device::qp_desc::{ErrorRecord, NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
+use ibgda_emu::{
+    Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostBuffer, Loc, Mr, Nic, NicConfig, QpConfig,
+};
+
+use super::doorbell::{EmuDoorbell, ProxyDoorbell};
+use super::error::TransportError;
+
+/// Bytes at the end of every [`Arena`] for the fetched values of non-fetching atomics (the
+/// descriptor's `scratch`), one 64-byte line.
+pub const ARENA_SCRATCH_BYTES: usize = 64;
+/// Send-ring size of the passive peer QPs: they never post.
+const PEER_RING: u32 = 64;
+/// GDRCopy maps whole 64 KiB GPU pages.
+const GDR_PAGE: u64 = 64 << 10;
+
+/// Where send rings and CQs live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RingPlacement {
+    /// Pinned host memory mapped into the GPU: the emulator reads WQEs and writes CQEs with CPU
+    /// loads and stores; the GPU writes WQEs and polls CQEs across PCIe.
+    #[default]
+    HostPinned,
+    /// GPU memory, as on real hardware: the emulator reaches it with copies.
+    Device,
+}
+
+/// How to build a [`QpGroup`].
+#[derive(Clone, Debug)]
+pub struct QpGroupConfig {
+    /// Who rings the doorbells (already [`select`]ed: see [`EmuRank::select`]).
+    pub handler: NicHandler,
+    /// QPs in the group.
+    pub nqps: u32,
+    /// Send-ring size in WQEBBs (a power of two, at most 32768); the CQ has as many entries, so
+    /// it can never overflow (at most `nwqes` submissions are outstanding).
+    pub nwqes: u32,
+    /// Bound of every device-side wait (the descriptors' `timeout_ns`).
+    pub timeout: Duration,
+    /// Where rings and CQs live.
+    pub placement: RingPlacement,
+    /// The proxy's threads and polling (CPU modes).
+    pub proxy: ProxyConfig,
+    /// How the proxy rings the emulated NIC.
+    pub proxy_doorbell: ProxyDoorbell,
+    /// The rank at the other end, for diagnostics.
+    pub peer_rank: u32,
+}
+
+impl Default for QpGroupConfig {
+    fn default() -> Self {
+        Self {
+            handler: NicHandler::Gpu,
+            nqps: 1,
+            nwqes: 1024,
+            timeout: Duration::from_secs(10),
+            placement: RingPlacement::default(),
+            proxy: ProxyConfig::default(),
+            proxy_doorbell: ProxyDoorbell::default(),
+            peer_rank: 0,
+        }
+    }
+}
+
+/// One rank's emulated NIC.
+#[derive(Debug, Clone)]
+pub struct EmuRank {
+    nic: Arc<Nic>,
+    rank: u32,
+    ctx: Option<Arc<CudaContext>>,
+}
+
+/// Registered memory of a rank: the source of its puts (under the `lkey` every descriptor
+/// carries), the target of its peers' writes and atomics, and the scratch word.
+#[derive(Debug)]
+pub struct Arena {
+    mem: ArenaMem,
+    mr: Mr,
+    len: usize,
+}
+
+#[derive(Debug)]
+enum ArenaMem {
+    Device(Arc<DeviceBuffer>),
+    Host(Arc<HostBuffer>),
+}
+
+impl Arena {
+    /// Address of the first data byte, as WQEs and kernels name it.
+    pub fn addr(&self) -> u64 {
+        self.mr.addr
+    }
+
+    /// Data bytes (the scratch line after them excluded).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no data bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The registration (keys, range, rights).
+    pub fn mr(&self) -> &Mr {
+        &self.mr
+    }
+
+    /// The scratch line: fetched values nobody reads.
+    pub fn scratch(&self) -> u64 {
+        self.mr.addr + self.len as u64
+    }
+
+    /// The GPU buffer (CUDA backend).
+    pub fn device(&self) -> Option<&Arc<DeviceBuffer>> {
+        match &self.mem {
+            ArenaMem::Device(b) => Some(b),
+            ArenaMem::Host(_) => None,
+        }
+    }
+
+    /// The host buffer (host backend).
+    pub fn host(&self) -> Option<&Arc<HostBuffer>> {
+        match &self.mem {
+            ArenaMem::Host(b) => Some(b),
+            ArenaMem::Device(_) => None,
+        }
+    }
+}
+
+impl EmuRank {
+    /// Rank `rank`'s NIC on the CUDA backend of `ctx`'s GPU.
+    pub fn cuda(
+        fabric: &Fabric,
+        ctx: &Arc<CudaContext>,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        let nic = fabric.cuda_nic(ctx, NicConfig::named(format!("rank{rank}")))?;
+        Ok(Self {
+            nic: Arc::new(nic),
+            rank,
+            ctx: Some(ctx.clone()),
+        })
+    }
+
+    /// Rank `rank`'s NIC on the host backend (no GPU: host threads submit, CI).
+    pub fn host(fabric: &Fabric, rank: u32) -> Result<Self, TransportError> {
+        let nic = fabric.host_nic(NicConfig::named(format!("rank{rank}")))?;
+        Ok(Self {
+            nic: Arc::new(nic),
+            rank,
+            ctx: None,
+        })
+    }
+
+    /// The NIC.
+    pub fn nic(&self) -> &Arc<Nic> {
+        &self.nic
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// What the handler modes need, on this NIC: the emulated UAR page is host memory the GPU
+    /// (or the submitting host thread) can store to, so mode `gpu` always works; mode `cpu`
+    /// needs GDRCopy.
+    pub fn probe(&self) -> HandlerProbe {
+        let gdrcopy = match &self.ctx {
+            None => Err("the host backend has no GPU memory to map".to_string()),
+            Some(_) => ibgda_gdr::Gdr::open()
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        };
+        HandlerProbe {
+            gpu_doorbell: Ok(()),
+            gdrcopy,
+        }
+    }
+
+    /// The handler mode for `choice` on this NIC (logged).
+    pub fn select(&self, choice: HandlerChoice) -> Result<NicHandler, TransportError> {
+        Ok(select(choice, &self.probe())?)
+    }
+
+    /// `bytes` of registered memory (GPU memory on the CUDA backend, zeroed), plus the scratch
+    /// line, with every access right.
+    pub fn arena(&self, bytes: usize) -> Result<Arena, TransportError> {
+        let total = bytes.div_ceil(64) * 64 + ARENA_SCRATCH_BYTES;
+        let (mem, mr) = match &self.ctx {
+            Some(ctx) => {
+                let buf = Arc::new(DeviceBuffer::new(ctx, total)?);
+                buf.fill_bytes(0)?;
+                let mr = self.nic.register_device(&buf, 0, total, Access::ALL)?;
+                (ArenaMem::Device(buf), mr)
+            }
+            None => {
+                let buf = Arc::new(HostBuffer::new(total));
+                let mr = self.nic.register_host(&buf, 0, total, Access::ALL)?;
+                (ArenaMem::Host(buf), mr)
+            }
+        };
+        Ok(Arena {
+            mem,
+            mr,
+            len: total - ARENA_SCRATCH_BYTES,
+        })
+    }
+
+    /// Builds `cfg.nqps` RC QPs from this rank to `peer`, connected both ways, their descriptors
+    /// (local buffers under `local`'s key), and in the CPU modes the proxy.
+    pub fn connect(
+        &self,
+        peer: &EmuRank,
+        local: &Arena,
+        cfg: &QpGroupConfig,
+    ) -> Result<QpGroup, TransportError> {
+        QpGroup::build(self, peer, local, cfg)
+    }
+}
+
+/// Byte offsets of a group's protocol memory in its pinned host block.
+#[derive(Debug, Clone)]
+struct HostLayout {
+    err: usize,
+    slots: usize,
+    dbr: Vec<usize>,
+    ring: Vec<usize>,
+    cq: Vec<usize>,
+    total: usize,
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+impl HostLayout {
+    fn new(n: usize, ring_bytes: usize, cq_bytes: usize, rings_here: bool) -> Self {
+        let err = 0;
+        let slots = 64;
+        let mut at = round_up(slots + 8 * n, 64);
+        let dbr: Vec<usize> = (0..n).map(|i| at + 64 * i).collect();
+        at += 64 * n;
+        let (mut ring, mut cq) = (Vec::new(), Vec::new());
+        if rings_here {
+            at = round_up(at, 4096);
+            for _ in 0..n {
+                ring.push(at);
+                at += round_up(ring_bytes, 4096);
+                cq.push(at);
+                at += round_up(cq_bytes, 4096);
+            }
+        }
+        Self {
+            err,
+            slots,
+            dbr,
+            ring,
+            cq,
+            total: at.max(64),
+        }
+    }
+}
+
+/// GPU-memory producer slots mapped for the CPU by GDRCopy (mode `cpu`).
+struct GdrSlots {
+    mapping: ibgda_gdr::Mapping,
+    _buf: Arc<DeviceBuffer>,
+}
+
+// SAFETY: the mapping is only read through raw pointers by the proxy (8-byte volatile loads);
+// GDRCopy's handle is internally locked, and the buffer is Send + Sync.
+unsafe impl Send for GdrSlots {}
+// SAFETY: as for Send.
+unsafe impl Sync for GdrSlots {}
+
+enum Descs {
+    Device(DeviceBuffer),
+    /// Host backend: the descriptors the host QPs point into.
+    Host {
+        _store: Arc<HostBuffer>,
+    },
+}
+
+/// `nqps` connected RC QPs from one rank to a peer, ready for device code (CUDA backend: pass
+/// [`descs`](QpGroup::descs) to kernels) or for host threads (host backend:
+/// [`host_qps`](QpGroup::host_qps)).
+///
+/// Dropping the group stops the proxy and destroys the QPs (errors are logged);
+/// [`shutdown`](QpGroup::shutdown) does the same and reports them.
+pub struct QpGroup {
+    mode: NicHandler,
+    rank: u32,
+    nic: Arc<Nic>,
+    peer_nic: Arc<Nic>,
+    qpns: Vec<u32>,
+    peer_qpns: Vec<u32>,
+    host: Arc<HostBuffer>,
+    layout: HostLayout,
+    descs: Option<Descs>,
+    host_qps: Vec<HostQp>,
+    proxy: Option<Proxy>,
+    timeout: Duration,
+    _rings: Option<Arc<DeviceBuffer>>,
+    _gdr: Option<Arc<GdrSlots>>,
+    _peer_keep: Vec<ibgda_emu::HostQp>,
+}
+
+impl std::fmt::Debug for QpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpGroup")
+            .field("mode", &self.mode.name())
+            .field("rank", &self.rank)
+            .field("qpns", &self.qpns)
+            .finish_non_exhaustive()
+    }
+}
+
+impl QpGroup {
+    fn build(
+        me: &EmuRank,
+        peer: &EmuRank,
+        local: &Arena,
+        cfg: &QpGroupConfig,
+    ) -> Result<Self, TransportError> {
+        let n = cfg.nqps as usize;
+        if n == 0 {
+            return Err(TransportError::Config(
+                "a QP group needs at least one QP".into(),
+            ));
+        }
+        if !cfg.nwqes.is_power_of_two()
+            || cfg.nwqes > ibgda_device::protocol::MAX_NWQES
+            || cfg.nwqes < 2
+        {
+            return Err(TransportError::Config(format!(
+                "nwqes = {}: must be a power of two in 2..=32768",
+                cfg.nwqes
+            )));
+        }
+        let mode = cfg.handler;
+        if mode == NicHandler::Cpu {
+            // Say what is missing before allocating anything.
+            select(HandlerChoice::Cpu, &me.probe())?;
+        }
+        let (nwqes, ncqes) = (cfg.nwqes, cfg.nwqes);
+        let ring_bytes = nwqes as usize * 64;
+        let cq_bytes = ncqes as usize * 64;
+        let rings_in_host = cfg.placement == RingPlacement::HostPinned || me.ctx.is_none();
+        let layout = HostLayout::new(n, ring_bytes, cq_bytes, rings_in_host);
+        let host = Arc::new(me.nic.backend().alloc_host(layout.total)?);
+        let host_cpu = host.addr();
+        let host_dev = host.device_addr().unwrap_or(host_cpu);
+        let rings = match (rings_in_host, &me.ctx) {
+            (false, Some(ctx)) => {
+                let b = Arc::new(DeviceBuffer::new(ctx, n * (ring_bytes + cq_bytes))?);
+                b.fill_bytes(0)?;
+                Some(b)
+            }
+            _ => None,
+        };
+        let gdr = if mode == NicHandler::Cpu {
+            let ctx = me
+                .ctx
+                .as_ref()
+                .ok_or_else(|| TransportError::Config("mode cpu needs a GPU".into()))?;
+            let buf = Arc::new(DeviceBuffer::new(ctx, (GDR_PAGE * 2) as usize)?);
+            buf.fill_bytes(0)?;
+            let aligned = buf.ptr().div_ceil(GDR_PAGE) * GDR_PAGE;
+            let mapping = ibgda_gdr::Gdr::open()?.pin(aligned, 8 * n)?.map()?;
+            Some((aligned, Arc::new(GdrSlots { mapping, _buf: buf })))
+        } else {
+            None
+        };
+        let mut group = QpGroup {
+            mode,
+            rank: me.rank,
+            nic: me.nic.clone(),
+            peer_nic: peer.nic.clone(),
+            qpns: Vec::with_capacity(n),
+            peer_qpns: Vec::with_capacity(n),
+            host: host.clone(),
+            layout: layout.clone(),
+            descs: None,
+            host_qps: Vec::new(),
+            proxy: None,
+            timeout: cfg.timeout,
+            _rings: rings.clone(),
+            _gdr: gdr.as_ref().map(|(_, g)| g.clone()),
+            _peer_keep: Vec::with_capacity(n),
+        };
+
+        let wants_uar = mode == NicHandler::Gpu || cfg.proxy_doorbell == ProxyDoorbell::UarPage;
+        let mut descs = Vec::with_capacity(n);
+        let mut uars = Vec::with_capacity(n);
+        for i in 0..n {
+            let (sq, sq_dev, cq, cq_dev) = match &rings {
+                Some(b) => {
+                    let r = b.ptr() + (i * (ring_bytes + cq_bytes)) as u64;
+                    let c = r + ring_bytes as u64;
+                    (Loc::Device(r), r, Loc::Device(c), c)
+                }
+                None => (
+                    Loc::Host(host_cpu + layout.ring[i] as u64),
+                    host_dev + layout.ring[i] as u64,
+                    Loc::Host(host_cpu + layout.cq[i] as u64),
+                    host_dev + layout.cq[i] as u64,
+                ),
+            };
+            let qcfg = QpConfig {
+                sq,
+                nwqebbs: nwqes,
+                cq: CqConfig::ring(cq, ncqes),
+                doorbell: DoorbellConfig {
+                    dbr: Some(Loc::Host(host_cpu + layout.dbr[i] as u64)),
+                    uar: wants_uar,
+                    producer_slot: None,
+                },
+            };
+            // SAFETY: the ring, CQ and doorbell record live in `host` / `rings`, which the group
+            // keeps until it has destroyed this QP (Drop destroys QPs before fields drop).
+            let handle = unsafe { me.nic.create_qp(qcfg) }?;
+            group.qpns.push(handle.qpn);
+            let passive = peer
+                .nic
+                .create_host_qp(PEER_RING, CqMode::Ring, PEER_RING)?;
+            group.peer_qpns.push(passive.qpn());
+            group._peer_keep.push(passive.clone());
+            me.nic
+                .connect(handle.qpn, &peer.nic.qp_info(passive.qpn())?)?;
+            peer.nic
+                .connect(passive.qpn(), &me.nic.qp_info(handle.qpn)?)?;
+
+            let slot_dev = match &gdr {
+                Some((aligned, _)) => aligned + 8 * i as u64,
+                None => host_dev + (layout.slots + 8 * i) as u64,
+            };
+            let d = QpDesc {
+                wq_base: sq_dev,
+                dbr: host_dev + layout.dbr[i] as u64,
+                db_reg: if mode == NicHandler::Gpu {
+                    handle
+                        .uar
+                        .and_then(|u| u.bf_reg_device.or((me.ctx.is_none()).then_some(u.bf_reg)))
+                        .ok_or_else(|| {
+                            TransportError::Config(
+                                "the emulated UAR page is not mapped for the GPU".into(),
+                            )
+                        })?
+                } else {
+                    0
+                },
+                producer_slot: if mode.uses_proxy() { slot_dev } else { 0 },
+                nwqes,
+                qpn: handle.qpn,
+                handler_mode: mode as u32,
+                lkey: local.mr.lkey,
+                cq_base: cq_dev,
+                cq_dbr: 0,
+                ncqes,
+                flags: QP_FLAG_EMULATED,
+                rank: me.rank,
+                qp_index: i as u32,
+                peer_rank: cfg.peer_rank,
+                reserved0: 0,
+                timeout_ns: cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                error_record: host_dev + layout.err as u64,
+                scratch: local.scratch(),
+                reserved1: [0; 2],
+                counters: QpCounters::default(),
+            };
+            d.validate()
+                .map_err(|source| TransportError::Descriptor { qp: i, source })?;
+            descs.push(d);
+            uars.push(handle.uar.map(|u| u.bf_reg));
+        }
+
+        match &me.ctx {
+            Some(ctx) => group.descs = Some(Descs::Device(DeviceBuffer::from_slice(ctx, &descs)?)),
+            None => {
+                let store = Arc::new(HostBuffer::new(n * std::mem::size_of::<QpDesc>()));
+                store.write(0, bytemuck::cast_slice(&descs));
+                for i in 0..n {
+                    let p =
+                        (store.addr() as usize + i * std::mem::size_of::<QpDesc>()) as *mut QpDesc;
+                    // SAFETY: `store` (4096-aligned, so each descriptor is 64-aligned) and all the
+                    // memory the descriptor names are kept by the group, which drops its host QPs
+                    // first; the counters are only touched through the protocol.
+                    let q = unsafe { HostQp::new(p) }
+                        .map_err(|source| TransportError::Descriptor { qp: i, source })?;
+                    group.host_qps.push(q);
+                }
+                group.descs = Some(Descs::Host { _store: store });
+            }
+        }
+
+        if mode.uses_proxy() {
+            let mut pqs = Vec::with_capacity(n);
+            for (i, &qpn) in group.qpns.iter().enumerate() {
+                let slot_cpu = match &gdr {
+                    Some((_, g)) => g.cpu_ptr() + 8 * i as u64,
+                    None => host_cpu + (layout.slots + 8 * i) as u64,
+                };
+                // SAFETY: the slot is in `host` or the GDRCopy mapping, both kept alive by the
+                // doorbell below for as long as the proxy thread holds it; the GPU writes it only
+                // as a whole 8-byte word.
+                let slot = unsafe { ProducerSlot::new(slot_cpu as *const u64) }
+                    .map_err(|source| TransportError::Slot { qp: i, source })?;
+                let mut keep: Vec<Arc<dyn Any + Send + Sync>> = vec![host.clone()];
+                if let Some((_, g)) = &gdr {
+                    keep.push(g.clone());
+                }
+                // SAFETY: the doorbell record is in `host` (kept); the UAR page belongs to the QP,
+                // which the group destroys only after stopping the proxy.
+                let doorbell = unsafe {
+                    EmuDoorbell::new(
+                        me.nic.clone(),
+                        qpn,
+                        host_cpu + layout.dbr[i] as u64,
+                        cfg.proxy_doorbell,
+                        uars[i],
+                        keep,
+                    )
+                }
+                .ok_or_else(|| {
+                    TransportError::Config(format!("QP {i}: no emulated UAR page for the proxy"))
+                })?;
+                pqs.push(ProxyQp {
+                    slot,
+                    doorbell: Box::new(doorbell),
+                    rung_from: 0,
+                    rank: me.rank,
+                    qp_index: i as u32,
+                });
+            }
+            let mut pcfg = cfg.proxy.clone();
+            pcfg.name = format!("{}-r{}", pcfg.name, me.rank);
+            group.proxy = Some(Proxy::start(pqs, pcfg)?);
+        }
+        tracing::debug!(
+            target: "ep",
+            "rank {}: {n} emulated QP(s) to rank {}, mode {}, rings in {:?}",
+            me.rank,
+            peer.rank,
+            mode.name(),
+            if rings_in_host { RingPlacement::HostPinned } else { RingPlacement::Device }
+        );
+        Ok(group)
+    }
+
+    /// The handler mode.
+    pub fn mode(&self) -> NicHandler {
+        self.mode
+    }
+
+    /// Number of QPs.
+    pub fn len(&self) -> usize {
+        self.qpns.len()
+    }
+
+    /// Whether the group has no QPs (never, once built).
+    pub fn is_empty(&self) -> bool {
+        self.qpns.is_empty()
+    }
+
+    /// QP `i`'s number on this rank's NIC.
+    pub fn qpn(&self, i: usize) -> u32 {
+        self.qpns[i]
+    }
+
+    /// The NIC.
+    pub fn nic(&self) -> &Arc<Nic> {
+        &self.nic
+    }
+
+    /// Device address of the descriptor array (`ibgda_qp_desc[len]`), CUDA backend.
+    pub fn descs(&self) -> Option<u64> {
+        match &self.descs {
+            Some(Descs::Device(b)) => Some(b.ptr()),
+            _ => None,
+        }
+    }
+
+    /// The QPs as host threads drive them (host backend; empty on CUDA).
+    pub fn host_qps(&self) -> &[HostQp] {
+        &self.host_qps
+    }
+
+    /// The proxy (CPU modes).
+    pub fn proxy(&self) -> Option<&Proxy> {
+        self.proxy.as_ref()
+    }
+
+    /// The emulator's view of QP `i`.
+    pub fn emu_status(&self, i: usize) -> Result<ibgda_emu::QpStatus, TransportError> {
+        Ok(self.nic.qp_status(self.qpns[i])?)
+    }
+
+    /// CPU address of QP `i`'s producer slot (pinned host memory; `None` in other modes).
+    pub fn producer_slot_cpu(&self, i: usize) -> Option<u64> {
+        (self.mode == NicHandler::CpuHostMemory)
+            .then(|| self.host.addr() + (self.layout.slots + 8 * i) as u64)
+    }
+
+    /// The error record as it is now.
+    pub fn error_record(&self) -> ErrorRecord {
+        let kind = self.host.load_u32(self.layout.err);
+        let mut b = [0u8; 64];
+        self.host.read(self.layout.err, &mut b);
+        let mut r: ErrorRecord = bytemuck::pod_read_unaligned(&b);
+        // `kind` was read first (acquire): the rest of a record it announces is complete.
+        r.kind = kind;
+        r
+    }
+
+    /// `Err` with the recorded failure, if device code (or the model) recorded one.
+    pub fn check(&self) -> Result<(), TransportError> {
+        let r = self.error_record();
+        let rung = self
+            .proxy
+            .as_ref()
+            .and_then(|p| p.last_rung(r.qp_index as usize));
+        check_record(&r, rung).map_err(TransportError::from)
+    }
+
+    /// QP `i`'s counters (a copy from the device descriptor on CUDA: call after the kernels that
+    /// use the group have finished).
+    pub fn counters(&self, i: usize) -> Result<QpCounters, TransportError> {
+        match &self.descs {
+            Some(Descs::Device(b)) => {
+                let d: Vec<QpDesc> = b.download(i * std::mem::size_of::<QpDesc>(), 1)?;
+                Ok(d[0].counters)
+            }
+            _ => Ok(self.host_qps[i].counters()),
+        }
+    }
+
+    /// Host-side bound for waiting on kernels that use this group: twice the device bound plus
+    /// five seconds, so the device always reports first.
+    pub fn host_bound(&self) -> Duration {
+        self.timeout * 2 + Duration::from_secs(5)
+    }
+
+    /// Waits (bounded by `bound`, default [`host_bound`](QpGroup::host_bound)) until `stream` has
+    /// finished, then reports any recorded failure.
+    pub fn wait(&self, stream: &CudaStream, bound: Option<Duration>) -> Result<(), TransportError> {
+        match wait_stream(stream, bound.unwrap_or_else(|| self.host_bound())) {
+            Err(TransportError::StreamTimeout { waited, .. }) => {
+                Err(TransportError::StreamTimeout {
+                    waited,
+                    record: match self.check() {
+                        Err(TransportError::Device { failure }) => Some(failure),
+                        _ => None,
+                    },
+                })
+            }
+            Err(e) => Err(e),
+            Ok(()) => self.check(),
+        }
+    }
+
+    /// Stops the proxy (after one last sweep) and destroys the QPs; reports what the proxy did.
+    pub fn shutdown(mut self) -> Result<Option<ProxyReport>, TransportError> {
+        self.teardown()
+    }
+
+    fn teardown(&mut self) -> Result<Option<ProxyReport>, TransportError> {
+        let mut first: Option<TransportError> = None;
+        let report = match self.proxy.take().map(Proxy::stop) {
+            Some(Ok(r)) => Some(r),
+            Some(Err(e)) => {
+                first.get_or_insert(e.into());
+                None
+            }
+            None => None,
+        };
+        self.host_qps.clear();
+        for qpn in self.qpns.drain(..) {
+            if let Err(e) = self.nic.destroy_qp(qpn) {
+                first.get_or_insert(e.into());
+            }
+        }
+        for qpn in self.peer_qpns.drain(..) {
+            if let Err(e) = self.peer_nic.destroy_qp(qpn) {
+                first.get_or_insert(e.into());
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+}
+
+impl Drop for QpGroup {
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            tracing::error!(target: "ep", "rank {}: tearing down QPs: {e}", self.rank);
+        }
+    }
+}
+
+impl GdrSlots {
+    fn cpu_ptr(&self) -> u64 {
+        use ibgda_gdr::CpuView;
+        self.mapping.cpu_ptr() as u64
+    }
+}
+
+/// Polls `stream` until its work has finished, at most `bound` (then
+/// [`TransportError::StreamTimeout`]); a failed stream is a CUDA error.
+pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), TransportError> {
+    use cudarc::driver::sys;
+    let start = Instant::now();
+    loop {
+        // SAFETY: a live stream of a live context (the `CudaStream` keeps both).
+        let r = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+        if r != sys::cudaError_enum::CUDA_ERROR_NOT_READY {
+            // Finished or failed: synchronize returns at once and says which.
+            return stream.synchronize().map_err(|source| {
+                TransportError::Cuda(ibgda_device::cuda::CudaError::Driver {
+                    call: "cuStreamSynchronize",
+                    source,
+                })
+            });
+        }
+        let waited = start.elapsed();
+        if waited > bound {
+            return Err(TransportError::StreamTimeout {
+                waited,
+                record: None,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}

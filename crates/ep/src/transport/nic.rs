@@ -1,0 +1,157 @@
+//! Real or emulated NIC: [`NicChoice`] and [`choose_nic`], which decides once and says so in one
+//! log line; and [`RealNic::open`], the real-hardware entry, which on this version reports
+//! clearly that it cannot build QPs yet.
+
+use core::fmt;
+use core::str::FromStr;
+
+use super::error::TransportError;
+
+/// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
+pub const NIC_ENV: &str = "EP_NIC";
+
+/// Which NIC to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NicChoice {
+    /// A real mlx5 NIC when a usable one is present, the emulated NIC otherwise.
+    #[default]
+    Auto,
+    /// The software mlx5 NIC (`ibgda-emu`), whatever hardware there is.
+    Emulated,
+    /// A real mlx5 NIC, or an error.
+    Real,
+}
+
+impl NicChoice {
+    /// The choice in [`NIC_ENV`] if set, else `default`.
+    pub fn from_env_or(default: Self) -> Result<Self, TransportError> {
+        match std::env::var(NIC_ENV) {
+            Ok(v) if !v.trim().is_empty() => v.parse(),
+            _ => Ok(default),
+        }
+    }
+}
+
+impl fmt::Display for NicChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Emulated => "emulated",
+            Self::Real => "real",
+        })
+    }
+}
+
+impl FromStr for NicChoice {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "emulated" | "emu" => Ok(Self::Emulated),
+            "real" | "mlx5" => Ok(Self::Real),
+            other => Err(TransportError::Config(format!(
+                "{NIC_ENV}={other:?}: expected auto, emulated or real"
+            ))),
+        }
+    }
+}
+
+/// The NIC that was chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NicKind {
+    /// The emulated NIC.
+    Emulated,
+    /// A real mlx5 device, by name.
+    Real(String),
+}
+
+/// The first mlx5 device, or why there is none usable.
+pub fn find_real_nic() -> Result<String, String> {
+    match ibgda_verbs::list_devices() {
+        Ok(list) => list
+            .into_iter()
+            .next()
+            .map(|d| d.name)
+            .ok_or_else(ibgda_verbs::no_device_hint),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Decides real or emulated NIC and logs the decision in one line.
+pub fn choose_nic(choice: NicChoice) -> Result<NicKind, TransportError> {
+    let kind = match choice {
+        NicChoice::Emulated => {
+            tracing::info!(target: "ep", "NIC: emulated mlx5 (asked for)");
+            NicKind::Emulated
+        }
+        NicChoice::Real => {
+            let name = find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?;
+            tracing::info!(target: "ep", "NIC: real mlx5 device {name} (asked for)");
+            NicKind::Real(name)
+        }
+        NicChoice::Auto => match find_real_nic() {
+            Ok(name) => {
+                tracing::info!(target: "ep", "NIC: real mlx5 device {name}");
+                NicKind::Real(name)
+            }
+            Err(why) => {
+                let why = why.lines().next().unwrap_or("no device").to_string();
+                tracing::info!(target: "ep", "NIC: emulated mlx5 (no usable RDMA device: {why})");
+                NicKind::Emulated
+            }
+        },
+    };
+    Ok(kind)
+}
+
+/// The real-hardware path: an mlx5 device opened for IBGDA QPs.
+#[derive(Debug)]
+pub struct RealNic {
+    /// The device's name.
+    pub device: String,
+}
+
+impl RealNic {
+    /// Opens `device` (or the first mlx5 device) for IBGDA QPs.
+    ///
+    /// Building QPs on real hardware (rings in GPU memory via `ibgda-verbs`, the UAR mapped into
+    /// the GPU or the proxy ringing it) is not wired in this version: with a device present this
+    /// returns [`TransportError::RealNicUnsupported`], and without one
+    /// [`TransportError::NoRealNic`] with the reason.
+    pub fn open(device: Option<&str>) -> Result<Self, TransportError> {
+        let found = match device {
+            Some(d) => d.to_string(),
+            None => find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?,
+        };
+        Err(TransportError::RealNicUnsupported {
+            device: found,
+            what: "building IBGDA QPs on real hardware",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse_and_real_nic_fails_clearly_here() {
+        assert_eq!(
+            "emulated".parse::<NicChoice>().unwrap(),
+            NicChoice::Emulated
+        );
+        assert_eq!("AUTO".parse::<NicChoice>().unwrap(), NicChoice::Auto);
+        assert!("fast".parse::<NicChoice>().is_err());
+        assert_eq!(choose_nic(NicChoice::Emulated).unwrap(), NicKind::Emulated);
+        let e = RealNic::open(None).unwrap_err().to_string();
+        assert!(e.contains("mlx5"), "{e}");
+        if find_real_nic().is_err() {
+            assert_eq!(choose_nic(NicChoice::Auto).unwrap(), NicKind::Emulated);
+            assert!(matches!(
+                choose_nic(NicChoice::Real),
+                Err(TransportError::NoRealNic { .. })
+            ));
+        }
+    }
+}
