@@ -6,3 +6,115 @@
 //!
 //! Must not know about: who wrote the WQEs (device code must not tell a real NIC from this one),
 //! experts or tokens.
+//!
+//! # What it does
+//!
+//! Per QP and in order, the NIC's progress thread:
+//! 1. learns the producer index from the QP's doorbell sources ([`DoorbellConfig`]): the doorbell
+//!    record's send counter (`be32(pi & 0xffff)` at +4), the emulated UAR page's BlueFlame
+//!    register (`{be32(pi << 8), be32(qpn << 8)}`), an optional 64-bit producer slot, and
+//!    [`Nic::ring_doorbell`]. 16-bit counters are recovered against the NIC's own position
+//!    ([`recover_pi`]); a value more than a ring ahead is stale and ignored, so a dropped or stale
+//!    doorbell is made good by the next one;
+//! 2. reads the WQEs from the ring (`slot = (index & (nwqebbs - 1)) * 64`) and decodes them with
+//!    [`ibgda_device::wire::parse_wqe`];
+//! 3. executes NOP, RDMA write (gather list or inline), write with immediate, 64-bit fetch-add and
+//!    compare-swap, 32/64-bit masked fetch-add and 32-bit masked compare-swap, after checking every
+//!    key, range and right against the registrations ([`Mr`]). Nothing outside a registration is
+//!    ever touched;
+//! 4. writes a CQE ([`ibgda_device::wire::Cqe64`]) for each WQE that asks (`fm_ce_se` CQ_UPDATE),
+//!    and always for a failure, into a ring (owner bit `(i / n) & 1`) or a collapsed CQ
+//!    ([`CqMode`]), only once the data it reports has landed.
+//!
+//! A failed WQE gets an error CQE (opcode 13) with the real syndrome at byte 55 —
+//! `LOCAL_PROT_ERR` for a bad lkey, range or local right, `REMOTE_ACCESS_ERR` for a bad rkey,
+//! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic, `LOCAL_LENGTH_ERR` for a
+//! bad length, `LOCAL_QP_OP_ERR` for a WQE that does not decode — and an emulator vendor syndrome
+//! at byte 54 ([`vendor_syndrome`]) saying which check failed. The QP moves to
+//! [`QpState::Error`]; every later WQE, already posted or posted later, completes with
+//! `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the first error in words.
+//!
+//! Choices where hardware is unspecified or unknowable here: the control segment's QPN and WQE
+//! index fields are not checked (the NIC uses its own counter for `wqe_counter`); a WQE whose DS
+//! reaches past the announced producer index fails with `LOCAL_QP_OP_ERR` (vendor
+//! [`vendor_syndrome::PAST_PRODUCER`]) instead of executing what lies beyond; the responder side
+//! of write-with-immediate (a receive WQE and a responder CQE at the peer) is not emulated; one
+//! protection domain per NIC; no CQ overrun detection; RDMA read is not executed (it fails as an
+//! unsupported opcode, like every opcode `parse_wqe` does not decode).
+//!
+//! Atomic operands are host order in the target word (little-endian, as GPU kernels read it);
+//! the fetched old value is written to the local buffer per [`FetchOrder`] (by default as
+//! ConnectX does with the kernel's host-endianness mode: standard 8-byte atomics in host order,
+//! masked atomics big-endian).
+//!
+//! # Backends
+//!
+//! [`MemoryBackend`] / [`Lane`] separate the engine from memory. [`HostMemory`] (CI): everything
+//! is host memory, every operation happens at once on the NIC's thread, atomics are CPU atomics.
+//! [`CudaMemory`]: one non-blocking stream per QP keeps reliable-connection order; data moves by
+//! `cuMemcpyAsync` (peer copies over NVLink between GPUs of a host); CQEs in GPU memory are
+//! written by `cuStreamBatchMemOp` writes behind the data on the same stream (owner word last);
+//! CQEs in host memory are written by the NIC thread once an event recorded after the data has
+//! completed. The emulator never launches a kernel, so it progresses even when spinning kernels
+//! fill every SM.
+//!
+//! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
+//! GPU memory is read (device to pinned host), computed and written back on the QP's stream,
+//! after the QP's earlier writes have landed, under one lock for the whole process. It is atomic
+//! with respect to every other emulator atomic *in this process*, and ordered after the QP's
+//! earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
+//! nor to emulator atomics issued by another process: give each such word a single remote
+//! writer process (counters indexed by source rank do) or keep it in host memory, where
+//! atomics are CPU atomics and atomic against everything.
+//!
+//! # Wiring a QP (what device code and a proxy see)
+//!
+//! A QP is created with [`Nic::create_qp`] over a [`QpConfig`]: the send ring, the CQ, and the
+//! doorbell sources, each a [`Loc`] (host-addressable or GPU memory). For the protocol's
+//! "emulated NIC" mode, put the send ring and the doorbell record in pinned host memory
+//! ([`HostBuffer::pinned`]: device code writes them through `device_addr()`, the NIC reads them
+//! with no copy), the CQ in GPU memory (device code polls it locally), and either ring through
+//! the emulated UAR page (`QpHandle::uar.bf_reg_device` is the descriptor's `db_reg`) in mode
+//! `gpu`, or let the proxy write the doorbell record and store to `bf_reg` (or call
+//! [`Nic::ring_doorbell`]) in the CPU modes. Rings in GPU memory work too; the NIC then reads
+//! them with copies (one per batch of up to 256 WQEBBs), which costs a few microseconds each.
+//! [`Nic::create_host_qp`] does all of this for host-driven QPs.
+//!
+//! Connecting mirrors a real NIC: create the QP, exchange [`QpInfo`] (node, QPN and — across
+//! processes — CUDA IPC exports of GPU registrations), [`Nic::connect`]. Keys and addresses go in
+//! the WQEs as with hardware.
+//!
+//! # Faults and shaping
+//!
+//! [`FaultPlan`]: an error CQE on the n-th WQE of a QP, completions delayed, the n-th doorbell
+//! dropped, and a bandwidth cap with per-operation latency ([`FaultPlan::nic_400g`]).
+
+mod backend;
+mod cq;
+mod cuda;
+mod doorbell;
+mod error;
+mod exec;
+mod fabric;
+mod fault;
+#[doc(hidden)]
+pub mod fuzzing;
+mod host;
+mod ipc;
+mod mr;
+mod nic;
+mod qp;
+
+pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
+pub use cq::{CqConfig, CqMode, CQE_BYTES};
+pub use cuda::CudaMemory;
+pub use doorbell::{recover_pi, DoorbellConfig, UarInfo, UAR_PAGE_BYTES};
+pub use error::{DriverError, EmuError};
+pub use exec::{vendor_syndrome, FetchOrder, MAX_MESSAGE};
+pub use fabric::{Fabric, NodeId, QpInfo};
+pub use fault::{DoorbellDrop, FaultPlan, WqeFault, INJECTED_SYNDROME};
+pub use host::{HostBuffer, HostMemory};
+pub use ipc::MrExport;
+pub use mr::{Access, Mr, Place};
+pub use nic::{HostQp, Nic, NicConfig, ProgressMode};
+pub use qp::{QpConfig, QpError, QpHandle, QpState, QpStatus, MAX_WQEBBS};

@@ -1,0 +1,333 @@
+//! The WQE executor: checks every access against the registrations, then moves bytes through a
+//! [`Lane`]. Backend-agnostic; nothing is touched unless every check of the WQE has passed.
+
+use std::time::Duration;
+
+use ibgda_device::wire::{syndrome, Sge, WqeOp};
+
+use crate::backend::{AtomicOp, Lane, Loc};
+use crate::error::EmuError;
+use crate::mr::{Access, Denied, Registry};
+
+/// Vendor syndromes (byte 54 of an error CQE) the emulator writes: its own codes, saying which
+/// check failed. Hardware's vendor syndromes are undocumented; these are not them.
+pub mod vendor_syndrome {
+    /// Flushed because the QP was already in the error state.
+    pub const FLUSH: u8 = 0x00;
+    /// The WQE does not decode (bad DS, unknown opcode or opcode modifier).
+    pub const BAD_WQE: u8 = 0xe0;
+    /// A local key names no registration.
+    pub const BAD_LKEY: u8 = 0xe1;
+    /// A local range is outside its registration.
+    pub const LOCAL_RANGE: u8 = 0xe2;
+    /// The local registration lacks `LOCAL_WRITE` (atomic result buffer).
+    pub const LOCAL_ACCESS: u8 = 0xe3;
+    /// The remote key names no registration on the peer.
+    pub const BAD_RKEY: u8 = 0xe4;
+    /// The remote range is outside its registration.
+    pub const REMOTE_RANGE: u8 = 0xe5;
+    /// The remote registration lacks the right (`REMOTE_WRITE` / `REMOTE_ATOMIC`).
+    pub const REMOTE_ACCESS: u8 = 0xe6;
+    /// An atomic's remote address is not aligned to its operand size.
+    pub const MISALIGNED: u8 = 0xe7;
+    /// A length is wrong (message over 2 GiB, atomic result buffer not the operand size).
+    pub const LENGTH: u8 = 0xe8;
+    /// The WQE reaches past the producer index the doorbell announced.
+    pub const PAST_PRODUCER: u8 = 0xe9;
+    /// Injected by a [`FaultPlan`](crate::FaultPlan).
+    pub const INJECTED: u8 = 0xea;
+    /// The QP is connected to no peer.
+    pub const NO_PEER: u8 = 0xeb;
+    /// The backend failed (a CUDA call, a bounded wait).
+    pub const BACKEND: u8 = 0xef;
+}
+
+/// Largest message a WQE may move (2 GiB, mlx5's `max_msg_sz`).
+pub const MAX_MESSAGE: u64 = 1 << 31;
+
+/// How the old value of a fetching atomic is written into the local result buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FetchOrder {
+    /// As ConnectX configures it: standard 8-byte atomics (`ATOMIC_FA`, `ATOMIC_CS`) reply in
+    /// host order (the driver's host-endianness requestor mode), masked atomics big-endian.
+    #[default]
+    Mlx5,
+    /// Every reply big-endian.
+    BigEndian,
+    /// Every reply in host order.
+    HostOrder,
+}
+
+/// What executing a WQE came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// It completed; `byte_count` is what a CQE reports.
+    Done { byte_count: u32 },
+    /// It failed: the CQE syndrome and the emulator's vendor syndrome.
+    Failed { syndrome: u8, vendor: u8 },
+}
+
+impl Outcome {
+    const fn failed(syndrome: u8, vendor: u8) -> Self {
+        Outcome::Failed { syndrome, vendor }
+    }
+}
+
+/// What the executor reads besides the WQE.
+pub(crate) struct ExecCtx<'a> {
+    pub local: &'a Registry,
+    pub remote: Option<&'a Registry>,
+    pub fetch_order: FetchOrder,
+    pub timeout: Duration,
+}
+
+fn local_denied(d: Denied) -> Outcome {
+    let vendor = match d {
+        Denied::Key => vendor_syndrome::BAD_LKEY,
+        Denied::Range => vendor_syndrome::LOCAL_RANGE,
+        Denied::Access => vendor_syndrome::LOCAL_ACCESS,
+    };
+    Outcome::failed(syndrome::LOCAL_PROT_ERR, vendor)
+}
+
+fn remote_denied(d: Denied) -> Outcome {
+    let vendor = match d {
+        Denied::Key => vendor_syndrome::BAD_RKEY,
+        Denied::Range => vendor_syndrome::REMOTE_RANGE,
+        Denied::Access => vendor_syndrome::REMOTE_ACCESS,
+    };
+    Outcome::failed(syndrome::REMOTE_ACCESS_ERR, vendor)
+}
+
+/// The length a data segment's byte count means (0 is 2 GiB).
+pub(crate) const fn sge_len(s: &Sge) -> u64 {
+    if s.len == 0 {
+        MAX_MESSAGE
+    } else {
+        s.len as u64
+    }
+}
+
+/// Bytes a WQE moves over the wire, for bandwidth shaping (0 when it does not decode).
+pub(crate) fn wire_bytes(op: &WqeOp<'_>) -> u64 {
+    match op {
+        WqeOp::RdmaWrite { sges, .. } => sges.iter().map(|s| sge_len(&s)).sum(),
+        WqeOp::InlineWrite { data, .. } => data.len() as u64,
+        WqeOp::FetchAdd64 { .. } | WqeOp::CompareSwap64 { .. } | WqeOp::MaskedFetchAdd64 { .. } => {
+            8
+        }
+        WqeOp::MaskedFetchAdd32 { .. } | WqeOp::MaskedCompareSwap32 { .. } => 4,
+        WqeOp::Nop | WqeOp::Other => 0,
+    }
+}
+
+/// Executes one decoded WQE. Returns `Err` only when the backend itself failed.
+pub(crate) fn execute(
+    op: &WqeOp<'_>,
+    cx: &ExecCtx<'_>,
+    lane: &mut dyn Lane,
+) -> Result<Outcome, EmuError> {
+    match op {
+        WqeOp::Nop => Ok(Outcome::Done { byte_count: 0 }),
+        WqeOp::Other => Ok(Outcome::failed(
+            syndrome::LOCAL_QP_OP_ERR,
+            vendor_syndrome::BAD_WQE,
+        )),
+        WqeOp::RdmaWrite { remote, sges, .. } => {
+            // Every local entry first (the NIC gathers before it sends), then the remote range.
+            let mut srcs: Vec<(Loc, u64)> = Vec::with_capacity(sges.len());
+            let mut total = 0u64;
+            for s in sges.iter() {
+                let len = sge_len(&s);
+                match cx.local.check(s.lkey, s.addr, len, Access::NONE) {
+                    Ok(loc) => srcs.push((loc, len)),
+                    Err(d) => return Ok(local_denied(d)),
+                }
+                total += len;
+            }
+            if total > MAX_MESSAGE {
+                return Ok(Outcome::failed(
+                    syndrome::LOCAL_LENGTH_ERR,
+                    vendor_syndrome::LENGTH,
+                ));
+            }
+            let Some(peer) = cx.remote else {
+                return Ok(no_peer());
+            };
+            let dst = match peer.check(remote.rkey, remote.addr, total, Access::REMOTE_WRITE) {
+                Ok(loc) => loc,
+                Err(d) => return Ok(remote_denied(d)),
+            };
+            let mut off = 0;
+            for (src, len) in srcs {
+                // SAFETY: both ranges were checked against live registrations above.
+                unsafe { lane.copy(dst.offset(off), src, len)? };
+                off += len;
+            }
+            Ok(Outcome::Done {
+                byte_count: total as u32,
+            })
+        }
+        WqeOp::InlineWrite { remote, data, .. } => {
+            if data.is_empty() {
+                // A zero-length write carries no key check on IB and touches nothing.
+                return Ok(Outcome::Done { byte_count: 0 });
+            }
+            let Some(peer) = cx.remote else {
+                return Ok(no_peer());
+            };
+            let len = data.len() as u64;
+            match peer.check(remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
+                Ok(dst) => {
+                    // SAFETY: the range was checked against a live registration.
+                    unsafe { lane.put(dst, data)? };
+                    Ok(Outcome::Done {
+                        byte_count: len as u32,
+                    })
+                }
+                Err(d) => Ok(remote_denied(d)),
+            }
+        }
+        WqeOp::FetchAdd64 { remote, fetch, add } => {
+            atomic(cx, lane, remote, fetch, AtomicOp::FetchAdd64 { add: *add })
+        }
+        WqeOp::CompareSwap64 {
+            remote,
+            fetch,
+            swap,
+            compare,
+        } => atomic(
+            cx,
+            lane,
+            remote,
+            fetch,
+            AtomicOp::CompareSwap64 {
+                swap: *swap,
+                compare: *compare,
+            },
+        ),
+        WqeOp::MaskedFetchAdd32 {
+            remote,
+            fetch,
+            add,
+            field_boundary,
+        } => atomic(
+            cx,
+            lane,
+            remote,
+            fetch,
+            AtomicOp::MaskedFetchAdd32 {
+                add: *add,
+                field_boundary: *field_boundary,
+            },
+        ),
+        WqeOp::MaskedCompareSwap32 {
+            remote,
+            fetch,
+            swap,
+            compare,
+            swap_mask,
+            compare_mask,
+        } => atomic(
+            cx,
+            lane,
+            remote,
+            fetch,
+            AtomicOp::MaskedCompareSwap32 {
+                swap: *swap,
+                compare: *compare,
+                swap_mask: *swap_mask,
+                compare_mask: *compare_mask,
+            },
+        ),
+        WqeOp::MaskedFetchAdd64 {
+            remote,
+            fetch,
+            add,
+            field_boundary,
+        } => atomic(
+            cx,
+            lane,
+            remote,
+            fetch,
+            AtomicOp::MaskedFetchAdd64 {
+                add: *add,
+                field_boundary: *field_boundary,
+            },
+        ),
+    }
+}
+
+fn no_peer() -> Outcome {
+    Outcome::failed(syndrome::REMOTE_OP_ERR, vendor_syndrome::NO_PEER)
+}
+
+/// The bytes of an atomic's old value as the local result buffer receives them.
+pub(crate) fn fetch_reply(op: &AtomicOp, old: u64, order: FetchOrder) -> Vec<u8> {
+    let masked = !matches!(
+        op,
+        AtomicOp::FetchAdd64 { .. } | AtomicOp::CompareSwap64 { .. }
+    );
+    let big = match order {
+        FetchOrder::Mlx5 => masked,
+        FetchOrder::BigEndian => true,
+        FetchOrder::HostOrder => false,
+    };
+    match (op.width(), big) {
+        (4, true) => (old as u32).to_be_bytes().to_vec(),
+        (4, false) => (old as u32).to_ne_bytes().to_vec(),
+        (_, true) => old.to_be_bytes().to_vec(),
+        (_, false) => old.to_ne_bytes().to_vec(),
+    }
+}
+
+fn atomic(
+    cx: &ExecCtx<'_>,
+    lane: &mut dyn Lane,
+    remote: &ibgda_device::wire::RemoteAddr,
+    fetch: &Sge,
+    op: AtomicOp,
+) -> Result<Outcome, EmuError> {
+    let w = op.width() as u64;
+    if fetch.len as u64 != w {
+        return Ok(Outcome::failed(
+            syndrome::LOCAL_LENGTH_ERR,
+            vendor_syndrome::LENGTH,
+        ));
+    }
+    let result = match cx
+        .local
+        .check(fetch.lkey, fetch.addr, w, Access::LOCAL_WRITE)
+    {
+        Ok(loc) => loc,
+        Err(d) => return Ok(local_denied(d)),
+    };
+    let Some(peer) = cx.remote else {
+        return Ok(no_peer());
+    };
+    let target = match peer.check(remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
+        Ok(loc) => loc,
+        Err(d) => return Ok(remote_denied(d)),
+    };
+    if remote.addr % w != 0 {
+        return Ok(Outcome::failed(
+            syndrome::REMOTE_INVAL_REQ_ERR,
+            vendor_syndrome::MISALIGNED,
+        ));
+    }
+    if target.addr() % w != 0 {
+        // Registered address and backing address disagree on alignment (an odd IPC mapping).
+        return Ok(Outcome::failed(
+            syndrome::REMOTE_INVAL_REQ_ERR,
+            vendor_syndrome::MISALIGNED,
+        ));
+    }
+    // SAFETY: the word was checked against a live registration and is aligned.
+    let old = unsafe { lane.atomic(target, op, cx.timeout)? };
+    let reply = fetch_reply(&op, old, cx.fetch_order);
+    // SAFETY: the result range was checked against a live registration with LOCAL_WRITE.
+    unsafe { lane.put(result, &reply)? };
+    Ok(Outcome::Done {
+        byte_count: w as u32,
+    })
+}

@@ -1,0 +1,163 @@
+//! Fault injection and shaping for tests: error CQEs on chosen WQEs, late completions, lost
+//! doorbells, and a bandwidth cap with per-operation latency to look like a real NIC.
+
+use std::time::{Duration, Instant};
+
+use ibgda_device::wire::syndrome;
+
+/// Fail the `nth` WQE (1-based, counting every WQE the QP executes) of QP `qpn` with
+/// `syndrome`, without executing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WqeFault {
+    /// The QP.
+    pub qpn: u32,
+    /// Which WQE, 1-based.
+    pub nth: u64,
+    /// The CQE syndrome to report.
+    pub syndrome: u8,
+}
+
+/// Ignore the `nth` doorbell (1-based) of QP `qpn`: the NIC does not learn that producer index
+/// from it; the next doorbell with a larger index recovers every WQE up to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DoorbellDrop {
+    /// The QP.
+    pub qpn: u32,
+    /// Which doorbell, 1-based. A doorbell is a poll that found a larger producer index, from
+    /// any source.
+    pub nth: u64,
+}
+
+/// What to break or slow down. The default breaks nothing.
+///
+/// ```
+/// use std::time::Duration;
+/// use ibgda_emu::FaultPlan;
+/// let plan = FaultPlan::default()
+///     .fail_wqe(0x100, 3, ibgda_device::wire::syndrome::REMOTE_ACCESS_ERR)
+///     .drop_doorbell(0x100, 1)
+///     .delay_completions(Duration::from_micros(50));
+/// assert_eq!(plan.wqe_errors.len(), 1);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultPlan {
+    /// WQEs to fail.
+    pub wqe_errors: Vec<WqeFault>,
+    /// Every CQE is written no earlier than this long after its WQE executed (and after its
+    /// data landed).
+    pub delay_completions: Duration,
+    /// Doorbells to lose.
+    pub dropped_doorbells: Vec<DoorbellDrop>,
+    /// Cap on the bytes per second the NIC moves, all QPs together, in GB/s (1e9 bytes).
+    pub bandwidth_gbps: Option<f64>,
+    /// Time from a doorbell to the start of each WQE it announced.
+    pub per_op_latency: Duration,
+}
+
+impl FaultPlan {
+    /// Fails the `nth` WQE (1-based) of `qpn` with `syndrome`.
+    pub fn fail_wqe(mut self, qpn: u32, nth: u64, syndrome: u8) -> Self {
+        self.wqe_errors.push(WqeFault { qpn, nth, syndrome });
+        self
+    }
+
+    /// Loses the `nth` doorbell (1-based) of `qpn`.
+    pub fn drop_doorbell(mut self, qpn: u32, nth: u64) -> Self {
+        self.dropped_doorbells.push(DoorbellDrop { qpn, nth });
+        self
+    }
+
+    /// Delays every completion by `d`.
+    pub fn delay_completions(mut self, d: Duration) -> Self {
+        self.delay_completions = d;
+        self
+    }
+
+    /// Caps bandwidth at `gbps` GB/s and adds `latency` to every operation.
+    pub fn shape(mut self, gbps: f64, latency: Duration) -> Self {
+        self.bandwidth_gbps = Some(gbps);
+        self.per_op_latency = latency;
+        self
+    }
+
+    /// A 400 Gb/s NIC: 50 GB/s and 2 µs per operation.
+    pub fn nic_400g() -> Self {
+        Self::default().shape(50.0, Duration::from_micros(2))
+    }
+
+    pub(crate) fn wqe_fault(&self, qpn: u32, nth: u64) -> Option<u8> {
+        self.wqe_errors
+            .iter()
+            .find(|f| f.qpn == qpn && f.nth == nth)
+            .map(|f| f.syndrome)
+    }
+
+    pub(crate) fn drops_doorbell(&self, qpn: u32, nth: u64) -> bool {
+        self.dropped_doorbells
+            .iter()
+            .any(|d| d.qpn == qpn && d.nth == nth)
+    }
+
+    pub(crate) fn shaped(&self) -> bool {
+        self.bandwidth_gbps.is_some() || !self.per_op_latency.is_zero()
+    }
+
+    /// How long `bytes` occupy the wire.
+    pub(crate) fn wire_time(&self, bytes: u64) -> Duration {
+        match self.bandwidth_gbps {
+            Some(g) if g > 0.0 => Duration::from_secs_f64(bytes as f64 / (g * 1e9)),
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+/// The NIC's wire: when it is free again (shaping).
+#[derive(Debug, Default)]
+pub(crate) struct Wire {
+    pub free_at: Option<Instant>,
+}
+
+impl Wire {
+    /// When a WQE of `bytes` announced at `announced_at` may start and when its last byte is
+    /// through, or `None` if it may not start yet.
+    pub fn schedule(
+        &mut self,
+        plan: &FaultPlan,
+        announced_at: Instant,
+        bytes: u64,
+        now: Instant,
+    ) -> Option<Instant> {
+        let mut start = announced_at + plan.per_op_latency;
+        if let Some(f) = self.free_at {
+            start = start.max(f);
+        }
+        if now < start {
+            return None;
+        }
+        let done = start + plan.wire_time(bytes);
+        self.free_at = Some(done);
+        Some(done)
+    }
+}
+
+/// The default syndrome of an injected WQE error.
+pub const INJECTED_SYNDROME: u8 = syndrome::REMOTE_OP_ERR;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_serialises_transfers() {
+        let plan = FaultPlan::default().shape(1.0, Duration::from_micros(10));
+        let mut w = Wire::default();
+        let t0 = Instant::now();
+        assert_eq!(w.schedule(&plan, t0, 1000, t0), None);
+        let t1 = t0 + Duration::from_micros(10);
+        let done = w.schedule(&plan, t0, 1000, t1).unwrap();
+        assert_eq!(done, t1 + Duration::from_micros(1));
+        // The next one waits for the wire.
+        assert_eq!(w.schedule(&plan, t0, 1000, t1), None);
+        assert!(w.schedule(&plan, t0, 1000, done).is_some());
+    }
+}
