@@ -33,6 +33,9 @@ fn pattern(rank: usize, seed: u64) -> Vec<u8> {
 fn own_buffer(ctx: &Arc<CudaContext>, rank: usize, seed: u64) -> Res<DeviceBuffer> {
     let buf = DeviceBuffer::new(ctx, LEN)?;
     buf.upload(0, &pattern(rank, seed))?;
+    // A copy from pageable memory may return before its DMA lands; peers read right after the
+    // exchange, so wait for it.
+    ctx.synchronize()?;
     Ok(buf)
 }
 

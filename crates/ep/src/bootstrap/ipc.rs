@@ -302,6 +302,8 @@ impl Record {
 /// cannot export its buffer every rank fails, naming it.
 ///
 /// Every rank must keep `local` alive while others use it: end with a barrier before freeing.
+/// Peers may read `local` as soon as this returns, so finish writing it first (synchronize: a
+/// copy from pageable host memory can return before its data has landed).
 pub fn exchange_buffers<C: Communicator + ?Sized>(
     comm: &C,
     ctx: &Arc<CudaContext>,
