@@ -1,0 +1,679 @@
+//! The emulator on the CUDA backend, between two GPUs: RDMA writes of 8 B to 64 MiB and atomics
+//! checked byte for byte, rings in host and in GPU memory, progress while spinning kernels fill
+//! the target GPU, and the same across two processes (CUDA IPC). Skips loudly with fewer than
+//! two GPUs.
+
+use std::io::{BufRead, BufReader, Write as _};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext};
+use ep_kernels::testing::{gpus, seed, Rng};
+use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
+use ibgda_device::wire::{
+    cqe_opcode, CompareSwap64, Cqe64, FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, Nop,
+    RdmaWrite, RemoteAddr, Sge, WqeBB,
+};
+use ibgda_emu::{
+    Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostQp, Loc, Mr, Nic, NicConfig, QpConfig,
+    QpInfo, QpState,
+};
+
+const T: Duration = Duration::from_secs(60);
+const GUARD: u8 = 0xa5;
+const GUARD_BYTES: usize = 4096;
+const MAX: usize = 64 << 20;
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng::new(seed);
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        v.extend_from_slice(&r.next_u64().to_ne_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn wait_cqe(qp: &HostQp, cons: u64) -> Cqe64 {
+    let t0 = Instant::now();
+    loop {
+        if let Some(c) = qp.poll_cqe(cons) {
+            return c;
+        }
+        assert!(
+            t0.elapsed() < T,
+            "no CQE {cons} on QP {:#x} after {T:?}",
+            qp.qpn()
+        );
+        std::thread::yield_now();
+    }
+}
+
+fn ra(m: &Mr, off: u64) -> RemoteAddr {
+    RemoteAddr {
+        addr: m.addr + off,
+        rkey: m.rkey,
+    }
+}
+
+/// Two CUDA NICs on GPUs 0 and 1 and a QP from the first to the second (host-pinned rings).
+struct Gpu2 {
+    ctxs: Vec<Arc<CudaContext>>,
+    _fabric: Fabric,
+    a: Nic,
+    b: Nic,
+    qp: HostQp,
+    _peer: HostQp,
+    pi: u64,
+    cons: u64,
+}
+
+impl Gpu2 {
+    fn new(ctxs: Vec<Arc<CudaContext>>) -> Self {
+        enable_peer_access(&ctxs[0], &ctxs[1]).expect("peer access 0 -> 1");
+        enable_peer_access(&ctxs[1], &ctxs[0]).expect("peer access 1 -> 0");
+        let fabric = Fabric::new();
+        let a = fabric.cuda_nic(&ctxs[0], NicConfig::named("gpu0")).unwrap();
+        let b = fabric.cuda_nic(&ctxs[1], NicConfig::named("gpu1")).unwrap();
+        let qp = a.create_host_qp(256, CqMode::Ring, 256).unwrap();
+        let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+        a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+            .unwrap();
+        Self {
+            ctxs,
+            _fabric: fabric,
+            a,
+            b,
+            qp,
+            _peer: peer,
+            pi: 0,
+            cons: 0,
+        }
+    }
+
+    /// Posts one signalled WQE (built for its index), rings, and returns its CQE.
+    fn run(&mut self, wqe: impl FnOnce(u32, u16) -> WqeBB) -> Cqe64 {
+        let i = self.pi;
+        self.qp.post(i, &wqe(self.qp.qpn(), i as u16));
+        self.pi += 1;
+        self.qp.ring_dbr(self.pi);
+        let c = wait_cqe(&self.qp, self.cons);
+        self.cons += 1;
+        assert!(!c.is_error(), "{c}");
+        assert_eq!(c.wqe_counter.get(), i as u16);
+        c
+    }
+}
+
+#[test]
+fn gpu_writes_8b_to_64mib_land_byte_for_byte() {
+    let Some(ctxs) = gpus(2) else { return };
+    let mut g = Gpu2::new(ctxs);
+    let s = seed();
+    let src = Arc::new(DeviceBuffer::new(&g.ctxs[0], MAX + 64).unwrap());
+    let dst = Arc::new(DeviceBuffer::new(&g.ctxs[1], MAX + 2 * GUARD_BYTES).unwrap());
+    let lm =
+        g.a.register_device(&src, 0, MAX + 64, Access::NONE)
+            .unwrap();
+    let rm =
+        g.b.register_device(&dst, GUARD_BYTES, MAX, Access::REMOTE_WRITE)
+            .unwrap();
+    let cases: &[(usize, usize, usize)] = &[
+        // (bytes, source offset, destination offset)
+        (8, 0, 0),
+        (64, 8, 64),
+        (4096, 0, 0),
+        (4097, 3, 5),
+        (65536, 0, 4096),
+        (1 << 20, 0, 0),
+        ((1 << 20) + 12, 4, 1),
+        (16 << 20, 0, 0),
+        (MAX, 0, 0),
+    ];
+    for (k, &(len, so, dof)) in cases.iter().enumerate() {
+        let data = pattern(s ^ k as u64, len);
+        src.upload(so, &data).unwrap();
+        dst.fill_bytes(GUARD).unwrap();
+        let c = g.run(|q, i| {
+            RdmaWrite::new(
+                q,
+                i,
+                ra(&rm, dof as u64),
+                Sge {
+                    addr: lm.addr + so as u64,
+                    len: len as u32,
+                    lkey: lm.lkey,
+                },
+            )
+            .cqe(true)
+            .build()
+        });
+        assert_eq!(c.byte_cnt.get(), len as u32);
+        let got: Vec<u8> = dst.download(0, MAX + 2 * GUARD_BYTES).unwrap();
+        let at = GUARD_BYTES + dof;
+        if let Some(i) = (0..len).find(|&i| got[at + i] != data[i]) {
+            panic!(
+                "write of {len} B: byte {i} is {:#04x}, want {:#04x}",
+                got[at + i],
+                data[i]
+            );
+        }
+        if let Some(i) = (0..got.len()).find(|&i| (i < at || i >= at + len) && got[i] != GUARD) {
+            panic!("write of {len} B touched byte {i} outside its range");
+        }
+    }
+    // Inline writes too.
+    dst.fill_bytes(GUARD).unwrap();
+    g.run(|q, i| {
+        InlineWrite::new(q, i, ra(&rm, 13), b"inline bytes")
+            .cqe(true)
+            .build()
+    });
+    assert_eq!(
+        dst.download::<u8>(GUARD_BYTES + 13, 12).unwrap(),
+        b"inline bytes"
+    );
+}
+
+#[test]
+fn gpu_atomics_between_two_gpus() {
+    let Some(ctxs) = gpus(2) else { return };
+    let mut g = Gpu2::new(ctxs);
+    let target = Arc::new(DeviceBuffer::new(&g.ctxs[1], 4096).unwrap());
+    let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 4096).unwrap());
+    target.fill_bytes(0).unwrap();
+    fetch.fill_bytes(0xee).unwrap();
+    let rm =
+        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
+            .unwrap();
+    let lm =
+        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
+            .unwrap();
+    let la = |off: u64| LocalAddr {
+        addr: lm.addr + off,
+        lkey: lm.lkey,
+    };
+    for k in 0..100u64 {
+        g.run(|q, i| {
+            FetchAdd64::new(q, i, ra(&rm, 0), la(8 * k), 3)
+                .cqe(true)
+                .build()
+        });
+    }
+    let fetched: Vec<u64> = fetch.download(0, 100).unwrap();
+    for (k, &v) in fetched.iter().enumerate() {
+        assert_eq!(v, 3 * k as u64, "fetch-add {k} returned {v}");
+    }
+    assert_eq!(target.download::<u64>(0, 1).unwrap()[0], 300);
+    g.run(|q, i| {
+        CompareSwap64::new(q, i, ra(&rm, 0), la(1024), 7, 300)
+            .cqe(true)
+            .build()
+    });
+    g.run(|q, i| {
+        CompareSwap64::new(q, i, ra(&rm, 0), la(1032), 9, 300)
+            .cqe(true)
+            .build()
+    });
+    assert_eq!(target.download::<u64>(0, 1).unwrap()[0], 7);
+    assert_eq!(fetch.download::<u64>(1024, 2).unwrap(), vec![300, 7]);
+    for _ in 0..10 {
+        g.run(|q, i| {
+            MaskedFetchAdd32::new(q, i, ra(&rm, 64), la(2048), 5)
+                .cqe(true)
+                .build()
+        });
+    }
+    assert_eq!(target.download::<u32>(64, 1).unwrap()[0], 50);
+    assert_eq!(
+        fetch.download::<u8>(2048, 4).unwrap(),
+        45u32.to_be_bytes(),
+        "masked atomics reply big-endian"
+    );
+
+    // Four QPs hammering one word: every emulator atomic of the process is serialised.
+    let qps: Vec<HostQp> = (0..4)
+        .map(|_| {
+            let qp = g.a.create_host_qp(256, CqMode::Ring, 256).unwrap();
+            let peer = g.b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+            g.a.connect(qp.qpn(), &g.b.qp_info(peer.qpn()).unwrap())
+                .unwrap();
+            qp
+        })
+        .collect();
+    for qp in &qps {
+        for i in 0..200u64 {
+            let w = FetchAdd64::new(qp.qpn(), i as u16, ra(&rm, 128), la(3072), 1)
+                .cqe(i == 199)
+                .build();
+            qp.post(i, &w);
+        }
+        qp.ring_dbr(200);
+    }
+    for qp in &qps {
+        let c = wait_cqe(qp, 0);
+        assert!(!c.is_error(), "{c}");
+    }
+    assert_eq!(target.download::<u64>(128, 1).unwrap()[0], 800);
+}
+
+#[test]
+fn gpu_rings_and_cq_in_gpu_memory() {
+    let Some(ctxs) = gpus(2) else { return };
+    enable_peer_access(&ctxs[0], &ctxs[1]).unwrap();
+    let fabric = Fabric::new();
+    let a = fabric.cuda_nic(&ctxs[0], NicConfig::named("gpu0")).unwrap();
+    let b = fabric.cuda_nic(&ctxs[1], NicConfig::named("gpu1")).unwrap();
+    let ring = DeviceBuffer::new(&ctxs[0], 64 * 64).unwrap();
+    let cq = DeviceBuffer::new(&ctxs[0], 64 * 64).unwrap();
+    let dbr = DeviceBuffer::new(&ctxs[0], 8).unwrap();
+    dbr.fill_bytes(0).unwrap();
+    let dst = Arc::new(DeviceBuffer::new(&ctxs[1], 4096).unwrap());
+    dst.fill_bytes(0).unwrap();
+    let rm = b.register_device(&dst, 0, 4096, Access::ALL).unwrap();
+    let cfg = QpConfig {
+        sq: Loc::Device(ring.ptr()),
+        nwqebbs: 64,
+        cq: CqConfig::ring(Loc::Device(cq.ptr()), 64),
+        doorbell: DoorbellConfig {
+            dbr: Some(Loc::Device(dbr.ptr())),
+            uar: true,
+            producer_slot: None,
+        },
+    };
+    // SAFETY: the ring, CQ and doorbell record outlive the QP, destroyed at the end.
+    let h = unsafe { a.create_qp(cfg) }.unwrap();
+    let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    a.connect(h.qpn, &b.qp_info(peer.qpn()).unwrap()).unwrap();
+    let q = h.qpn;
+    let w0 = InlineWrite::new(q, 0, ra(&rm, 0), b"via the DBR").build();
+    let w1 = Nop::new(q, 1).cqe(true).build();
+    ring.upload(0, w0.as_bytes()).unwrap();
+    ring.upload(64, w1.as_bytes()).unwrap();
+    dbr.upload(4, &[ibgda_device::wire::dbr_send_word(2)])
+        .unwrap();
+    let st = a.wait_idle(q, T).unwrap();
+    assert_eq!((st.fetched, st.cqes_written), (2, 1));
+    // The UAR page (pinned host memory) as device code in mode gpu would ring it.
+    let w2 = InlineWrite::new(q, 2, ra(&rm, 16), b"via the UAR")
+        .cqe(true)
+        .build();
+    ring.upload(128, w2.as_bytes()).unwrap();
+    let uar = h.uar.unwrap();
+    // SAFETY: the BlueFlame register of the QP's live UAR page; 8-byte aligned.
+    unsafe { std::sync::atomic::AtomicU64::from_ptr(uar.bf_reg as *mut u64) }.store(
+        ibgda_device::wire::db_word(q, 3),
+        std::sync::atomic::Ordering::Release,
+    );
+    let st = a.wait_idle(q, T).unwrap();
+    assert_eq!(
+        (st.fetched, st.cqes_written, st.state),
+        (3, 2, QpState::Rts)
+    );
+    let cqes: Vec<Cqe64> = cq.download(0, 2).unwrap();
+    for (k, c) in cqes.iter().enumerate() {
+        assert_eq!(
+            c.status(k as u64, 64).state(),
+            Some(ibgda_device::wire::CqeState::Ok),
+            "{c}"
+        );
+        assert_eq!(c.wqe_counter.get(), [1u16, 2][k]);
+    }
+    assert_eq!(dst.download::<u8>(0, 11).unwrap(), b"via the DBR");
+    assert_eq!(dst.download::<u8>(16, 11).unwrap(), b"via the UAR");
+    a.destroy_qp(q).unwrap();
+}
+
+/// A kernel whose every thread spins (bounded by %globaltimer) until a flag becomes non-zero;
+/// thread 0 of each block then stores the flag it saw to `out[block]`.
+const SPIN_PTX: &str = r#"
+.version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry spin_until_flag(
+    .param .u64 flag,
+    .param .u64 out,
+    .param .u64 max_ns
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<10>;
+
+    ld.param.u64 %rd1, [flag];
+    ld.param.u64 %rd2, [out];
+    ld.param.u64 %rd3, [max_ns];
+    mov.u64 %rd4, %globaltimer;
+    add.u64 %rd5, %rd4, %rd3;
+LOOP:
+    ld.volatile.global.u32 %r1, [%rd1];
+    setp.ne.u32 %p1, %r1, 0;
+    @%p1 bra DONE;
+    mov.u64 %rd6, %globaltimer;
+    setp.lt.u64 %p2, %rd6, %rd5;
+    @%p2 bra LOOP;
+DONE:
+    mov.u32 %r2, %tid.x;
+    setp.ne.u32 %p3, %r2, 0;
+    @%p3 bra END;
+    mov.u32 %r3, %ctaid.x;
+    mul.wide.u32 %rd7, %r3, 4;
+    add.u64 %rd8, %rd2, %rd7;
+    st.global.u32 [%rd8], %r1;
+END:
+    ret;
+}
+"#;
+
+#[test]
+fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
+    let Some(ctxs) = gpus(2) else { return };
+    let mut g = Gpu2::new(ctxs);
+    let ctx1 = g.ctxs[1].clone();
+    let flag = Arc::new(DeviceBuffer::new(&ctx1, 4096).unwrap());
+    flag.fill_bytes(0).unwrap();
+    let rm = g.b.register_device(&flag, 0, 4096, Access::ALL).unwrap();
+    let sms = {
+        let mut n = 0i32;
+        // SAFETY: valid out-pointer and a live device handle.
+        unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut n,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                ctx1.cu_device(),
+            )
+        }
+        .result()
+        .unwrap();
+        n as u32
+    };
+    // Twice the blocks that can be resident at 1024 threads each: every SM is taken.
+    let blocks = 4 * sms;
+    let out = DeviceBuffer::new(&ctx1, blocks as usize * 4).unwrap();
+    out.fill_bytes(0).unwrap();
+
+    ctx1.bind_to_thread().unwrap();
+    let ptx = std::ffi::CString::new(SPIN_PTX).unwrap();
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated PTX image; valid out-pointer; context current.
+    unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) }
+        .result()
+        .expect("JIT-compiling the spin kernel");
+    let mut func: sys::CUfunction = std::ptr::null_mut();
+    let name = std::ffi::CString::new("spin_until_flag").unwrap();
+    // SAFETY: live module; valid out-pointer and name.
+    unsafe { sys::cuModuleGetFunction(&mut func, module, name.as_ptr()) }
+        .result()
+        .unwrap();
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; context current.
+    unsafe {
+        sys::cuStreamCreate(
+            &mut stream,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+        )
+    }
+    .result()
+    .unwrap();
+    let (mut pflag, mut pout, mut pmax) = (flag.ptr(), out.ptr(), 20_000_000_000u64);
+    let mut args: [*mut std::ffi::c_void; 3] = [
+        (&mut pflag as *mut u64).cast(),
+        (&mut pout as *mut u64).cast(),
+        (&mut pmax as *mut u64).cast(),
+    ];
+    // SAFETY: the kernel takes three u64 parameters, passed by pointer as the driver requires;
+    // the buffers outlive the kernel (we wait for it below).
+    unsafe {
+        sys::cuLaunchKernel(
+            func,
+            blocks,
+            1,
+            1,
+            1024,
+            1,
+            1,
+            0,
+            stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: live stream.
+    let busy = unsafe { sys::cuStreamQuery(stream) };
+    assert_eq!(
+        busy,
+        sys::cudaError_enum::CUDA_ERROR_NOT_READY,
+        "the spinning kernel should still be running"
+    );
+    // The NIC needs no SM: an atomic and a write both land while every SM spins.
+    let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 64).unwrap());
+    let lm =
+        g.a.register_device(&fetch, 0, 64, Access::LOCAL_WRITE)
+            .unwrap();
+    g.run(|q, i| {
+        FetchAdd64::new(
+            q,
+            i,
+            ra(&rm, 64),
+            LocalAddr {
+                addr: lm.addr,
+                lkey: lm.lkey,
+            },
+            5,
+        )
+        .cqe(true)
+        .build()
+    });
+    let t0 = Instant::now();
+    g.run(|q, i| {
+        InlineWrite::new(q, i, ra(&rm, 0), &1u32.to_ne_bytes())
+            .cqe(true)
+            .build()
+    });
+    let write_done = t0.elapsed();
+    let t0 = Instant::now();
+    loop {
+        // SAFETY: live stream.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            sys::cudaError_enum::CUDA_SUCCESS => break,
+            sys::cudaError_enum::CUDA_ERROR_NOT_READY => {
+                assert!(t0.elapsed() < T, "spinning kernel never saw the flag");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            e => panic!("kernel failed: {e:?}"),
+        }
+    }
+    let seen: Vec<u32> = out.download(0, blocks as usize).unwrap();
+    assert!(
+        seen.iter().all(|&v| v == 1),
+        "blocks that timed out instead of seeing the flag: {}",
+        seen.iter().filter(|&&v| v != 1).count()
+    );
+    assert_eq!(flag.download::<u64>(64, 1).unwrap()[0], 5);
+    eprintln!(
+        "{blocks} blocks x 1024 threads on {sms} SMs; the flag write completed in {write_done:?}"
+    );
+    // SAFETY: the stream is idle and the module's kernel has finished.
+    unsafe {
+        let _ = sys::cuStreamDestroy_v2(stream);
+        let _ = sys::cuModuleUnload(module);
+    }
+}
+
+// ---- two processes ------------------------------------------------------------------------
+
+const CHILD_ENV: &str = "IBGDA_EMU_GPU_CHILD";
+const TAG: &str = "IBEMU ";
+
+/// The second process of `gpu_two_process_writes_and_atomics`: owns GPU 1's memory, exports it,
+/// and checks what the first process wrote. Does nothing when run on its own.
+#[test]
+fn gpu_two_process_child() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let ctx = ibgda_device::cuda::context(1).expect("GPU 1 in the child");
+    let fabric = Fabric::new();
+    let nic = fabric.cuda_nic(&ctx, NicConfig::named("child")).unwrap();
+    let dst = Arc::new(DeviceBuffer::new(&ctx, MAX + GUARD_BYTES).unwrap());
+    dst.fill_bytes(GUARD).unwrap();
+    dst.upload(MAX, &[0u64; 8]).unwrap();
+    nic.register_device(&dst, 0, MAX + GUARD_BYTES, Access::ALL)
+        .unwrap();
+    let qp = nic.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    let info = nic.qp_info_for_ipc(qp.qpn()).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{TAG}info {}", info.to_hex()).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["check", len, seed] => {
+                let (len, seed): (usize, u64) = (len.parse().unwrap(), seed.parse().unwrap());
+                let want = pattern(seed, len);
+                let got: Vec<u8> = dst.download(0, MAX).unwrap();
+                let bad = (0..MAX).find(|&i| got[i] != if i < len { want[i] } else { GUARD });
+                dst.fill_bytes(GUARD).unwrap();
+                dst.upload(MAX, &[0u64; 8]).unwrap();
+                match bad {
+                    None => "ok".to_string(),
+                    Some(i) => format!("bad byte {i}"),
+                }
+            }
+            ["counter", want] => {
+                let v = dst.download::<u64>(MAX, 1).unwrap()[0];
+                if v.to_string() == *want {
+                    "ok".into()
+                } else {
+                    format!("bad counter {v}")
+                }
+            }
+            ["quit"] => break,
+            _ => format!("bad command {line}"),
+        };
+        writeln!(out, "{TAG}{reply}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
+#[test]
+fn gpu_two_process_writes_and_atomics() {
+    let Some(ctxs) = gpus(2) else { return };
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "gpu_two_process_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix(TAG) {
+                if tx.send(rest.to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let recv = || {
+        rx.recv_timeout(T)
+            .expect("the child process did not answer in time")
+    };
+    let mut stdin = child.stdin.take().unwrap();
+    let mut say = |s: String| {
+        writeln!(stdin, "{s}").unwrap();
+        stdin.flush().unwrap();
+    };
+
+    let first = recv();
+    let info = QpInfo::from_hex(first.strip_prefix("info ").expect("info line")).unwrap();
+    let remote = info.exports[0].mr;
+    let fabric = Fabric::new();
+    let nic = fabric
+        .cuda_nic(&ctxs[0], NicConfig::named("parent"))
+        .unwrap();
+    let src = Arc::new(DeviceBuffer::new(&ctxs[0], MAX).unwrap());
+    let lm = nic
+        .register_device(&src, 0, MAX, Access::LOCAL_WRITE)
+        .unwrap();
+    let qp = nic.create_host_qp(256, CqMode::Ring, 256).unwrap();
+    nic.connect(qp.qpn(), &info).unwrap();
+    let s = seed();
+    let (mut pi, mut cons) = (0u64, 0u64);
+    for (k, &len) in [8usize, 4096, 65536 + 7, 1 << 20, 16 << 20, MAX]
+        .iter()
+        .enumerate()
+    {
+        let sd = s ^ (k as u64 + 1);
+        src.upload(0, &pattern(sd, len)).unwrap();
+        let w = RdmaWrite::new(
+            qp.qpn(),
+            pi as u16,
+            ra(&remote, 0),
+            Sge {
+                addr: lm.addr,
+                len: len as u32,
+                lkey: lm.lkey,
+            },
+        )
+        .cqe(true)
+        .build();
+        qp.post(pi, &w);
+        pi += 1;
+        qp.ring_dbr(pi);
+        let c = wait_cqe(&qp, cons);
+        cons += 1;
+        assert_eq!(c.opcode(), cqe_opcode::REQ, "{c}");
+        say(format!("check {len} {sd}"));
+        assert_eq!(recv(), "ok", "write of {len} bytes across processes");
+    }
+    for k in 0..50u64 {
+        let w = FetchAdd64::new(
+            qp.qpn(),
+            pi as u16,
+            ra(&remote, MAX as u64),
+            LocalAddr {
+                addr: lm.addr + 8 * k,
+                lkey: lm.lkey,
+            },
+            2,
+        )
+        .cqe(k == 49)
+        .build();
+        qp.post(pi, &w);
+        pi += 1;
+    }
+    qp.ring_dbr(pi);
+    let c = wait_cqe(&qp, cons);
+    assert!(!c.is_error(), "{c}");
+    let fetched: Vec<u64> = src.download(0, 50).unwrap();
+    assert_eq!(fetched, (0..50).map(|k| 2 * k).collect::<Vec<u64>>());
+    say("counter 100".into());
+    assert_eq!(recv(), "ok");
+    say("quit".into());
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            assert!(st.success(), "child exited with {st}");
+            break;
+        }
+        assert!(t0.elapsed() < T, "child did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
