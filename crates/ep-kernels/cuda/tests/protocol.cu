@@ -174,3 +174,19 @@ extern "C" __global__ void protocol_bench_publish(ibgda_qp_desc* descs, uint32_t
     if (st == IBGDA_STATUS_OK) st = ibgda_quiet(d);
     note_status(status, st);
 }
+
+// Benchmark: the proxy alone. Thread q (< nqps) raises producer slot q (pinned host memory) with
+// the same system-scope release max the protocol uses, as fast as it can, until the host sets
+// *stop (read every 64 raises) or `limit_ns` passes. raised[q] = the last value written.
+extern "C" __global__ void protocol_bench_slots(uint64_t* slots, uint32_t nqps, const uint32_t* stop,
+                                                uint64_t limit_ns, uint64_t* raised) {
+    uint32_t q = blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= nqps) return;
+    const uint64_t t0 = ibgda_globaltimer();
+    uint64_t v = 0;
+    for (;;) {
+        for (int k = 0; k < 64; ++k) ibgda_red_max_release_sys(&slots[q], ++v);
+        if (ibgda_ld_relaxed_sys_u32(stop) != 0u || ibgda_globaltimer() - t0 > limit_ns) break;
+    }
+    raised[q] = v;
+}

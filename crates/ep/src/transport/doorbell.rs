@@ -19,9 +19,21 @@ pub enum ProxyDoorbell {
     UarPage,
 }
 
+/// Called by the proxy right after it rings a QP: (QP index in its group, producer index).
+/// Instrumentation for benchmarks and tests; it runs on the proxy thread, so it must be quick.
+#[derive(Clone)]
+pub struct DoorbellHook(pub Arc<dyn Fn(u32, u64) + Send + Sync>);
+
+impl std::fmt::Debug for DoorbellHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DoorbellHook(..)")
+    }
+}
+
 /// One emulated QP's doorbell as the proxy rings it.
 pub struct EmuDoorbell {
     how: How,
+    hook: Option<(DoorbellHook, u32)>,
     /// Keeps the memory behind the raw pointers alive as long as the proxy thread holds this.
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
 }
@@ -69,7 +81,17 @@ impl EmuDoorbell {
                 How::Uar(db)
             }
         };
-        Some(Self { how, _keep: keep })
+        Some(Self {
+            how,
+            hook: None,
+            _keep: keep,
+        })
+    }
+
+    /// Calls `hook` with `qp_index` after every ring.
+    pub fn with_hook(mut self, hook: Option<DoorbellHook>, qp_index: u32) -> Self {
+        self.hook = hook.map(|h| (h, qp_index));
+        self
     }
 }
 
@@ -89,6 +111,9 @@ impl Doorbell for EmuDoorbell {
                 }
             }
             How::Uar(db) => db.ring(pi),
+        }
+        if let Some((hook, qp)) = &self.hook {
+            (hook.0)(*qp, pi);
         }
     }
 }

@@ -29,7 +29,7 @@ use ibgda_emu::{
     Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostBuffer, Loc, Mr, Nic, NicConfig, QpConfig,
 };
 
-use super::doorbell::{EmuDoorbell, ProxyDoorbell};
+use super::doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 use super::error::TransportError;
 
 /// Bytes at the end of every [`Arena`] for the fetched values of non-fetching atomics (the
@@ -71,6 +71,8 @@ pub struct QpGroupConfig {
     pub proxy_doorbell: ProxyDoorbell,
     /// The rank at the other end, for diagnostics.
     pub peer_rank: u32,
+    /// Called by the proxy after each doorbell (CPU modes; benchmarks and tests).
+    pub on_doorbell: Option<DoorbellHook>,
 }
 
 impl Default for QpGroupConfig {
@@ -84,6 +86,7 @@ impl Default for QpGroupConfig {
             proxy: ProxyConfig::default(),
             proxy_doorbell: ProxyDoorbell::default(),
             peer_rank: 0,
+            on_doorbell: None,
         }
     }
 }
@@ -551,7 +554,8 @@ impl QpGroup {
                 }
                 .ok_or_else(|| {
                     TransportError::Config(format!("QP {i}: no emulated UAR page for the proxy"))
-                })?;
+                })?
+                .with_hook(cfg.on_doorbell.clone(), i as u32);
                 pqs.push(ProxyQp {
                     slot,
                     doorbell: Box::new(doorbell),

@@ -29,7 +29,7 @@ mod emulated;
 mod error;
 mod nic;
 
-pub use doorbell::{EmuDoorbell, ProxyDoorbell};
+pub use doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 pub use emulated::{
     wait_stream, Arena, EmuRank, QpGroup, QpGroupConfig, RingPlacement, ARENA_SCRATCH_BYTES,
 };
