@@ -21,6 +21,10 @@ constexpr int kPushThreads = 1024;
 // 16-byte loads each lane issues before its first store: 4 x 32 lanes x 16 B = 2 KiB per warp in
 // flight, 64 KiB per SM; more costs registers under the 64-per-thread cap of 1024 threads.
 constexpr int kUnroll = 4;
+// The combine push has one destination per row, so it can hold more loads per lane than the
+// dispatch push (which keeps per-destination row indices live): 7 x 16 B per lane covers a 7168
+// BF16 row in 4 steps and still fits the 64-register cap without spilling.
+constexpr int kCombineUnroll = 7;
 constexpr int kNotifyThreads = 256;
 
 __device__ __forceinline__ int* experts_of(SignalHead* s) { return reinterpret_cast<int*>(s + 1); }
@@ -246,13 +250,13 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
         const int64_t slot = static_cast<int64_t>(p.rank) * p.max_tokens + (i - recv_offset[r]);
         const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<uint64_t>(i) * p.row_bytes);
         int4* dst = reinterpret_cast<int4*>(comb_x[r] + static_cast<uint64_t>(slot) * p.row_bytes);
-        for (int j = lane; j < n16; j += 32 * kUnroll) {
-            int4 v[kUnroll];
+        for (int j = lane; j < n16; j += 32 * kCombineUnroll) {
+            int4 v[kCombineUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < kCombineUnroll; ++u)
                 if (j + u * 32 < n16) v[u] = ld_stream_v4(src + j + u * 32);
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
+            for (int u = 0; u < kCombineUnroll; ++u)
                 if (j + u * 32 < n16) st_stream_v4(dst + j + u * 32, v[u]);
         }
         if (p.topk_weights != 0) {
@@ -264,9 +268,27 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
     finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitCombineData);
 }
 
+// 4 x 8 f32 accumulators and 4 loads per lane: the most that fits 64 registers unspilled.
+constexpr int kReduceUnroll = 4;
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
+        acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    return static_cast<uint32_t>(f32_to_bf16_rn(lo)) | (static_cast<uint32_t>(f32_to_bf16_rn(hi)) << 16);
+}
+
 // Sums the copies of each token that came back (f32), adds the biases, writes BF16.
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_reduce(const CombineReduceParams p) {
     __shared__ int abort;
+    __shared__ int warp_pos[kPushThreads / 32][kMaxRanks];
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     __syncthreads();
     if (abort) return;
@@ -278,53 +300,64 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
         const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
         const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
-        int64_t slot[kMaxRanks];
+        // Copy d of this token sits in row slot(d) of the combine region. The positions go
+        // through shared memory (read in lane-divergent loops, where a shuffle is not allowed;
+        // an array of 8 slots in registers would spill).
+        int* my_pos = warp_pos[threadIdx.x >> 5];
+        __syncwarp();
+        if (lane < kMaxRanks) my_pos[lane] = pos;
+        __syncwarp();
+        const auto slot = [&](int d) { return static_cast<int64_t>(d) * p.max_tokens + my_pos[d]; };
+        // kReduceUnroll chunks per lane per step, so each copy's row has kReduceUnroll 16-byte
+        // loads in flight per lane (the reduce is bound by loads in flight, not arithmetic).
+        for (int c0 = lane; c0 < n16; c0 += 32 * kReduceUnroll) {
+            float acc[kReduceUnroll][8];
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-            slot[d] = static_cast<int64_t>(d) * p.max_tokens + __shfl_sync(0xffffffffu, pos, d);
-        for (int c = lane; c < n16; c += 32) {
-            float acc[8];
+            for (int u = 0; u < kReduceUnroll; ++u)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+                for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
 #pragma unroll
             for (int d = 0; d < kMaxRanks; ++d) {
+                const int64_t sd = slot(d);
                 if (!((mask >> d) & 1u)) continue;
-                const int4 v = ld_stream_v4(reinterpret_cast<const int4*>(p.comb_x + slot[d] * row_bytes) + c);
-                const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+                const int4* row = reinterpret_cast<const int4*>(p.comb_x + sd * row_bytes);
+                int4 v[kReduceUnroll];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
-                    acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
-                }
+                for (int u = 0; u < kReduceUnroll; ++u)
+                    if (c0 + u * 32 < n16) v[u] = ld_stream_v4(row + c0 + u * 32);
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) add_bf16x8(acc[u], v[u]);
             }
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const uint64_t bias = b == 0 ? p.bias0 : p.bias1;
                 if (bias == 0) continue;
-                const int4 v = ld_stream_v4(reinterpret_cast<const int4*>(bias + t * row_bytes) + c);
-                const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+                const int4* row = reinterpret_cast<const int4*>(bias + t * row_bytes);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
-                    acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
-                }
+                for (int u = 0; u < kReduceUnroll; ++u)
+                    if (c0 + u * 32 < n16) add_bf16x8(acc[u], ld_stream_v4(row + c0 + u * 32));
             }
-            int4 o;
-            o.x = static_cast<int>(f32_to_bf16_rn(acc[0]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[1])) << 16));
-            o.y = static_cast<int>(f32_to_bf16_rn(acc[2]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[3])) << 16));
-            o.z = static_cast<int>(f32_to_bf16_rn(acc[4]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[5])) << 16));
-            o.w = static_cast<int>(f32_to_bf16_rn(acc[6]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[7])) << 16));
-            reinterpret_cast<int4*>(p.out + t * row_bytes)[c] = o;
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                if (c0 + u * 32 >= n16) continue;
+                int4 o;
+                o.x = static_cast<int>(pack_bf16x2(acc[u][0], acc[u][1]));
+                o.y = static_cast<int>(pack_bf16x2(acc[u][2], acc[u][3]));
+                o.z = static_cast<int>(pack_bf16x2(acc[u][4], acc[u][5]));
+                o.w = static_cast<int>(pack_bf16x2(acc[u][6], acc[u][7]));
+                reinterpret_cast<int4*>(p.out + t * row_bytes)[c0 + u * 32] = o;
+            }
         }
         if (p.out_weights != 0) {
-            for (int k = lane; k < p.topk; k += 32) {
-                float s = 0.0f;
+            for (int k0 = 0; k0 < p.topk; k0 += 32) {
+                const int k = k0 + lane;
+                float sum = 0.0f;
 #pragma unroll
-                for (int d = 0; d < kMaxRanks; ++d)
-                    if ((mask >> d) & 1u) s += reinterpret_cast<const float*>(p.comb_w)[slot[d] * p.topk + k];
-                reinterpret_cast<float*>(p.out_weights)[static_cast<int64_t>(t) * p.topk + k] = s;
+                for (int d = 0; d < kMaxRanks; ++d) {
+                    const int64_t sd = slot(d);
+                    if (((mask >> d) & 1u) && k < p.topk) sum += reinterpret_cast<const float*>(p.comb_w)[sd * p.topk + k];
+                }
+                if (k < p.topk) reinterpret_cast<float*>(p.out_weights)[static_cast<int64_t>(t) * p.topk + k] = sum;
             }
         }
     }

@@ -14,10 +14,12 @@ mod dtype;
 mod error;
 mod event;
 mod intranode;
+pub mod low_latency;
 mod mapped;
 pub mod reference;
 mod rendezvous;
 mod tensor;
+pub mod transport;
 
 pub use config::{BufferOptions, Config};
 pub use dtype::{Bf16, Element, Fp8E4M3};

@@ -35,10 +35,11 @@ __device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
     return v;
 }
 
-// A read-once 16-byte load: not kept in L1 (the row is read once and sent on).
+// A read-once 16-byte load: not kept in L1 (the row is read once and sent on). Only for memory
+// no thread writes during the kernel (not volatile: the compiler may batch these loads).
 __device__ __forceinline__ int4 ld_stream_v4(const int4* p) {
     int4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
