@@ -9,12 +9,12 @@
 //! the ranks holding their experts and [`combine`](Buffer::combine) the expert outputs back.
 //! [`reference`] is the CPU definition of every result, used by the tests.
 
+pub mod bootstrap;
 mod config;
 mod dtype;
 mod error;
 mod event;
 mod intranode;
-pub mod low_latency;
 mod mapped;
 pub mod reference;
 mod rendezvous;
