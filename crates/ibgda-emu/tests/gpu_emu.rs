@@ -395,6 +395,11 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     let out = DeviceBuffer::new(&ctx1, blocks as usize * 4).unwrap();
     out.fill_bytes(0).unwrap();
 
+    // Allocated before the launch: nothing after it may need the spinning GPU or a sync.
+    let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 64).unwrap());
+    let lm =
+        g.a.register_device(&fetch, 0, 64, Access::LOCAL_WRITE)
+            .unwrap();
     ctx1.bind_to_thread().unwrap();
     let ptx = std::ffi::CString::new(SPIN_PTX).unwrap();
     let mut module: sys::CUmodule = std::ptr::null_mut();
@@ -452,10 +457,6 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
         "the spinning kernel should still be running"
     );
     // The NIC needs no SM: an atomic and a write both land while every SM spins.
-    let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 64).unwrap());
-    let lm =
-        g.a.register_device(&fetch, 0, 64, Access::LOCAL_WRITE)
-            .unwrap();
     g.run(|q, i| {
         FetchAdd64::new(
             q,

@@ -767,3 +767,59 @@ fn a_wait_that_runs_out_names_the_qp_and_indices() {
         "{s}"
     );
 }
+
+/// Several QPs and producer threads at once against one word, with the progress thread running:
+/// host atomics are CPU atomics, so no update is lost.
+#[test]
+fn concurrent_producers_and_atomics() {
+    let fabric = ibgda_emu::Fabric::new();
+    let a = fabric.host_nic(NicConfig::named("a")).unwrap();
+    let b = fabric.host_nic(NicConfig::named("b")).unwrap();
+    let target = std::sync::Arc::new(HostBuffer::new(64));
+    let scratch = std::sync::Arc::new(HostBuffer::new(64));
+    let rm = b
+        .register_host(&target, 0, 64, Access::REMOTE_ATOMIC)
+        .unwrap();
+    let lm = a
+        .register_host(&scratch, 0, 64, Access::LOCAL_WRITE)
+        .unwrap();
+    let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    let info = b.qp_info(peer.qpn()).unwrap();
+    let qps: Vec<_> = (0..4)
+        .map(|_| {
+            let qp = a.create_host_qp(64, CqMode::Ring, 64).unwrap();
+            a.connect(qp.qpn(), &info).unwrap();
+            qp
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (k, qp) in qps.iter().enumerate() {
+            let a = &a;
+            s.spawn(move || {
+                let q = qp.qpn();
+                let mut cons = 0;
+                for batch in 0..50u64 {
+                    for j in 0..20u64 {
+                        let i = batch * 20 + j;
+                        let w = FetchAdd64::new(q, i as u16, ra(&rm, 0), la(&lm, 8 * k as u64), 1)
+                            .cqe(j == 19)
+                            .build();
+                        qp.post(i, &w);
+                    }
+                    match batch % 3 {
+                        0 => qp.ring_dbr((batch + 1) * 20),
+                        1 => qp.ring_uar((batch + 1) * 20),
+                        _ => a.ring_doorbell(q, (batch + 1) * 20).unwrap(),
+                    }
+                    let t0 = Instant::now();
+                    while qp.poll_cqe(cons).is_none() {
+                        assert!(t0.elapsed() < T, "QP {q:#x} batch {batch}: no CQE");
+                        std::thread::yield_now();
+                    }
+                    cons += 1;
+                }
+            });
+        }
+    });
+    assert_eq!(target.load_u64(0), 4 * 1000);
+}
