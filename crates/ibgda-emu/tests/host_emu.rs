@@ -797,7 +797,6 @@ fn concurrent_producers_and_atomics() {
             let a = &a;
             s.spawn(move || {
                 let q = qp.qpn();
-                let mut cons = 0;
                 for batch in 0..50u64 {
                     for j in 0..20u64 {
                         let i = batch * 20 + j;
@@ -812,11 +811,10 @@ fn concurrent_producers_and_atomics() {
                         _ => a.ring_doorbell(q, (batch + 1) * 20).unwrap(),
                     }
                     let t0 = Instant::now();
-                    while qp.poll_cqe(cons).is_none() {
+                    while qp.poll_cqe(batch).is_none() {
                         assert!(t0.elapsed() < T, "QP {q:#x} batch {batch}: no CQE");
                         std::thread::yield_now();
                     }
-                    cons += 1;
                 }
             });
         }
