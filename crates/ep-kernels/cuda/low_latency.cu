@@ -1,0 +1,579 @@
+// Low-latency dispatch/combine (DeepEP's "LL" mode, our own design): few tokens per rank, every
+// token goes straight from the sender's registers/shared memory into its final slot in the
+// receiver's per-expert region, one signal per (expert, source rank) announces the count.
+//
+// Regions (byte offsets into every rank's net buffer, equal on all ranks; the host computes them):
+//   dispatch signals  u64 [half][local experts][ranks]      count + 1, written by the source rank,
+//                                                           zeroed by the receiver after reading
+//   combine flags     u64 [half][experts]                   monotonic: the n-th combine on a half
+//                                                           stores n (device-side sequence number)
+//   dispatch recv     msg [half][local experts][ranks][max tokens]   msg = 16-byte header
+//                                                           {src token, 0, 0, 0} | row | f32 scales
+//   combine recv      bf16 [half][experts][max tokens][hidden]
+//   combine send      bf16 [local experts][ranks * max tokens][hidden]  (zero-copy input)
+//
+// Kernels take a phase mask: SEND only (hook mode: the kernel returns once the data is out),
+// RECV only (the hook), or both in one launch (every block first sends, then receives; the grid
+// is at most one block per SM so all blocks are resident and a receiving block never waits on a
+// block that cannot run).
+//
+// The send path goes through one small interface, `Net` below: `peer(dst)` is the NVLink window
+// of rank dst (0 when dst is reachable only through the transport), `put_warp` moves bytes from
+// local memory, `signal` publishes a u64 after every earlier put to that rank. Only the NVLink
+// implementation exists today; the IBGDA one (protocol.cuh: ibgda_put_warp / ibgda_signal_add on
+// the QP of dst) plugs in where the TODOs say.
+//
+// Every wait is bounded by %globaltimer; a timeout records the first error in the host-mapped
+// ErrorWord (rank, peer, what, expert in `epoch`, last value seen) and the kernel winds down.
+#include <cstddef>
+#include <cstdint>
+
+#include "ep/device.cuh"
+
+using namespace ep;
+
+namespace {
+
+// 32 warps: dispatch moves one token per block at a time, its top-k copies spread over the
+// warps (32 / k warps per destination); the receive side gives each warp one row.
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTopk = 16;
+constexpr int kMaxHidden = 8192;
+// Channels per FP8 scale.
+constexpr int kFp8Block = 128;
+// Largest message: header + BF16 row (the FP8 row with its scales is smaller).
+constexpr int kMaxMsg16 = 1 + kMaxHidden * 2 / 16;
+// 16-byte loads in flight per lane before the stores of a copy.
+constexpr int kUnroll = 4;
+
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+// What a wait was for (ErrorWord::what), mirrored in ep_kernels::low_latency::wait_what.
+constexpr uint32_t kWaitSendDone = 11;     // this rank's own warps finishing the sends to an expert
+constexpr uint32_t kWaitDispatchRecv = 12; // a source rank's count signal for a local expert
+constexpr uint32_t kWaitCombineRecv = 13;  // an expert's rank flagging its rows back
+// Error code (beside ep's kErrTimeout): a top-k id outside [-1, experts); `epoch` holds the id.
+constexpr uint32_t kErrBadExpert = 16;
+
+struct LlDispatchParams {
+    uint64_t peer_base[kMaxRanks];  // every rank's net buffer (NVLink window); 0: transport only
+    uint64_t x;                     // bf16 [tokens][hidden]
+    uint64_t topk_idx;              // int32 [tokens][topk], -1 = none
+    uint64_t state;                 // LlState, local
+    uint64_t out_x;                 // [local][ranks * max_tokens][hidden] bf16 or fp8
+    uint64_t out_scales;            // f32 [..][hidden / 128] or u32 [..][hidden / 512] (UE8M0), or 0
+    uint64_t out_src_info;          // int32 [local][ranks * max_tokens]
+    uint64_t out_layout;            // int32 [local][ranks][2] = (offset, count)
+    uint64_t out_count;             // int32 [local]
+    uint64_t error;                 // ErrorWord, host-mapped
+    uint64_t timeout_ns;
+    uint64_t signal_off;            // this half's dispatch signals
+    uint64_t recv_off;              // this half's dispatch receive messages
+    int32_t rank;
+    int32_t ranks;
+    int32_t num_tokens;
+    int32_t max_tokens;
+    int32_t hidden;
+    int32_t topk;
+    int32_t num_experts;
+    int32_t num_local;
+    int32_t phases;
+    int32_t fp8;                    // 0: BF16 rows; 1: FP8 e4m3 with per-128 scales
+    int32_t round_scale;            // scales rounded up to powers of two
+    int32_t ue8m0;                  // scales packed as UE8M0 exponent bytes, 4 per u32
+    int32_t msg_bytes;
+    int32_t pad;
+};
+static_assert(sizeof(LlDispatchParams) == 216, "LlDispatchParams layout");
+static_assert(offsetof(LlDispatchParams, rank) == 160, "LlDispatchParams layout");
+
+struct LlCombineParams {
+    uint64_t peer_base[kMaxRanks];
+    uint64_t x;                     // bf16 [local][ranks * max_tokens][hidden]
+    uint64_t src_info;              // int32 [local][ranks * max_tokens] (the dispatch's)
+    uint64_t layout;                // int32 [local][ranks][2] (the dispatch's)
+    uint64_t topk_idx;              // int32 [tokens][topk] of this rank's tokens
+    uint64_t topk_weights;          // f32 [tokens][topk]
+    uint64_t out;                   // bf16 [tokens][hidden]
+    uint64_t state;
+    uint64_t error;
+    uint64_t timeout_ns;
+    uint64_t flag_off;              // this half's combine flags
+    uint64_t recv_off;              // this half's combine receive rows
+    int32_t rank;
+    int32_t ranks;
+    int32_t num_tokens;
+    int32_t max_tokens;
+    int32_t hidden;
+    int32_t topk;
+    int32_t num_experts;
+    int32_t num_local;
+    int32_t phases;
+    int32_t half;
+};
+static_assert(sizeof(LlCombineParams) == 192, "LlCombineParams layout");
+static_assert(offsetof(LlCombineParams, rank) == 152, "LlCombineParams layout");
+
+struct LlSleepParams {
+    uint64_t ns;
+};
+
+// Per-rank state in local device memory (zeroed at creation), mirrored in Rust.
+struct LlState {
+    uint64_t combine_seq[2];       // combines completed on each half
+    uint32_t combine_blocks_done;  // blocks of the current combine receive that have finished
+    uint32_t pad[11];
+    // Followed by int32 finish[num_experts]: (token, expert) sends completed by this rank's warps
+    // in the current dispatch; the expert's count warp resets it.
+};
+static_assert(sizeof(LlState) == 64, "LlState layout");
+
+__device__ __forceinline__ int* finish_of(uint64_t state) { return reinterpret_cast<int*>(state + sizeof(LlState)); }
+
+// ---- The send interface ----------------------------------------------------------------------
+
+struct Net {
+    const uint64_t* base;
+
+    // The NVLink window of rank `dst`'s net buffer, or 0 when only the transport reaches it.
+    __device__ __forceinline__ uint64_t peer(int dst) const { return base[dst]; }
+
+    // Warp-collective: bytes (a multiple of 16) from local `src` to `remote_off` in dst's net
+    // buffer. NVLink: 16-byte stores, kUnroll loads in flight per lane.
+    __device__ __forceinline__ void put_warp(int dst, uint64_t remote_off, const int4* src, int n16, int lane) const {
+        // TODO(transport): when peer(dst) == 0, src must lie in the registered send staging and the
+        // put goes out as ibgda_put_warp(qp_of(dst), rbase[dst] + remote_off, rkey[dst], src, bytes).
+        int4* dst_p = reinterpret_cast<int4*>(peer(dst) + remote_off);
+        for (int i = lane; i < n16; i += 32 * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * 32 < n16) v[u] = src[i + u * 32];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i + u * 32 < n16) st_stream_v4(dst_p + i + u * 32, v[u]);
+        }
+    }
+
+    // One thread: stores `value` at `remote_off` in dst's net buffer once every put to dst that
+    // happened-before this call is visible there. The slot has one writer; `delta` is value minus
+    // what that writer stored there last (the transport adds it with a fenced atomic).
+    __device__ __forceinline__ void signal(int dst, uint64_t remote_off, uint64_t value, uint64_t delta) const {
+        // TODO(transport): ibgda_signal_add(qp_of(dst), rbase[dst] + remote_off, rkey[dst], delta, fence=true).
+        (void)delta;
+        __threadfence_system();
+        st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
+    }
+
+    // Called once per kernel after the last put/signal: the transport waits for its QPs here
+    // (ibgda_quiet) so the send staging may be reused; NVLink stores need nothing.
+    __device__ __forceinline__ void quiet() const {}
+};
+
+// ---- Small helpers ---------------------------------------------------------------------------
+
+// A 16-byte load that goes through L2 coherently (peer-written or same-kernel data) without
+// allocating in L1.
+__device__ __forceinline__ int4 ld_na_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ld_acquire_gpu_i32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Whether expert `e` appears among token `t`'s ids (each (token, expert) pair is sent once).
+__device__ __forceinline__ bool token_has(const int* idx, int t, int k, int e) {
+    for (int j = 0; j < k; ++j)
+        if (idx[t * k + j] == e) return true;
+    return false;
+}
+
+__device__ __forceinline__ uint16_t fp8x2(float lo, float hi) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The smallest power of two >= s (s positive, finite).
+__device__ __forceinline__ float pow2_ceil(float s) {
+    uint32_t b = __float_as_uint(s);
+    if (b & 0x007fffffu) b = (b & 0xff800000u) + 0x00800000u;
+    return __uint_as_float(b);
+}
+
+// Bounded wait until *p satisfies `ok`; false (error recorded, or someone else's error seen).
+template <class Ok>
+__device__ __forceinline__ bool wait_sys(const uint64_t* p, Ok ok, uint64_t* seen, const uint64_t error,
+                                         uint64_t timeout_ns, int rank, int peer, uint32_t what, uint64_t expert) {
+    const uint64_t start = globaltimer_ns();
+    uint32_t polls = 0;
+    while (!ok(*seen = ld_acquire_sys(p))) {
+        if ((++polls & 1023u) == 0u) {
+            if (error_recorded(error)) return false;
+            if (globaltimer_ns() - start > timeout_ns) {
+                record_error(error, kErrTimeout, rank, peer, what, expert, *seen);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+// ---- Dispatch ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const Net& net) {
+    __shared__ int4 s_msg[kMaxMsg16];
+    __shared__ int s_expert[kMaxTopk];
+    __shared__ int s_slot[kMaxTopk];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int K = p.topk, T = p.num_tokens, H = p.hidden, L = p.num_local, R = p.ranks;
+    const int* idx = reinterpret_cast<const int*>(p.topk_idx);
+    int* finish = finish_of(p.state);
+    const int n_chunks = H / 8;  // 8 BF16 channels per 16-byte chunk
+    const int msg16 = p.msg_bytes / 16;
+    const int parts = K > 0 ? (kWarps / K > 0 ? kWarps / K : 1) : 1;
+
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        // 1. The message, in shared memory: header, then the row (BF16 copied, or cast to FP8 with
+        //    one scale per 128 channels = per 16 lanes).
+        if (threadIdx.x == 0) s_msg[0] = make_int4(t, 0, 0, 0);
+        const int4* xrow = reinterpret_cast<const int4*>(p.x + static_cast<uint64_t>(t) * H * 2);
+        for (int base = warp * 32; base < n_chunks; base += kThreads) {
+            const int c = base + lane;
+            const bool in = c < n_chunks;
+            int4 v = in ? ld_stream_v4(xrow + c) : make_int4(0, 0, 0, 0);
+            if (!p.fp8) {
+                if (in) s_msg[1 + c] = v;
+                continue;
+            }
+            const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                                   static_cast<uint32_t>(v.w)};
+            float f[8];
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                f[2 * j] = bf16_to_f32(static_cast<uint16_t>(w[j] & 0xffffu));
+                f[2 * j + 1] = bf16_to_f32(static_cast<uint16_t>(w[j] >> 16));
+                amax = fmaxf(amax, fmaxf(fabsf(f[2 * j]), fabsf(f[2 * j + 1])));
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            amax = fmaxf(amax, 1e-4f);
+            float scale = amax / 448.0f;
+            if (p.round_scale) scale = pow2_ceil(scale);
+            const float inv = 1.0f / scale;
+            uint32_t q[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                q[j] = static_cast<uint32_t>(fp8x2(f[4 * j] * inv, f[4 * j + 1] * inv)) |
+                       (static_cast<uint32_t>(fp8x2(f[4 * j + 2] * inv, f[4 * j + 3] * inv)) << 16);
+            if (in) {
+                reinterpret_cast<uint2*>(s_msg + 1)[c] = make_uint2(q[0], q[1]);
+                if ((lane & 15) == 0) reinterpret_cast<float*>(reinterpret_cast<char*>(s_msg + 1) + H)[c / 16] = scale;
+            }
+        }
+        // 2. Where the token goes: warp k takes top-k slot k. Its slot in the destination is the
+        //    number of earlier tokens of this rank that also chose that expert, so rows arrive in
+        //    token order without any atomics.
+        if (warp < K) {
+            int e = idx[t * K + warp];
+            if (e >= p.num_experts || e < -1) {
+                if (lane == 0)
+                    record_error(p.error, kErrBadExpert, p.rank, p.rank, 0, static_cast<uint64_t>(static_cast<int64_t>(e)),
+                                 static_cast<uint64_t>(t));
+                e = -1;
+            }
+            bool dup = false;
+            for (int j = 0; j < warp; ++j) dup |= idx[t * K + j] == e;
+            int slot = -1;
+            if (e >= 0 && !dup) {
+                int n = 0;
+                for (int u = lane; u < t; u += 32) n += token_has(idx, u, K, e) ? 1 : 0;
+                slot = warp_sum(n);
+            }
+            if (lane == 0) {
+                s_expert[warp] = slot >= 0 ? e : -1;
+                s_slot[warp] = slot;
+            }
+        }
+        __syncthreads();
+        // 3. Copies: (top-k slot, part of the message) jobs over the warps.
+        const int per = (msg16 + parts - 1) / parts;
+        for (int job = warp; job < K * parts; job += kWarps) {
+            const int k = job % K, part = job / K;
+            const int e = s_expert[k];
+            if (e < 0) continue;
+            const int lo = part * per;
+            const int n = min(per, msg16 - lo);
+            if (n <= 0) continue;
+            const int dst = e / L, le = e % L;
+            const uint64_t off = p.recv_off +
+                                 ((static_cast<uint64_t>(le) * R + p.rank) * p.max_tokens + s_slot[k]) * p.msg_bytes +
+                                 static_cast<uint64_t>(lo) * 16;
+            net.put_warp(dst, off, s_msg + lo, n, lane);
+        }
+        __syncthreads();
+        // 4. Count the sends done (after a system fence: the count warp's signal must follow them).
+        if (threadIdx.x < K && s_expert[threadIdx.x] >= 0) {
+            __threadfence_system();
+            atomicAdd(&finish[s_expert[threadIdx.x]], 1);
+        }
+        __syncthreads();
+    }
+
+    // 5. One warp per expert: once every token for it has been sent, signal count + 1.
+    for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
+        int n = 0;
+        for (int u = lane; u < T; u += 32) n += token_has(idx, u, K, e) ? 1 : 0;
+        n = warp_sum(n);
+        if (lane == 0) {
+            const uint64_t start = globaltimer_ns();
+            uint32_t polls = 0;
+            bool ok = true;
+            int seen;
+            while ((seen = ld_acquire_gpu_i32(&finish[e])) != n) {
+                if ((++polls & 1023u) == 0u &&
+                    (error_recorded(p.error) || globaltimer_ns() - start > p.timeout_ns)) {
+                    if (!error_recorded(p.error))
+                        record_error(p.error, kErrTimeout, p.rank, p.rank, kWaitSendDone, static_cast<uint64_t>(e),
+                                     static_cast<uint64_t>(seen));
+                    ok = false;
+                    break;
+                }
+            }
+            if (ok) {
+                finish[e] = 0;  // the next dispatch is a later kernel on this stream
+                const int dst = e / L, le = e % L;
+                const uint64_t off = p.signal_off + (static_cast<uint64_t>(le) * R + p.rank) * 8;
+                net.signal(dst, off, static_cast<uint64_t>(n) + 1, static_cast<uint64_t>(n) + 1);
+            }
+        }
+    }
+    net.quiet();
+}
+
+__device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p) {
+    __shared__ int s_cnt[kMaxRanks];
+    __shared__ int s_off[kMaxRanks + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.hidden, L = p.num_local, R = p.ranks;
+    const uint64_t mine = p.peer_base[p.rank];
+    const int cap = R * p.max_tokens;
+    const int data_bytes = p.fp8 ? H : 2 * H;
+    const int data16 = data_bytes / 16;
+    const int scale_words = H / kFp8Block;
+
+    for (int le = blockIdx.x; le < L; le += gridDim.x) {
+        if (threadIdx.x < R) {
+            const int r = threadIdx.x;
+            uint64_t* sig = reinterpret_cast<uint64_t*>(mine + p.signal_off) + le * R + r;
+            uint64_t seen = 0;
+            const bool ok = wait_sys(sig, [](uint64_t v) { return v != 0; }, &seen, p.error, p.timeout_ns, p.rank, r,
+                                     kWaitDispatchRecv, static_cast<uint64_t>(le));
+            s_cnt[r] = ok ? static_cast<int>(seen - 1) : 0;
+            if (ok) *reinterpret_cast<volatile uint64_t*>(sig) = 0;  // one reader: this block
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int off = 0;
+            int* layout = reinterpret_cast<int*>(p.out_layout) + static_cast<int64_t>(le) * R * 2;
+            for (int r = 0; r < R; ++r) {
+                const int c = min(max(s_cnt[r], 0), p.max_tokens);
+                s_off[r] = off;
+                layout[2 * r] = off;
+                layout[2 * r + 1] = c;
+                off += c;
+            }
+            s_off[R] = off;
+            reinterpret_cast<int*>(p.out_count)[le] = off;
+        }
+        __syncthreads();
+        const int total = s_off[R];
+        for (int j = warp; j < total; j += kWarps) {
+            int r = 0;
+            while (r + 1 < R && s_off[r + 1] <= j) ++r;
+            const int i = j - s_off[r];
+            const char* m = reinterpret_cast<const char*>(
+                mine + p.recv_off + ((static_cast<uint64_t>(le) * R + r) * p.max_tokens + i) * p.msg_bytes);
+            const int64_t row = static_cast<int64_t>(le) * cap + j;
+            const int4* src = reinterpret_cast<const int4*>(m) + 1;
+            int4* dst = reinterpret_cast<int4*>(p.out_x + row * data_bytes);
+            for (int c = lane; c < data16; c += 32 * kUnroll) {
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * 32 < data16) v[u] = ld_na_v4(src + c + u * 32);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (c + u * 32 < data16) dst[c + u * 32] = v[u];
+            }
+            if (lane == 0) reinterpret_cast<int*>(p.out_src_info)[row] = reinterpret_cast<const volatile int*>(m)[0];
+            if (p.fp8) {
+                const float* sc = reinterpret_cast<const float*>(m + 16 + H);
+                if (p.ue8m0) {
+                    uint32_t* out = reinterpret_cast<uint32_t*>(p.out_scales) + row * (scale_words / 4);
+                    for (int w = lane; w < scale_words / 4; w += 32) {
+                        uint32_t packed = 0;
+#pragma unroll
+                        for (int b = 0; b < 4; ++b)
+                            packed |= ((__float_as_uint(sc[4 * w + b]) >> 23) & 0xffu) << (8 * b);
+                        out[w] = packed;
+                    }
+                } else {
+                    float* out = reinterpret_cast<float*>(p.out_scales) + row * scale_words;
+                    for (int w = lane; w < scale_words; w += 32) out[w] = sc[w];
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// ---- Combine -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net& net, uint64_t seq) {
+    __shared__ int s_off[kMaxRanks], s_cnt[kMaxRanks];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.hidden, L = p.num_local, R = p.ranks;
+    const int cap = R * p.max_tokens;
+    const int row16 = H * 2 / 16;
+    for (int le = blockIdx.x; le < L; le += gridDim.x) {
+        const int e = p.rank * L + le;
+        if (threadIdx.x < R) {
+            const int* layout = reinterpret_cast<const int*>(p.layout) + (static_cast<int64_t>(le) * R + threadIdx.x) * 2;
+            s_off[threadIdx.x] = layout[0];
+            s_cnt[threadIdx.x] = layout[1];
+        }
+        __syncthreads();
+        // Rows of each source rank are contiguous: warp w takes rows w, w + 32, ... of each.
+        for (int r = 0; r < R; ++r) {
+            for (int i = warp; i < s_cnt[r]; i += kWarps) {
+                const int64_t row = static_cast<int64_t>(le) * cap + s_off[r] + i;
+                const int src_token = reinterpret_cast<const int*>(p.src_info)[row];
+                const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
+                const uint64_t off =
+                    p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
+                net.put_warp(r, off, src, row16, lane);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1);
+        __syncthreads();
+    }
+    net.quiet();
+}
+
+__device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t seq) {
+    __shared__ int s_e[kMaxTopk];
+    __shared__ float s_w[kMaxTopk];
+    const int H = p.hidden, K = p.topk, L = p.num_local;
+    const uint64_t mine = p.peer_base[p.rank];
+    const int* idx = reinterpret_cast<const int*>(p.topk_idx);
+    const float* wts = reinterpret_cast<const float*>(p.topk_weights);
+    const int n16 = H / 8;
+    for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+        if (threadIdx.x < K) {
+            const int k = threadIdx.x;
+            const int e = idx[t * K + k];
+            bool ok = e >= 0;
+            if (ok) {
+                const uint64_t* flag = reinterpret_cast<const uint64_t*>(mine + p.flag_off) + e;
+                uint64_t seen = 0;
+                ok = wait_sys(flag, [seq](uint64_t v) { return v > seq; }, &seen, p.error, p.timeout_ns, p.rank, e / L,
+                              kWaitCombineRecv, static_cast<uint64_t>(e));
+            }
+            s_e[k] = ok ? e : -1;
+            s_w[k] = wts[t * K + k];
+        }
+        __syncthreads();
+        for (int c = threadIdx.x; c < n16; c += blockDim.x) {
+            float acc[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+            for (int k = 0; k < K; ++k) {
+                const int e = s_e[k];
+                if (e < 0) continue;
+                const float w = s_w[k];
+                const int4 v = ld_na_v4(reinterpret_cast<const int4*>(
+                                            mine + p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + t) * H * 2) +
+                                        c);
+                const uint32_t u[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[2 * j] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] & 0xffffu)), acc[2 * j]);
+                    acc[2 * j + 1] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] >> 16)), acc[2 * j + 1]);
+                }
+            }
+            int4 o;
+            o.x = static_cast<int>(f32_to_bf16_rn(acc[0]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[1])) << 16));
+            o.y = static_cast<int>(f32_to_bf16_rn(acc[2]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[3])) << 16));
+            o.z = static_cast<int>(f32_to_bf16_rn(acc[4]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[5])) << 16));
+            o.w = static_cast<int>(f32_to_bf16_rn(acc[6]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[7])) << 16));
+            reinterpret_cast<int4*>(p.out + static_cast<uint64_t>(t) * H * 2)[c] = o;
+        }
+        __syncthreads();
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const LlDispatchParams p) {
+    __shared__ int abort;
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    __syncthreads();
+    if (abort) return;
+    const Net net{p.peer_base};
+    if (p.phases & kPhaseSend) dispatch_send(p, net);
+    if (p.phases & kPhaseRecv) dispatch_recv(p);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const LlCombineParams p) {
+    __shared__ int abort;
+    __shared__ uint64_t seq;
+    LlState* state = reinterpret_cast<LlState*>(p.state);
+    if (threadIdx.x == 0) {
+        abort = error_recorded(p.error);
+        seq = state->combine_seq[p.half];
+    }
+    __syncthreads();
+    if (abort) return;
+    const Net net{p.peer_base};
+    if (p.phases & kPhaseSend) combine_send(p, net, seq);
+    if (p.phases & kPhaseRecv) {
+        combine_recv(p, seq);
+        // The last block to finish advances the half's sequence number: every block has read it.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const unsigned prev = atomicAdd(&state->combine_blocks_done, 1u);
+            if (prev == gridDim.x - 1) {
+                state->combine_blocks_done = 0;
+                state->combine_seq[p.half] = seq + 1;
+                __threadfence();
+            }
+        }
+    }
+}
+
+// Keeps the stream busy for `ns` nanoseconds: benchmarks queue their timed work behind it so
+// the host's launch rate does not show in the timings.
+extern "C" __global__ void ep_ll_sleep(const LlSleepParams p) {
+    const uint64_t start = globaltimer_ns();
+    while (globaltimer_ns() - start < p.ns) __nanosleep(1000);
+}

@@ -1,0 +1,197 @@
+//! Launch parameters of the low-latency kernels (`cuda/low_latency.cu`), mirrored from the
+//! structs at the top of that file. Each struct is passed to its kernel by value; sizes are
+//! asserted here and in the `.cu`, so a change on one side that is not made on the other fails
+//! the build.
+//!
+//! Addresses are device addresses (`u64`), 0 meaning "none"; offsets are bytes into every rank's
+//! net buffer (equal on all ranks). The safe API that fills them in is `ep::low_latency`.
+
+use cudarc::driver::DeviceRepr;
+
+/// Kernel module of the low-latency kernels.
+pub const MODULE: &str = "low_latency";
+/// Ranks one buffer can span; per-rank arrays have this length.
+pub const MAX_RANKS: usize = 8;
+/// Threads per block of both kernels (one block per SM).
+pub const THREADS: u32 = 1024;
+/// Largest top-k width the kernels accept.
+pub const MAX_TOPK: usize = 16;
+/// Largest hidden size the kernels accept (the dispatch message is staged in shared memory).
+pub const MAX_HIDDEN: usize = 8192;
+/// Channels per FP8 scale.
+pub const FP8_BLOCK: usize = 128;
+
+/// Phase bits of a launch ([`LlDispatchParams::phases`], [`LlCombineParams::phases`]).
+pub mod phase {
+    /// Send the data and the signals, then return.
+    pub const SEND: i32 = 1;
+    /// Wait for the signals and unpack / reduce.
+    pub const RECV: i32 = 2;
+}
+
+/// What a timed-out device wait was for (the error word's `what`; the expert is in `epoch`).
+pub mod wait_what {
+    /// This rank's own warps finishing their sends to an expert.
+    pub const SEND_DONE: u32 = 11;
+    /// A source rank's count signal for a local expert (dispatch receive).
+    pub const DISPATCH_RECV: u32 = 12;
+    /// An expert's rank flagging its rows back (combine receive).
+    pub const COMBINE_RECV: u32 = 13;
+}
+
+/// Error codes of the low-latency kernels beside `intranode::error_code::TIMEOUT` (1).
+pub mod error_code {
+    /// A top-k id outside `[-1, experts)`; the error word's `epoch` holds the id (as i64 bits).
+    pub const BAD_EXPERT: u32 = 16;
+}
+
+/// Per-rank state in local device memory (`LlState`), zeroed at creation; `i32 finish[experts]`
+/// follows it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlState {
+    /// Combines completed on each half.
+    pub combine_seq: [u64; 2],
+    /// Blocks of the current combine receive that have finished.
+    pub combine_blocks_done: u32,
+    /// Padding.
+    pub pad: [u32; 11],
+}
+
+/// `ep_ll_dispatch` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlDispatchParams {
+    /// Every rank's net buffer as this GPU sees it (NVLink window); 0: reachable only by the
+    /// transport.
+    pub peer_base: [u64; MAX_RANKS],
+    /// `bf16 [tokens][hidden]`.
+    pub x: u64,
+    /// `i32 [tokens][topk]`, -1 for none.
+    pub topk_idx: u64,
+    /// [`LlState`].
+    pub state: u64,
+    /// `[local][ranks * max_tokens][hidden]`, BF16 or FP8.
+    pub out_x: u64,
+    /// `f32 [..][hidden / 128]` or packed UE8M0 `u32 [..][hidden / 512]`, or 0.
+    pub out_scales: u64,
+    /// `i32 [local][ranks * max_tokens]`: source token of each row.
+    pub out_src_info: u64,
+    /// `i32 [local][ranks][2]`: (first row, rows) per source rank.
+    pub out_layout: u64,
+    /// `i32 [local]`: rows per local expert.
+    pub out_count: u64,
+    /// The host-mapped error word.
+    pub error: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This half's dispatch signals.
+    pub signal_off: u64,
+    /// This half's dispatch receive messages.
+    pub recv_off: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Tokens this rank sends.
+    pub num_tokens: i32,
+    /// Capacity in tokens per rank.
+    pub max_tokens: i32,
+    /// Hidden size.
+    pub hidden: i32,
+    /// Top-k width.
+    pub topk: i32,
+    /// Experts over all ranks.
+    pub num_experts: i32,
+    /// Experts per rank.
+    pub num_local: i32,
+    /// [`phase`] bits.
+    pub phases: i32,
+    /// 1: cast to FP8 e4m3 with per-128-channel scales.
+    pub fp8: i32,
+    /// 1: round scales up to powers of two.
+    pub round_scale: i32,
+    /// 1: pack scales as UE8M0 exponent bytes, 4 per `u32`.
+    pub ue8m0: i32,
+    /// Bytes per message (header + row + scales, a multiple of 16).
+    pub msg_bytes: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
+/// `ep_ll_combine` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlCombineParams {
+    /// As in [`LlDispatchParams::peer_base`].
+    pub peer_base: [u64; MAX_RANKS],
+    /// `bf16 [local][ranks * max_tokens][hidden]`: the expert outputs.
+    pub x: u64,
+    /// The dispatch's `src_info`.
+    pub src_info: u64,
+    /// The dispatch's layout ranges.
+    pub layout: u64,
+    /// `i32 [tokens][topk]` of this rank's tokens.
+    pub topk_idx: u64,
+    /// `f32 [tokens][topk]`.
+    pub topk_weights: u64,
+    /// `bf16 [tokens][hidden]`.
+    pub out: u64,
+    /// [`LlState`].
+    pub state: u64,
+    /// The host-mapped error word.
+    pub error: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This half's combine flags.
+    pub flag_off: u64,
+    /// This half's combine receive rows.
+    pub recv_off: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Tokens this rank dispatched.
+    pub num_tokens: i32,
+    /// Capacity in tokens per rank.
+    pub max_tokens: i32,
+    /// Hidden size.
+    pub hidden: i32,
+    /// Top-k width.
+    pub topk: i32,
+    /// Experts over all ranks.
+    pub num_experts: i32,
+    /// Experts per rank.
+    pub num_local: i32,
+    /// [`phase`] bits.
+    pub phases: i32,
+    /// Which half (0 or 1).
+    pub half: i32,
+}
+
+/// `ep_ll_sleep` parameters (benchmarks: keep the stream busy while the host queues work).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlSleepParams {
+    /// How long, ns.
+    pub ns: u64,
+}
+
+// SAFETY: each is a #[repr(C)] struct of plain integers whose layout matches the CUDA struct of
+// the same name in low_latency.cu (sizes asserted below and there), so its bytes are a valid
+// kernel parameter.
+unsafe impl DeviceRepr for LlDispatchParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for LlCombineParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for LlSleepParams {}
+
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<LlState>() == 64);
+    assert!(size_of::<LlDispatchParams>() == 216);
+    assert!(offset_of!(LlDispatchParams, rank) == 160);
+    assert!(size_of::<LlCombineParams>() == 192);
+    assert!(offset_of!(LlCombineParams, rank) == 152);
+    assert!(size_of::<LlSleepParams>() == 8);
+};

@@ -1,0 +1,1074 @@
+//! [`LowLatencyBuffer`]: creation (peer windows, zeroed signals), dispatch, combine, hooks,
+//! graph capture, bounded synchronisation and teardown.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaGraph, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use ep_kernels::low_latency as k;
+use ibgda_device::cuda::DeviceBuffer;
+
+use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
+use crate::dtype::{Bf16, Element, Fp8E4M3};
+use crate::error::{invalid, EpError};
+use crate::event::Event;
+use crate::mapped::MappedHost;
+use crate::rendezvous::{Exchange, ThreadGroup};
+use crate::tensor::Tensor;
+
+/// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
+const ERROR_OFFSET: usize = 0;
+const MAPPED_BYTES: usize = 64;
+/// Error code of a timed-out device wait (shared with the intranode kernels).
+const ERR_TIMEOUT: u32 = ep_kernels::intranode::error_code::TIMEOUT;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What a [`LowLatencyBuffer`] must hold; fixed at creation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LowLatencyOptions {
+    /// Most tokens one rank dispatches at once (DeepEP's `num_max_dispatch_tokens_per_rank`).
+    pub max_tokens_per_rank: usize,
+    /// Largest hidden size: a multiple of 8, at most 8192.
+    pub max_hidden: usize,
+    /// Largest top-k width, at most 16.
+    pub max_topk: usize,
+    /// Experts over all ranks (a multiple of the rank count).
+    pub num_experts: usize,
+    /// Move data by NVLink stores between ranks whose GPUs can map each other. `false` sends every
+    /// byte through the IBGDA transport, which is not wired into this buffer yet: creation fails.
+    pub allow_nvlink: bool,
+    /// Bound of every wait, on the GPU and on the host.
+    pub timeout: Duration,
+    /// Fill each output region with the byte 0xAB before every operation (tests).
+    pub poison_outputs: bool,
+}
+
+impl LowLatencyOptions {
+    /// Options for `max_tokens_per_rank` tokens of up to `max_hidden` channels, top-`max_topk`
+    /// of `num_experts`; NVLink allowed, a 10 s bound, no poisoning.
+    ///
+    /// ```
+    /// let o = ep::low_latency::LowLatencyOptions::new(128, 7168, 8, 288);
+    /// assert!(o.allow_nvlink);
+    /// ```
+    pub fn new(
+        max_tokens_per_rank: usize,
+        max_hidden: usize,
+        max_topk: usize,
+        num_experts: usize,
+    ) -> Self {
+        Self {
+            max_tokens_per_rank,
+            max_hidden,
+            max_topk,
+            num_experts,
+            allow_nvlink: true,
+            timeout: Duration::from_secs(10),
+            poison_outputs: false,
+        }
+    }
+
+    /// Bytes of GPU memory a buffer of `ranks` ranks takes on each rank.
+    pub fn bytes_per_rank(&self, ranks: usize) -> usize {
+        let d = self.dims(ranks);
+        NetPlan::new(&d).bytes
+            + 2 * OutPlan::new(&d).bytes
+            + 2 * self.max_tokens_per_rank * self.max_hidden * 2
+    }
+
+    fn dims(&self, ranks: usize) -> Dims {
+        Dims {
+            ranks,
+            max_tokens: self.max_tokens_per_rank,
+            max_hidden: self.max_hidden,
+            num_experts: self.num_experts,
+        }
+    }
+}
+
+/// In-kernel FP8 cast of the dispatched rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fp8Options {
+    /// Round each scale up to a power of two.
+    pub round_scale: bool,
+    /// Return the scales as UE8M0 exponent bytes packed 4 per `i32` (implies `round_scale`;
+    /// hidden must be a multiple of 512).
+    pub ue8m0: bool,
+}
+
+/// The arguments of [`LowLatencyBuffer::dispatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct LlDispatchArgs<'a> {
+    /// BF16 `[tokens][hidden]`.
+    pub x: &'a Tensor<Bf16>,
+    /// Global expert ids `[tokens][k]`, -1 for none.
+    pub topk_idx: &'a Tensor<i32>,
+    /// Cast to FP8 in the kernel, or send BF16.
+    pub fp8: Option<Fp8Options>,
+    /// Send only and return a [`RecvHook`] that receives.
+    pub return_recv_hook: bool,
+    /// Thread blocks (at most one per SM); `None`: every SM.
+    pub num_sms: Option<u32>,
+}
+
+impl<'a> LlDispatchArgs<'a> {
+    /// A BF16 dispatch of `x` by `topk_idx` on every SM, receiving in the same kernel.
+    pub fn new(x: &'a Tensor<Bf16>, topk_idx: &'a Tensor<i32>) -> Self {
+        Self {
+            x,
+            topk_idx,
+            fp8: None,
+            return_recv_hook: false,
+            num_sms: None,
+        }
+    }
+}
+
+/// One scale per 128 channels of each received row.
+#[derive(Debug, Clone)]
+pub enum LlScales {
+    /// f32 `[local][ranks × max tokens][hidden / 128]`.
+    F32(Tensor<f32>),
+    /// UE8M0 exponents, byte `j` of word `w` for channels `(4w + j) × 128 ..`:
+    /// `[local][ranks × max tokens][hidden / 512]`.
+    Ue8m0(Tensor<i32>),
+}
+
+/// The received rows, packed per local expert.
+#[derive(Debug, Clone)]
+pub enum LlRecvX {
+    /// BF16 `[local][ranks × max tokens][hidden]`.
+    Bf16(Tensor<Bf16>),
+    /// FP8 `[local][ranks × max tokens][hidden]` with its scales.
+    Fp8 {
+        /// The values.
+        x: Tensor<Fp8E4M3>,
+        /// The scales (`x ≈ value × scale`).
+        scales: LlScales,
+    },
+}
+
+/// What combine needs to know about a dispatch.
+#[derive(Debug, Clone)]
+pub struct LlHandle {
+    buffer_id: u64,
+    /// Source token of each packed row, `[local][ranks × max tokens]`.
+    pub src_info: Tensor<i32>,
+    /// (first row, rows) of each source rank in each local expert, `[local][ranks][2]`.
+    pub layout_range: Tensor<i32>,
+    num_tokens: usize,
+    hidden: usize,
+}
+
+impl LlHandle {
+    /// Tokens this rank dispatched (rows of the combine output).
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// The dispatch's hidden size.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+}
+
+/// What a dispatch returns. With a hook, nothing but the handle's shape is valid until the hook
+/// has run (on the stream).
+#[derive(Debug)]
+pub struct LlDispatchOutput {
+    /// Packed rows per local expert.
+    pub x: LlRecvX,
+    /// Rows received per local expert, `[local]`.
+    pub recv_count: Tensor<i32>,
+    /// For combine.
+    pub handle: LlHandle,
+    /// The receive, when `return_recv_hook` was set.
+    pub hook: Option<RecvHook>,
+}
+
+/// The expert outputs to combine.
+#[derive(Debug, Clone, Copy)]
+pub enum LlCombineX<'a> {
+    /// BF16 `[local][ranks × max tokens][hidden]`, rows as the dispatch packed them.
+    Tensor(&'a Tensor<Bf16>),
+    /// Already in [`LowLatencyBuffer::combine_input`] (zero-copy), with the dispatch's hidden.
+    ZeroCopy,
+}
+
+/// The arguments of [`LowLatencyBuffer::combine`].
+#[derive(Debug, Clone, Copy)]
+pub struct LlCombineArgs<'a> {
+    /// The expert outputs.
+    pub x: LlCombineX<'a>,
+    /// The dispatch's top-k ids `[tokens][k]`.
+    pub topk_idx: &'a Tensor<i32>,
+    /// Weights `[tokens][k]`.
+    pub topk_weights: &'a Tensor<f32>,
+    /// The dispatch's handle.
+    pub handle: &'a LlHandle,
+    /// Send only and return a [`RecvHook`] that receives and reduces.
+    pub return_recv_hook: bool,
+    /// Thread blocks; `None`: every SM.
+    pub num_sms: Option<u32>,
+}
+
+impl<'a> LlCombineArgs<'a> {
+    /// Combine `x` over `handle` with the dispatch's routing, receiving in the same kernel.
+    pub fn new(
+        x: LlCombineX<'a>,
+        topk_idx: &'a Tensor<i32>,
+        topk_weights: &'a Tensor<f32>,
+        handle: &'a LlHandle,
+    ) -> Self {
+        Self {
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            return_recv_hook: false,
+            num_sms: None,
+        }
+    }
+}
+
+/// What a combine returns.
+#[derive(Debug)]
+pub struct LlCombineOutput {
+    /// `Σ_k weight × expert output` per token (f32 accumulation), BF16 `[tokens][hidden]`.
+    pub x: Tensor<Bf16>,
+    /// The receive, when `return_recv_hook` was set.
+    pub hook: Option<RecvHook>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum HookParams {
+    Dispatch(k::LlDispatchParams),
+    Combine(k::LlCombineParams),
+}
+
+/// The receive half of a hook-mode operation: [`call`](Self::call) queues it on the buffer's
+/// stream. It keeps the memory it writes alive; call it before the buffer's next operation on
+/// the same half, and before tearing the buffer down.
+pub struct RecvHook {
+    params: HookParams,
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+    grid: u32,
+    rank: usize,
+    _keep: Vec<Arc<DeviceBuffer>>,
+    _keep_routing: Option<(Tensor<i32>, Tensor<f32>)>,
+    _mapped: Arc<MappedHost>,
+}
+
+impl std::fmt::Debug for RecvHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvHook")
+            .field("params", &self.params)
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RecvHook {
+    /// Queues the receive on the buffer's stream (no host wait).
+    pub fn call(self) -> Result<(), EpError> {
+        match &self.params {
+            HookParams::Dispatch(p) => launch(
+                &self.stream,
+                &self.func,
+                self.grid,
+                p,
+                self.rank,
+                "cuLaunchKernel(ep_ll_dispatch recv)",
+            ),
+            HookParams::Combine(p) => launch(
+                &self.stream,
+                &self.func,
+                self.grid,
+                p,
+                self.rank,
+                "cuLaunchKernel(ep_ll_combine recv)",
+            ),
+        }
+    }
+}
+
+/// A captured sequence of low-latency operations, replayed on the buffer's stream.
+pub struct LlGraph {
+    graph: CudaGraph,
+    rank: usize,
+}
+
+impl std::fmt::Debug for LlGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlGraph")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LlGraph {
+    /// Queues one replay (no host wait). Every rank replays its graph the same number of times.
+    pub fn replay(&self) -> Result<(), EpError> {
+        self.graph.launch().map_err(|source| EpError::Cuda {
+            rank: self.rank,
+            call: "cuGraphLaunch",
+            source,
+        })
+    }
+}
+
+fn launch<P: DeviceRepr>(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: u32,
+    p: &P,
+    rank: usize,
+    call: &'static str,
+) -> Result<(), EpError> {
+    let mut b = stream.launch_builder(f);
+    b.arg(p);
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (k::THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every low-latency kernel takes exactly one by-value parameter struct and `P` is the
+    // #[repr(C)] mirror of that kernel's struct (the callers pair them); every address in it is a
+    // live allocation of this rank (kept alive by the buffer or the hook) or a peer's window,
+    // which stays mapped until the group's teardown barrier.
+    unsafe { b.launch(cfg) }.map_err(|source| EpError::Cuda { rank, call, source })?;
+    Ok(())
+}
+
+/// One rank's low-latency buffer.
+pub struct LowLatencyBuffer {
+    id: u64,
+    rank: usize,
+    ranks: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    opts: LowLatencyOptions,
+    dims: Dims,
+    dispatch_fn: CudaFunction,
+    combine_fn: CudaFunction,
+    sleep_fn: CudaFunction,
+    net: Arc<DeviceBuffer>,
+    net_plan: NetPlan,
+    out_plan: OutPlan,
+    peer_base: [u64; k::MAX_RANKS],
+    state: Arc<DeviceBuffer>,
+    dispatch_out: [Arc<DeviceBuffer>; 2],
+    combine_out: [Arc<DeviceBuffer>; 2],
+    dispatch_half: usize,
+    combine_half: usize,
+    mapped: Arc<MappedHost>,
+    group: Arc<dyn Exchange>,
+    sms: u32,
+    calls: u64,
+    poisoned: Option<String>,
+    shut_down: bool,
+}
+
+impl std::fmt::Debug for LowLatencyBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LowLatencyBuffer")
+            .field("id", &self.id)
+            .field("rank", &self.rank)
+            .field("ranks", &self.ranks)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LowLatencyBuffer {
+    /// Builds one buffer per context, ranks as threads of this process (rank `i` on `ctxs[i]`).
+    pub fn create_group(
+        ctxs: &[Arc<CudaContext>],
+        opts: &LowLatencyOptions,
+    ) -> Result<Vec<LowLatencyBuffer>, EpError> {
+        let group = ThreadGroup::new(ctxs.len(), opts.timeout);
+        std::thread::scope(|s| {
+            let joins: Vec<_> = ctxs
+                .iter()
+                .enumerate()
+                .map(|(r, ctx)| {
+                    let m: Arc<dyn Exchange> = Arc::new(group.member(r));
+                    s.spawn(move || LowLatencyBuffer::new(ctx, m, opts))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .enumerate()
+                .map(|(r, j)| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
+                })
+                .collect()
+        })
+    }
+
+    /// Builds this rank's buffer; every rank of `group` calls this at the same time. The group
+    /// is kept for the teardown barrier.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        group: Arc<dyn Exchange>,
+        opts: &LowLatencyOptions,
+    ) -> Result<LowLatencyBuffer, EpError> {
+        let rank = group.rank();
+        let ranks = group.ranks();
+        check_options(rank, ranks, opts)?;
+        if !opts.allow_nvlink {
+            return Err(invalid(
+                rank,
+                "allow_nvlink = false needs the IBGDA transport, which the low-latency buffer does not drive yet",
+            ));
+        }
+        if !group.same_process() {
+            return Err(invalid(
+                rank,
+                "ranks as processes (CUDA IPC windows) are not wired into the low-latency buffer yet",
+            ));
+        }
+        let dev = |source| EpError::Device { rank, source };
+        let cuda = |call, source| EpError::Cuda { rank, call, source };
+        let f = |name| {
+            ep_kernels::load_function(ctx, k::MODULE, name)
+                .map_err(|source| EpError::Kernel { rank, source })
+        };
+        let dispatch_fn = f("ep_ll_dispatch")?;
+        let combine_fn = f("ep_ll_combine")?;
+        let sleep_fn = f("ep_ll_sleep")?;
+        let stream = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda("cuDeviceGetAttribute", e))?
+            .max(1) as u32;
+
+        let dims = opts.dims(ranks);
+        let net_plan = NetPlan::new(&dims);
+        let out_plan = OutPlan::new(&dims);
+        let net = DeviceBuffer::new(ctx, net_plan.bytes).map_err(dev)?;
+        // Signals and flags start at zero; the rest is written before it is read.
+        net.fill_bytes(0).map_err(dev)?;
+        let state = DeviceBuffer::new(
+            ctx,
+            std::mem::size_of::<k::LlState>() + 4 * opts.num_experts,
+        )
+        .map_err(dev)?;
+        state.fill_bytes(0).map_err(dev)?;
+        let region = |bytes| -> Result<Arc<DeviceBuffer>, EpError> {
+            Ok(Arc::new(DeviceBuffer::new(ctx, bytes).map_err(dev)?))
+        };
+        let comb_bytes = opts.max_tokens_per_rank * opts.max_hidden * 2;
+        let dispatch_out = [region(out_plan.bytes)?, region(out_plan.bytes)?];
+        let combine_out = [region(comb_bytes)?, region(comb_bytes)?];
+        let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
+
+        let all = group.all_gather(&[ctx.ordinal() as u64, net.ptr()])?;
+        let mut peer_base = [0u64; k::MAX_RANKS];
+        for (r, v) in all.iter().enumerate() {
+            if v.len() != 2 {
+                return Err(EpError::Rendezvous {
+                    rank,
+                    what: format!("rank {r} sent {} words, expected 2", v.len()),
+                });
+            }
+            let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
+            ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
+            peer_base[r] = v[1];
+        }
+        // Nobody signals a peer before every rank has zeroed its own signals.
+        group.all_gather(&[])?;
+        Ok(LowLatencyBuffer {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            rank,
+            ranks,
+            ctx: ctx.clone(),
+            stream,
+            opts: opts.clone(),
+            dims,
+            dispatch_fn,
+            combine_fn,
+            sleep_fn,
+            net: Arc::new(net),
+            net_plan,
+            out_plan,
+            peer_base,
+            state: Arc::new(state),
+            dispatch_out,
+            combine_out,
+            dispatch_half: 0,
+            combine_half: 0,
+            mapped,
+            group,
+            sms,
+            calls: 0,
+            poisoned: None,
+            shut_down: false,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Ranks in the group.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+    /// Experts on each rank.
+    pub fn num_local_experts(&self) -> usize {
+        self.dims.local()
+    }
+    /// The options the buffer was built with.
+    pub fn options(&self) -> &LowLatencyOptions {
+        &self.opts
+    }
+    /// The GPU context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream every operation (and hook, and graph replay) runs on. Order other work against
+    /// it with [`Event`]s.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// SMs of this GPU (the default grid).
+    pub fn num_sms(&self) -> u32 {
+        self.sms
+    }
+
+    /// Where zero-copy combine takes the expert outputs from: BF16
+    /// `[local][ranks × max tokens][hidden]`, rows as the dispatch packed them. Write it (on the
+    /// buffer's stream, or ordered before the combine), then combine with
+    /// [`LlCombineX::ZeroCopy`].
+    pub fn combine_input(&self, hidden: usize) -> Result<Tensor<Bf16>, EpError> {
+        self.check_hidden(hidden, 8, "combine hidden")?;
+        Ok(Tensor::view(
+            self.net.clone(),
+            self.net_plan.comb_send,
+            vec![self.dims.local(), self.dims.cap(), hidden],
+        ))
+    }
+
+    fn usable(&self) -> Result<(), EpError> {
+        match &self.poisoned {
+            Some(first) => Err(EpError::Poisoned {
+                rank: self.rank,
+                first: first.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_hidden(&self, h: usize, multiple: usize, what: &str) -> Result<(), EpError> {
+        if h == 0 || h % multiple != 0 || h > self.opts.max_hidden {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{what} {h}: expected a multiple of {multiple} in {multiple}..={}",
+                    self.opts.max_hidden
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn shape_is<T: Element>(
+        &self,
+        t: &Tensor<T>,
+        want: &[usize],
+        name: &str,
+    ) -> Result<(), EpError> {
+        if t.device_ordinal() != self.ctx.ordinal() {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{name} is on GPU {}, this rank uses GPU {}",
+                    t.device_ordinal(),
+                    self.ctx.ordinal()
+                ),
+            ));
+        }
+        if t.shape() != want {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{name} ({}) has shape {:?}, expected {want:?}",
+                    T::NAME,
+                    t.shape()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn grid(&self, num_sms: Option<u32>) -> Result<u32, EpError> {
+        match num_sms {
+            None => Ok(self.sms),
+            Some(n) if n >= 1 && n <= self.sms => Ok(n),
+            Some(n) => Err(invalid(
+                self.rank,
+                format!("num_sms {n} out of 1..={} (one block per SM)", self.sms),
+            )),
+        }
+    }
+
+    fn free_half(&self, region: &Arc<DeviceBuffer>, what: &'static str) -> Result<(), EpError> {
+        // The buffer holds one reference; any other is a live output, handle or hook.
+        if Arc::strong_count(region) > 1 {
+            return Err(EpError::RegionsInUse {
+                rank: self.rank,
+                what,
+                limit: 2,
+            });
+        }
+        Ok(())
+    }
+
+    fn poison(&self, region: &DeviceBuffer) -> Result<(), EpError> {
+        if self.opts.poison_outputs {
+            // SAFETY: the whole live allocation is written, ordered on this buffer's stream.
+            unsafe {
+                sys::cuMemsetD8Async(region.ptr(), 0xAB, region.len(), self.stream.cu_stream())
+            }
+            .result()
+            .map_err(|source| EpError::Cuda {
+                rank: self.rank,
+                call: "cuMemsetD8Async",
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn timeout_ns(&self) -> u64 {
+        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+    }
+
+    /// Sends each token to the ranks of its top-k experts and (without a hook) receives the
+    /// tokens sent to this rank's experts. All ranks call this together.
+    pub fn dispatch(&mut self, args: &LlDispatchArgs<'_>) -> Result<LlDispatchOutput, EpError> {
+        self.usable()?;
+        let (t, h) = (args.x.dim(0), args.x.dim(1));
+        if args.x.shape().len() != 2 {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "x has shape {:?}, expected [tokens, hidden]",
+                    args.x.shape()
+                ),
+            ));
+        }
+        self.shape_is(args.x, &[t, h], "x")?;
+        if t > self.opts.max_tokens_per_rank {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{t} tokens, more than max_tokens_per_rank {}",
+                    self.opts.max_tokens_per_rank
+                ),
+            ));
+        }
+        let kk = args.topk_idx.dim(1);
+        if kk == 0 || kk > self.opts.max_topk {
+            return Err(invalid(
+                self.rank,
+                format!("top-{kk}: expected 1..={}", self.opts.max_topk),
+            ));
+        }
+        self.shape_is(args.topk_idx, &[t, kk], "topk_idx")?;
+        let fp8 = args.fp8;
+        let ue8m0 = fp8.is_some_and(|f| f.ue8m0);
+        let multiple = match fp8 {
+            None => 8,
+            Some(_) if ue8m0 => 4 * k::FP8_BLOCK,
+            Some(_) => k::FP8_BLOCK,
+        };
+        self.check_hidden(h, multiple, "hidden")?;
+        let grid = self.grid(args.num_sms)?;
+
+        let half = self.dispatch_half;
+        let region = self.dispatch_out[half].clone();
+        self.free_half(
+            &self.dispatch_out[half],
+            "low-latency dispatch output (half)",
+        )?;
+        self.poison(&region)?;
+        let o = self.out_plan;
+        let base = region.ptr();
+        let p = k::LlDispatchParams {
+            peer_base: self.peer_base,
+            x: args.x.device_address(),
+            topk_idx: args.topk_idx.device_address(),
+            state: self.state.ptr(),
+            out_x: base + o.x as u64,
+            out_scales: if fp8.is_some() {
+                base + o.scales as u64
+            } else {
+                0
+            },
+            out_src_info: base + o.src_info as u64,
+            out_layout: base + o.layout as u64,
+            out_count: base + o.count as u64,
+            error: self.mapped.device_addr(ERROR_OFFSET),
+            timeout_ns: self.timeout_ns(),
+            signal_off: self.net_plan.signal[half] as u64,
+            recv_off: self.net_plan.recv[half] as u64,
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            num_tokens: t as i32,
+            max_tokens: self.opts.max_tokens_per_rank as i32,
+            hidden: h as i32,
+            topk: kk as i32,
+            num_experts: self.opts.num_experts as i32,
+            num_local: self.dims.local() as i32,
+            phases: k::phase::SEND
+                | if args.return_recv_hook {
+                    0
+                } else {
+                    k::phase::RECV
+                },
+            fp8: i32::from(fp8.is_some()),
+            round_scale: i32::from(fp8.is_some_and(|f| f.round_scale || f.ue8m0)),
+            ue8m0: i32::from(ue8m0),
+            msg_bytes: msg_bytes(h, fp8.is_some()) as i32,
+            pad: 0,
+        };
+        launch(
+            &self.stream,
+            &self.dispatch_fn,
+            grid,
+            &p,
+            self.rank,
+            "cuLaunchKernel(ep_ll_dispatch)",
+        )?;
+        self.dispatch_half ^= 1;
+        self.calls += 1;
+
+        let (l, cap) = (self.dims.local(), self.dims.cap());
+        let x = match fp8 {
+            None => LlRecvX::Bf16(Tensor::view(region.clone(), o.x, vec![l, cap, h])),
+            Some(_) => LlRecvX::Fp8 {
+                x: Tensor::view(region.clone(), o.x, vec![l, cap, h]),
+                scales: if ue8m0 {
+                    LlScales::Ue8m0(Tensor::view(
+                        region.clone(),
+                        o.scales,
+                        vec![l, cap, h / (4 * k::FP8_BLOCK)],
+                    ))
+                } else {
+                    LlScales::F32(Tensor::view(
+                        region.clone(),
+                        o.scales,
+                        vec![l, cap, h / k::FP8_BLOCK],
+                    ))
+                },
+            },
+        };
+        let mut recv = p;
+        recv.phases = k::phase::RECV;
+        let hook = args.return_recv_hook.then(|| RecvHook {
+            params: HookParams::Dispatch(recv),
+            func: self.dispatch_fn.clone(),
+            stream: self.stream.clone(),
+            grid,
+            rank: self.rank,
+            _keep: vec![region.clone(), self.net.clone(), self.state.clone()],
+            _keep_routing: None,
+            _mapped: self.mapped.clone(),
+        });
+        Ok(LlDispatchOutput {
+            x,
+            recv_count: Tensor::view(region.clone(), o.count, vec![l]),
+            handle: LlHandle {
+                buffer_id: self.id,
+                src_info: Tensor::view(region.clone(), o.src_info, vec![l, cap]),
+                layout_range: Tensor::view(region, o.layout, vec![l, self.ranks, 2]),
+                num_tokens: t,
+                hidden: h,
+            },
+            hook,
+        })
+    }
+
+    /// Sends every expert output back to the rank its token came from, which sums them weighted
+    /// by its top-k weights. All ranks call this together.
+    pub fn combine(&mut self, args: &LlCombineArgs<'_>) -> Result<LlCombineOutput, EpError> {
+        self.usable()?;
+        let hd = args.handle;
+        if hd.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "handle",
+            });
+        }
+        let (l, cap, t) = (self.dims.local(), self.dims.cap(), hd.num_tokens);
+        let (x_addr, h) = match args.x {
+            LlCombineX::Tensor(x) => {
+                let h = x.dim(2);
+                self.check_hidden(h, 8, "combine hidden")?;
+                self.shape_is(x, &[l, cap, h], "x")?;
+                (x.device_address(), h)
+            }
+            LlCombineX::ZeroCopy => {
+                let h = hd.hidden;
+                self.check_hidden(h, 8, "combine hidden")?;
+                (self.net.ptr() + self.net_plan.comb_send as u64, h)
+            }
+        };
+        let kk = args.topk_idx.dim(1);
+        if kk == 0 || kk > self.opts.max_topk {
+            return Err(invalid(
+                self.rank,
+                format!("combine top-{kk}: expected 1..={}", self.opts.max_topk),
+            ));
+        }
+        self.shape_is(args.topk_idx, &[t, kk], "topk_idx")?;
+        self.shape_is(args.topk_weights, &[t, kk], "topk_weights")?;
+        let grid = self.grid(args.num_sms)?;
+
+        let half = self.combine_half;
+        let out = self.combine_out[half].clone();
+        self.free_half(&self.combine_out[half], "low-latency combine output (half)")?;
+        self.poison(&out)?;
+        let p = k::LlCombineParams {
+            peer_base: self.peer_base,
+            x: x_addr,
+            src_info: hd.src_info.device_address(),
+            layout: hd.layout_range.device_address(),
+            topk_idx: args.topk_idx.device_address(),
+            topk_weights: args.topk_weights.device_address(),
+            out: out.ptr(),
+            state: self.state.ptr(),
+            error: self.mapped.device_addr(ERROR_OFFSET),
+            timeout_ns: self.timeout_ns(),
+            flag_off: self.net_plan.flag[half] as u64,
+            recv_off: self.net_plan.comb_recv[half] as u64,
+            rank: self.rank as i32,
+            ranks: self.ranks as i32,
+            num_tokens: t as i32,
+            max_tokens: self.opts.max_tokens_per_rank as i32,
+            hidden: h as i32,
+            topk: kk as i32,
+            num_experts: self.opts.num_experts as i32,
+            num_local: l as i32,
+            phases: k::phase::SEND
+                | if args.return_recv_hook {
+                    0
+                } else {
+                    k::phase::RECV
+                },
+            half: half as i32,
+        };
+        launch(
+            &self.stream,
+            &self.combine_fn,
+            grid,
+            &p,
+            self.rank,
+            "cuLaunchKernel(ep_ll_combine)",
+        )?;
+        self.combine_half ^= 1;
+        self.calls += 1;
+        let mut recv = p;
+        recv.phases = k::phase::RECV;
+        let hook = args.return_recv_hook.then(|| RecvHook {
+            params: HookParams::Combine(recv),
+            func: self.combine_fn.clone(),
+            stream: self.stream.clone(),
+            grid,
+            rank: self.rank,
+            _keep: vec![out.clone(), self.net.clone(), self.state.clone()],
+            _keep_routing: Some((args.topk_idx.clone(), args.topk_weights.clone())),
+            _mapped: self.mapped.clone(),
+        });
+        Ok(LlCombineOutput {
+            x: Tensor::view(out, 0, vec![t, h]),
+            hook,
+        })
+    }
+
+    /// Captures what `f` queues on the buffer's stream into a graph (no host waits are allowed
+    /// inside; the low-latency operations make none). The buffer's halves alternate at capture
+    /// time, so a graph's replays reuse the halves and outputs that capture returned.
+    pub fn capture<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R, EpError>,
+    ) -> Result<(LlGraph, R), EpError> {
+        let rank = self.rank;
+        let cuda = move |call, source| EpError::Cuda { rank, call, source };
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| cuda("cuStreamBeginCapture", e))?;
+        let r = f(self);
+        let g = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| cuda("cuStreamEndCapture", e));
+        let r = r?;
+        let graph = g?.ok_or_else(|| invalid(self.rank, "the capture recorded no work"))?;
+        Ok((
+            LlGraph {
+                graph,
+                rank: self.rank,
+            },
+            r,
+        ))
+    }
+
+    /// Queues a kernel that keeps the stream busy for `duration` (benchmarks queue timed work
+    /// behind it so the host's launch rate does not show).
+    pub fn sleep_on_stream(&self, duration: Duration) -> Result<(), EpError> {
+        let p = k::LlSleepParams {
+            ns: duration.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        let mut b = self.stream.launch_builder(&self.sleep_fn);
+        b.arg(&p);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: ep_ll_sleep takes one by-value LlSleepParams (its #[repr(C)] mirror) and
+        // touches no memory.
+        unsafe { b.launch(cfg) }.map_err(|source| EpError::Cuda {
+            rank: self.rank,
+            call: "cuLaunchKernel(ep_ll_sleep)",
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
+    fn check_device_error(&mut self) -> Result<(), EpError> {
+        let mut code = self.mapped.read_u32(ERROR_OFFSET);
+        if code == 0 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
+            std::hint::spin_loop();
+            code = self.mapped.read_u32(ERROR_OFFSET);
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        let peer = self.mapped.read_u32(ERROR_OFFSET + 8) as usize;
+        let what = self.mapped.read_u32(ERROR_OFFSET + 12);
+        let expert = self.mapped.read_u64(ERROR_OFFSET + 16);
+        let detail = self.mapped.read_u64(ERROR_OFFSET + 24);
+        let err = match code {
+            k::error_code::BAD_EXPERT => EpError::ExpertIdOutOfRange {
+                rank: self.rank,
+                count: 1,
+                num_experts: self.opts.num_experts,
+            },
+            ERR_TIMEOUT => {
+                let w = match what {
+                    k::wait_what::SEND_DONE => format!(
+                        "low-latency dispatch send: this rank's warps finishing the tokens for expert {expert} ({detail} seen)"
+                    ),
+                    k::wait_what::DISPATCH_RECV => format!(
+                        "low-latency dispatch receive: count signal for local expert {expert}"
+                    ),
+                    k::wait_what::COMBINE_RECV => format!(
+                        "low-latency combine receive: rows of expert {expert}"
+                    ),
+                    _ => format!("low-latency wait {what} (expert {expert})"),
+                };
+                EpError::PeerTimeout {
+                    rank: self.rank,
+                    peer,
+                    // One error per buffer (it is poisoned after), so leaking the text is bounded.
+                    what: Box::leak(w.into_boxed_str()),
+                    epoch: self.calls,
+                    seen: detail,
+                    timeout: self.opts.timeout,
+                }
+            }
+            other => EpError::InvalidArgument {
+                rank: self.rank,
+                what: format!("unknown device error code {other}"),
+            },
+        };
+        self.poisoned = Some(err.to_string());
+        Err(err)
+    }
+
+    /// Waits (bounded) until everything queued on the buffer's stream has run, then reports any
+    /// error the kernels recorded.
+    pub fn synchronize(&mut self) -> Result<(), EpError> {
+        let e = Event::record(&self.stream, self.rank)?;
+        let r = e.wait_host(self.opts.timeout * 2, "the low-latency stream");
+        self.check_device_error()?;
+        r
+    }
+
+    /// Tears the buffer down in order: waits (bounded) for this rank's work, meets every other
+    /// rank (so nobody frees memory a peer may still write), then frees. Returns the first error;
+    /// the memory is freed either way.
+    pub fn shutdown(mut self) -> Result<(), EpError> {
+        self.shut_down = true;
+        let synced = self.synchronize();
+        let met = self.group.all_gather(&[]);
+        synced?;
+        met.map(|_| ())
+    }
+}
+
+impl Drop for LowLatencyBuffer {
+    fn drop(&mut self) {
+        if self.shut_down {
+            return;
+        }
+        // Best effort, as in shutdown: never free memory a peer may still be writing.
+        let synced = self.synchronize();
+        let met = self.group.all_gather(&[]);
+        if let Err(e) = synced.and(met.map(|_| ())) {
+            tracing::warn!(
+                rank = self.rank,
+                "low-latency buffer dropped without a clean teardown: {e}"
+            );
+        }
+    }
+}
+
+fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
+    let bad = |what: String| Err(invalid(rank, what));
+    if ranks == 0 || ranks > k::MAX_RANKS {
+        return bad(format!(
+            "{ranks} ranks: the low-latency buffer supports 1..={}",
+            k::MAX_RANKS
+        ));
+    }
+    if o.num_experts == 0 || o.num_experts % ranks != 0 {
+        return bad(format!(
+            "num_experts {} is not a positive multiple of {ranks} ranks",
+            o.num_experts
+        ));
+    }
+    if o.max_tokens_per_rank == 0 || o.max_tokens_per_rank * ranks > i32::MAX as usize / 64 {
+        return bad(format!(
+            "max_tokens_per_rank {} out of range",
+            o.max_tokens_per_rank
+        ));
+    }
+    if o.max_hidden == 0 || o.max_hidden % 8 != 0 || o.max_hidden > k::MAX_HIDDEN {
+        return bad(format!(
+            "max_hidden {}: expected a multiple of 8 in 8..={}",
+            o.max_hidden,
+            k::MAX_HIDDEN
+        ));
+    }
+    if o.max_topk == 0 || o.max_topk > k::MAX_TOPK {
+        return bad(format!(
+            "max_topk {}: expected 1..={}",
+            o.max_topk,
+            k::MAX_TOPK
+        ));
+    }
+    Ok(())
+}

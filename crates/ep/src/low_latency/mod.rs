@@ -1,0 +1,36 @@
+//! The low-latency path ([`LowLatencyBuffer`]): few tokens per rank (decode), every token sent
+//! straight into its final slot in the receiving rank's per-expert region, one signal per
+//! (expert, source rank) announcing the count; no host wait anywhere, so dispatch and combine
+//! capture into a CUDA graph.
+//!
+//! - [`LowLatencyBuffer::dispatch`]: BF16 rows in; out come per-expert packed rows
+//!   `[local experts][ranks × max tokens][hidden]` (BF16, or FP8 e4m3 cast in the kernel with one
+//!   scale per 128 channels, optionally powers of two, optionally packed UE8M0), rows per expert,
+//!   and the [`LlHandle`] combine needs. Rows of an expert are ordered by source rank, then by
+//!   token index at the source.
+//! - [`LowLatencyBuffer::combine`]: expert outputs in, each token's top-k-weighted sum out (BF16,
+//!   f32 accumulation); [`LlCombineX::ZeroCopy`] takes them from
+//!   [`LowLatencyBuffer::combine_input`], where the experts wrote them.
+//! - Hook mode (`return_recv_hook`): the kernel only sends and returns; [`RecvHook::call`]
+//!   launches the receive, so no SM waits while the data is in flight.
+//! - Results are double buffered: the outputs of a dispatch (and of a combine) stay valid until
+//!   the second next one; a call whose half is still referenced fails with
+//!   [`EpError::RegionsInUse`](crate::EpError::RegionsInUse) instead of overwriting it.
+//!
+//! Every rank of a group makes the same calls in the same order (they are collectives), and
+//! between two dispatches on the same half every rank has received the earlier one (a combine
+//! in between guarantees it). All work runs on [`LowLatencyBuffer::stream`]. Every device wait is
+//! bounded; a timeout becomes an `Err` naming the rank, the peer and the expert.
+//!
+//! Today the data moves by NVLink stores between ranks that are threads of one process; the
+//! kernels send through one small device interface (`put_warp`, `signal`, `quiet` in
+//! `low_latency.cu`) so the IBGDA transport can take over when NVLink is disabled.
+
+mod buffer;
+mod plan;
+pub mod reference;
+
+pub use buffer::{
+    Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,
+    LlGraph, LlHandle, LlRecvX, LlScales, LowLatencyBuffer, LowLatencyOptions, RecvHook,
+};

@@ -1,0 +1,324 @@
+//! Low-latency dispatch/combine benchmark with DeepEP's sizes: 128 tokens per rank of hidden
+//! 7168, each to its top-8 of 288 experts (uniform random), ranks as threads, one per visible
+//! GPU (at most 8; `--ranks` to use fewer), NVLink allowed.
+//!
+//! Timed with device events around each operation, queued behind a sleep kernel so the host's
+//! launch rate does not show; median over `--iters` per rank, then the mean over ranks. Prints
+//! dispatch (BF16 and FP8) and combine, and in hook mode the send and receive halves of each.
+//! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
+//!
+//! `bench_low_latency [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
+//!  [--experts E] [--iters N]`; exits 2 with a message where there is no GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use ep::low_latency::{
+    Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions,
+};
+use ep::{Bf16, EpError, Event, Tensor};
+use ep_kernels::testing::Rng;
+use ibgda_device::cuda::CudaContext;
+
+struct Args {
+    json: Option<String>,
+    ranks: Option<usize>,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    iters: usize,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args {
+        json: None,
+        ranks: None,
+        tokens: 128,
+        hidden: 7168,
+        topk: 8,
+        experts: 288,
+        iters: 50,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{f} needs a value"));
+        match f.as_str() {
+            "--json" => a.json = Some(v()?),
+            "--ranks" => a.ranks = Some(v()?.parse()?),
+            "--tokens" => a.tokens = v()?.parse()?,
+            "--hidden" => a.hidden = v()?.parse()?,
+            "--topk" => a.topk = v()?.parse()?,
+            "--experts" => a.experts = v()?.parse()?,
+            "--iters" => a.iters = v()?.parse()?,
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    Ok(a)
+}
+
+fn date_utc() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = (secs / 86400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// Median microseconds per timed phase of one rank.
+#[derive(Debug, Default, Clone)]
+struct Times {
+    dispatch_bf16: f64,
+    dispatch_fp8: f64,
+    combine: f64,
+    dispatch_send: f64,
+    dispatch_recv: f64,
+    combine_send: f64,
+    combine_recv: f64,
+    rows: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn us(a: &Event, b: &Event) -> Result<f64, EpError> {
+    Ok(f64::from(a.elapsed_ms(b)?) * 1000.0)
+}
+
+/// One rank's whole benchmark.
+fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpError> {
+    let ctx = b.context().clone();
+    let stream = b.stream().clone();
+    let mut rng = Rng::new(seed);
+    let t = a.tokens;
+    let x: Vec<Bf16> = (0..t * a.hidden)
+        .map(|_| Bf16::from_f32(rng.below(2000) as f32 / 1000.0 - 1.0))
+        .collect();
+    let mut ids = Vec::with_capacity(t * a.topk);
+    for _ in 0..t {
+        let mut chosen: Vec<i32> = Vec::new();
+        while chosen.len() < a.topk {
+            let e = rng.below(a.experts as u64) as i32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+    }
+    let w: Vec<f32> = (0..t * a.topk).map(|_| 1.0 / a.topk as f32).collect();
+    let x = Tensor::from_host(&ctx, &x, &[t, a.hidden])?;
+    let idx = Tensor::from_host(&ctx, &ids, &[t, a.topk])?;
+    let w = Tensor::from_host(&ctx, &w, &[t, a.topk])?;
+    let (local, cap) = (b.num_local_experts(), b.ranks() * a.tokens);
+    let comb_in = Tensor::filled(&ctx, Bf16::from_f32(0.5), &[local, cap, a.hidden])?;
+    let fp8 = Some(Fp8Options::default());
+
+    // Warm-up, and the received row count.
+    let mut rows = 0;
+    for i in 0..5 {
+        let mut d = LlDispatchArgs::new(&x, &idx);
+        d.fp8 = if i % 2 == 1 { fp8 } else { None };
+        let o = b.dispatch(&d)?;
+        let c = b.combine(&LlCombineArgs::new(
+            LlCombineX::Tensor(&comb_in),
+            &idx,
+            &w,
+            &o.handle,
+        ))?;
+        b.synchronize()?;
+        rows = o
+            .recv_count
+            .to_host()?
+            .iter()
+            .map(|&n| n.max(0) as usize)
+            .sum();
+        drop((o, c));
+    }
+
+    // (fp8, before dispatch, after dispatch, after combine) per iteration.
+    let mut marks = Vec::new();
+    b.sleep_on_stream(Duration::from_millis(30))?;
+    for i in 0..2 * a.iters {
+        let mut d = LlDispatchArgs::new(&x, &idx);
+        d.fp8 = if i % 2 == 1 { fp8 } else { None };
+        let e0 = Event::timed(&stream)?;
+        let o = b.dispatch(&d)?;
+        let e1 = Event::timed(&stream)?;
+        let c = b.combine(&LlCombineArgs::new(
+            LlCombineX::Tensor(&comb_in),
+            &idx,
+            &w,
+            &o.handle,
+        ))?;
+        let e2 = Event::timed(&stream)?;
+        drop((o, c));
+        marks.push((i % 2 == 1, e0, e1, e2));
+    }
+    b.synchronize()?;
+    let (mut d16, mut d8, mut t_c) = (Vec::new(), Vec::new(), Vec::new());
+    for (is_fp8, e0, e1, e2) in &marks {
+        if *is_fp8 {
+            d8.push(us(e0, e1)?);
+        } else {
+            d16.push(us(e0, e1)?);
+        }
+        t_c.push(us(e1, e2)?);
+    }
+
+    // Hook mode: send and receive halves timed separately.
+    let mut hooks = Vec::new();
+    b.sleep_on_stream(Duration::from_millis(30))?;
+    for _ in 0..a.iters {
+        let mut d = LlDispatchArgs::new(&x, &idx);
+        d.return_recv_hook = true;
+        let e0 = Event::timed(&stream)?;
+        let mut o = b.dispatch(&d)?;
+        let e1 = Event::timed(&stream)?;
+        if let Some(h) = o.hook.take() {
+            h.call()?;
+        }
+        let e2 = Event::timed(&stream)?;
+        let mut ca = LlCombineArgs::new(LlCombineX::Tensor(&comb_in), &idx, &w, &o.handle);
+        ca.return_recv_hook = true;
+        let mut c = b.combine(&ca)?;
+        let e3 = Event::timed(&stream)?;
+        if let Some(h) = c.hook.take() {
+            h.call()?;
+        }
+        let e4 = Event::timed(&stream)?;
+        drop((o, c));
+        hooks.push([e0, e1, e2, e3, e4]);
+    }
+    b.synchronize()?;
+    let mut phases: [Vec<f64>; 4] = Default::default();
+    for e in &hooks {
+        for (p, v) in phases.iter_mut().enumerate() {
+            v.push(us(&e[p], &e[p + 1])?);
+        }
+    }
+    let [ds, dr, cs, cr] = phases;
+    Ok(Times {
+        dispatch_bf16: median(d16),
+        dispatch_fp8: median(d8),
+        combine: median(t_c),
+        dispatch_send: median(ds),
+        dispatch_recv: median(dr),
+        combine_send: median(cs),
+        combine_recv: median(cr),
+        rows,
+    })
+}
+
+fn main() -> Result<()> {
+    let a = parse()?;
+    let n = match ibgda_device::cuda::device_count() {
+        Ok(0) | Err(_) => {
+            eprintln!("bench_low_latency: no CUDA GPU is visible on this machine; run it on a GPU machine");
+            std::process::exit(2);
+        }
+        Ok(n) => n.min(8),
+    };
+    let ranks = a.ranks.unwrap_or(n);
+    if ranks < 1 || ranks > n {
+        eprintln!("bench_low_latency: {ranks} ranks asked for, {n} GPU(s) visible");
+        std::process::exit(2);
+    }
+    if a.experts % ranks != 0 {
+        bail!("{} experts do not split over {ranks} ranks", a.experts);
+    }
+    let ctxs: Vec<Arc<CudaContext>> = (0..ranks)
+        .map(ibgda_device::cuda::context)
+        .collect::<Result<_, _>>()?;
+    let machine = format!("{}x {}", n, ctxs[0].name().unwrap_or_default());
+    let opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let mut bufs = LowLatencyBuffer::create_group(&ctxs, &opts)?;
+    let sms = bufs[0].num_sms();
+    let results: Vec<Result<Times, EpError>> = std::thread::scope(|s| {
+        let a = &a;
+        let joins: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, b)| s.spawn(move || run_rank(b, a, 0x5eed + r as u64)))
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("rank thread panicked"))
+            .collect()
+    });
+    let times: Vec<Times> = results.into_iter().collect::<Result<_, _>>()?;
+    std::thread::scope(|s| {
+        let joins: Vec<_> = bufs
+            .into_iter()
+            .map(|b| s.spawn(move || b.shutdown()))
+            .collect();
+        joins
+            .into_iter()
+            .try_for_each(|j| j.join().expect("teardown panicked"))
+    })?;
+
+    let mean = |f: fn(&Times) -> f64| times.iter().map(f).sum::<f64>() / times.len() as f64;
+    let rows = times.iter().map(|t| t.rows).sum::<usize>() as f64 / times.len() as f64;
+    let h = a.hidden as f64;
+    let d16 = mean(|t| t.dispatch_bf16);
+    let d8 = mean(|t| t.dispatch_fp8);
+    let c = mean(|t| t.combine);
+    let gbps = |bytes_per: f64, us: f64| rows * h * bytes_per / us / 1000.0;
+    println!(
+        "low-latency EP{ranks}, {} tokens x {} hidden, top-{} of {} experts, {sms} SMs, NVLink ({machine}); \
+         {rows:.0} rows received per rank",
+        a.tokens, a.hidden, a.topk, a.experts
+    );
+    println!(
+        "  dispatch BF16   {d16:8.1} us  {:7.1} GB/s",
+        gbps(2.0, d16)
+    );
+    println!(
+        "  dispatch FP8    {d8:8.1} us  {:7.1} GB/s",
+        gbps(1.0 + 4.0 / 128.0, d8)
+    );
+    println!("  combine  BF16   {c:8.1} us  {:7.1} GB/s", gbps(2.0, c));
+    println!(
+        "  hook: dispatch send {:.1} us, recv {:.1} us; combine send {:.1} us, recv {:.1} us",
+        mean(|t| t.dispatch_send),
+        mean(|t| t.dispatch_recv),
+        mean(|t| t.combine_send),
+        mean(|t| t.combine_recv)
+    );
+    for (r, t) in times.iter().enumerate() {
+        println!(
+            "  rank {r}: dispatch {:.1}/{:.1} us (bf16/fp8), combine {:.1} us",
+            t.dispatch_bf16, t.dispatch_fp8, t.combine
+        );
+    }
+    let date = date_utc();
+    let rec = |bench: &str, dtype: &str, g: f64, u: f64| {
+        format!(
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": true, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
+            a.tokens, a.hidden, a.topk, a.experts
+        )
+    };
+    let json = format!(
+        "[\n{},\n{},\n{}\n]\n",
+        rec("ll_dispatch", "bf16", gbps(2.0, d16), d16),
+        rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8),
+        rec("ll_combine", "bf16", gbps(2.0, c), c)
+    );
+    if let Some(p) = &a.json {
+        std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
+        println!("wrote {p}");
+    }
+    Ok(())
+}
