@@ -223,6 +223,11 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_barrie
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     __syncthreads();
     if (abort) return;
+    if (p.publish_x != 0 && threadIdx.x < p.ranks) {
+        signal_of(p.signal, threadIdx.x)->comb_src[p.rank] = p.publish_x;
+        signal_of(p.signal, threadIdx.x)->comb_w_src[p.rank] = p.publish_w;
+    }
+    __syncthreads();
     release_to_peers(p.signal, p.rank, p.ranks, p.epoch);
     wait_for_peers(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
 }
@@ -361,4 +366,82 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_pull(const CombinePullParams p) {
+    __shared__ int abort;
+    __shared__ uint64_t src_x[kMaxRanks], src_w[kMaxRanks];
+    __shared__ int send_offset[kMaxRanks];
+    __shared__ int warp_pos[kPushThreads / 32][kMaxRanks];
+    SignalHead* mine = signal_of(p.signal, p.rank);
+    const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
+    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    if (threadIdx.x < p.ranks) {
+        src_x[threadIdx.x] = ld_volatile_u64(&mine->comb_src[threadIdx.x]);
+        src_w[threadIdx.x] = ld_volatile_u64(&mine->comb_w_src[threadIdx.x]);
+        send_offset[threadIdx.x] = meta->send_offset[threadIdx.x];
+    }
+    __syncthreads();
+    if (abort) return;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int n16 = p.hidden / 8;
+    const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
+    const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
+    int* my_pos = warp_pos[threadIdx.x >> 5];
+    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
+        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
+        __syncwarp();
+        if (lane < kMaxRanks) my_pos[lane] = lane < p.ranks ? send_offset[lane] + pos : -1;
+        __syncwarp();
+        for (int c0 = lane; c0 < n16; c0 += 32 * kReduceUnroll) {
+            float acc[kReduceUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+#pragma unroll
+            for (int d = 0; d < kMaxRanks; ++d) {
+                if (!((mask >> d) & 1u)) continue;
+                const int4* row = reinterpret_cast<const int4*>(src_x[d] + my_pos[d] * row_bytes);
+                int4 v[kReduceUnroll];
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u)
+                    if (c0 + u * 32 < n16) v[u] = ld_peer_v4(row + c0 + u * 32);
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) add_bf16x8(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const uint64_t bias = b == 0 ? p.bias0 : p.bias1;
+                if (bias == 0) continue;
+                const int4* row = reinterpret_cast<const int4*>(bias + t * row_bytes);
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u)
+                    if (c0 + u * 32 < n16) add_bf16x8(acc[u], ld_stream_v4(row + c0 + u * 32));
+            }
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                if (c0 + u * 32 >= n16) continue;
+                int4 o;
+                o.x = static_cast<int>(pack_bf16x2(acc[u][0], acc[u][1]));
+                o.y = static_cast<int>(pack_bf16x2(acc[u][2], acc[u][3]));
+                o.z = static_cast<int>(pack_bf16x2(acc[u][4], acc[u][5]));
+                o.w = static_cast<int>(pack_bf16x2(acc[u][6], acc[u][7]));
+                reinterpret_cast<int4*>(p.out + t * row_bytes)[c0 + u * 32] = o;
+            }
+        }
+        if (p.out_weights != 0) {
+            for (int k = lane; k < p.topk; k += 32) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d)
+                    if ((mask >> d) & 1u) sum += reinterpret_cast<const float*>(src_w[d])[static_cast<int64_t>(my_pos[d]) * p.topk + k];
+                reinterpret_cast<float*>(p.out_weights)[static_cast<int64_t>(t) * p.topk + k] = sum;
+            }
+        }
+    }
+    // Peers may reuse their inputs once every rank has finished reading them.
+    finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitCombineData);
 }

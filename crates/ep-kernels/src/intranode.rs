@@ -70,6 +70,10 @@ pub struct SignalHead {
     pub flag: [u64; MAX_RANKS],
     /// Each rank's receive region for the dispatch in flight.
     pub recv_base: [u64; MAX_RANKS],
+    /// Each rank's combine input rows (pull combine).
+    pub comb_src: [u64; MAX_RANKS],
+    /// Each rank's combine input weights (pull combine).
+    pub comb_w_src: [u64; MAX_RANKS],
     /// Tokens `[src][dst]`.
     pub tokens: [[i32; MAX_RANKS]; MAX_RANKS],
     /// Blocks of the owner's push kernel that have finished.
@@ -230,6 +234,10 @@ pub struct DispatchParams {
 pub struct BarrierParams {
     /// Every rank's signal region.
     pub signal: [u64; MAX_RANKS],
+    /// Combine input rows to publish to every peer, or 0.
+    pub publish_x: u64,
+    /// Combine input weights to publish to every peer, or 0.
+    pub publish_w: u64,
     /// [`ErrorWord`].
     pub error: u64,
     /// Barrier epoch.
@@ -282,6 +290,44 @@ pub struct CombinePushParams {
     pub pad: i32,
 }
 
+/// `ep_intranode_combine_pull` parameters.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CombinePullParams {
+    /// Every rank's signal region (this rank's holds the peers' published inputs).
+    pub signal: [u64; MAX_RANKS],
+    /// The handle's [`Meta`].
+    pub meta: u64,
+    /// `i32 [tokens][ranks]`.
+    pub send_pos: u64,
+    /// `bf16 [tokens][hidden]`, or 0.
+    pub bias0: u64,
+    /// `bf16 [tokens][hidden]`, or 0.
+    pub bias1: u64,
+    /// `bf16 [tokens][hidden]`.
+    pub out: u64,
+    /// `f32 [tokens][topk]`, or 0.
+    pub out_weights: u64,
+    /// [`ErrorWord`].
+    pub error: u64,
+    /// Barrier epoch.
+    pub epoch: u64,
+    /// Bound of every wait, ns.
+    pub timeout_ns: u64,
+    /// This rank.
+    pub rank: i32,
+    /// Ranks.
+    pub ranks: i32,
+    /// Tokens.
+    pub num_tokens: i32,
+    /// Hidden size.
+    pub hidden: i32,
+    /// Top-k width, 0 without weights.
+    pub topk: i32,
+    /// Padding.
+    pub pad: i32,
+}
+
 /// `ep_intranode_combine_reduce` parameters.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -330,13 +376,15 @@ unsafe impl DeviceRepr for BarrierParams {}
 unsafe impl DeviceRepr for CombinePushParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for CombineReduceParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for CombinePullParams {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<ErrorWord>() == 32);
-    assert!(size_of::<SignalHead>() == 448);
-    assert!(offset_of!(SignalHead, tokens) == 128);
-    assert!(offset_of!(SignalHead, blocks_done) == 384);
+    assert!(size_of::<SignalHead>() == 576);
+    assert!(offset_of!(SignalHead, tokens) == 256);
+    assert!(offset_of!(SignalHead, blocks_done) == 512);
     assert!(size_of::<Meta>() == 128);
     assert!(offset_of!(Meta, num_recv) == 68);
     assert!(size_of::<HostInfo>() == 16);
@@ -346,7 +394,9 @@ const _: () = {
     assert!(size_of::<RegionLayout>() == 32);
     assert!(size_of::<DispatchParams>() == 200);
     assert!(offset_of!(DispatchParams, rank) == 168);
-    assert!(size_of::<BarrierParams>() == 104);
+    assert!(size_of::<BarrierParams>() == 120);
+    assert!(size_of::<CombinePullParams>() == 160);
+    assert!(offset_of!(CombinePullParams, rank) == 136);
     assert!(size_of::<CombinePushParams>() == 264);
     assert!(offset_of!(CombinePushParams, rank) == 240);
     assert!(size_of::<CombineReduceParams>() == 88);

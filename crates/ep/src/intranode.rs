@@ -1,9 +1,11 @@
 //! The intranode (NVLink) [`Buffer`]: ranks on one host whose GPUs map each other's memory.
 //!
-//! Per rank the buffer holds a signal region (flags, counts; peers write it), pooled receive
-//! regions (peers push tokens straight into their final rows there, so the returned tensors are
-//! views with no copy), a combine region (peers push expert outputs back into it), pooled
-//! combine outputs, and a host-mapped word where kernels report errors. Operations run on the
+//! Per rank the buffer holds a signal region (flags, counts, published addresses; peers write
+//! it), pooled receive regions (peers push tokens straight into their final rows there, so the
+//! returned tensors are views with no copy), pooled combine outputs, a host-mapped word where
+//! kernels report errors, and a combine staging region for the push-then-reduce combine. With
+//! ranks as threads, combine instead pulls each token's copies straight from the ranks that
+//! hold them and sums them in one pass (half the memory traffic of push-then-reduce). Operations run on the
 //! buffer's communication stream; every wait, on the GPU and on the host, is bounded.
 //!
 //! Every rank of a group must call the same operations in the same order (they are collectives).
@@ -34,6 +36,10 @@ pub const FP8_BLOCK: usize = 128;
 fn align_up(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
+
+/// Combine by pulling each token's copies from the ranks that hold them (threads mode), rather
+/// than pushing them back and reducing locally.
+const PULL_COMBINE: bool = true;
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -111,6 +117,7 @@ struct Kernels {
     barrier: CudaFunction,
     combine: CudaFunction,
     reduce: CudaFunction,
+    pull: CudaFunction,
 }
 
 impl Kernels {
@@ -126,6 +133,7 @@ impl Kernels {
             barrier: f(k::INTRANODE_MODULE, "ep_intranode_barrier")?,
             combine: f(k::INTRANODE_MODULE, "ep_intranode_combine")?,
             reduce: f(k::INTRANODE_MODULE, "ep_intranode_combine_reduce")?,
+            pull: f(k::INTRANODE_MODULE, "ep_intranode_combine_pull")?,
         })
     }
 }
@@ -1264,8 +1272,20 @@ impl Buffer {
         self.start(&args.order)?;
         self.poison(&out)?;
         let error = self.mapped.device_addr(ERROR_OFFSET);
+        // Pull combine (threads mode: every rank can read every other rank's tensors): the start
+        // barrier publishes this rank's input, each rank reads and sums its tokens' copies in one
+        // pass. The push path (stage into the source's combine region, then reduce locally)
+        // moves twice the bytes through memory; it stays for ranks that cannot map each other's
+        // tensors (processes).
+        let pull = PULL_COMBINE;
         let barrier = k::BarrierParams {
             signal: self.peer_signal,
+            publish_x: if pull { args.x.device_address() } else { 0 },
+            publish_w: if pull {
+                args.topk_weights.map_or(0, |w| w.device_address())
+            } else {
+                0
+            },
             error,
             epoch: e1,
             timeout_ns: self.timeout_ns(),
@@ -1282,6 +1302,46 @@ impl Buffer {
             &barrier,
             "cuLaunchKernel(ep_intranode_barrier)",
         )?;
+        let out_weights = if topk > 0 {
+            out.ptr() + self.out_w_offset as u64
+        } else {
+            0
+        };
+        if pull {
+            let p = k::CombinePullParams {
+                signal: self.peer_signal,
+                meta: h.region.ptr(),
+                send_pos: h.send_pos.device_address(),
+                bias0: args.bias[0].map_or(0, |b| b.device_address()),
+                bias1: args.bias[1].map_or(0, |b| b.device_address()),
+                out: out.ptr(),
+                out_weights,
+                error,
+                epoch: e2,
+                timeout_ns: self.timeout_ns(),
+                rank: self.rank as i32,
+                ranks: self.ranks as i32,
+                num_tokens: h.num_tokens as i32,
+                hidden: hidden as i32,
+                topk: topk as i32,
+                pad: 0,
+            };
+            self.launch(
+                &self.kernels.pull,
+                args.config.num_sms,
+                args.config.block_threads,
+                0,
+                &p,
+                "cuLaunchKernel(ep_intranode_combine_pull)",
+            )?;
+            let event = self.finish(&args.order)?;
+            return Ok(CombineOutput {
+                x: Tensor::view(out.clone(), 0, vec![h.num_tokens, hidden]),
+                topk_weights: (topk > 0)
+                    .then(|| Tensor::view(out, self.out_w_offset, vec![h.num_tokens, topk])),
+                event,
+            });
+        }
         let push = k::CombinePushParams {
             signal: self.peer_signal,
             comb_x: self.peer_comb_x,
@@ -1314,11 +1374,7 @@ impl Buffer {
             bias0: args.bias[0].map_or(0, |b| b.device_address()),
             bias1: args.bias[1].map_or(0, |b| b.device_address()),
             out: out.ptr(),
-            out_weights: if topk > 0 {
-                out.ptr() + self.out_w_offset as u64
-            } else {
-                0
-            },
+            out_weights,
             error,
             ranks: self.ranks as i32,
             num_tokens: h.num_tokens as i32,

@@ -45,6 +45,15 @@ __device__ __forceinline__ int4 ld_stream_v4(const int4* p) {
     return v;
 }
 
+// A 16-byte load of peer memory (coherent path), not kept in L1.
+__device__ __forceinline__ int4 ld_peer_v4(const int4* p) {
+    int4 v;
+    asm("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // A 16-byte store that is not kept in L1 (peer memory or a row nobody on this SM reads back).
 __device__ __forceinline__ void st_stream_v4(int4* p, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),

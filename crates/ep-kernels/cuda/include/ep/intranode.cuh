@@ -47,6 +47,9 @@ struct SignalHead {
     uint64_t flag[kMaxRanks];
     // recv_base[src] = rank src's receive region for the dispatch in flight.
     uint64_t recv_base[kMaxRanks];
+    // comb_src[src] / comb_w_src[src] = rank src's combine input rows / weights (pull combine).
+    uint64_t comb_src[kMaxRanks];
+    uint64_t comb_w_src[kMaxRanks];
     // tokens[src][dst]: how many tokens src sends to dst (each src writes its whole row to all).
     int32_t tokens[kMaxRanks][kMaxRanks];
     // Blocks of the owner's current push kernel that have finished (the last one resets it).
@@ -55,7 +58,7 @@ struct SignalHead {
     // Followed by int32 experts[kMaxRanks][num_local_experts]: tokens src sends to each of this
     // rank's local experts.
 };
-static_assert(sizeof(SignalHead) == 448, "SignalHead layout");
+static_assert(sizeof(SignalHead) == 576, "SignalHead layout");
 
 // Per-dispatch facts a rank computed, stored at the start of its receive region (so a handle
 // that keeps the region keeps them too).
@@ -153,6 +156,8 @@ static_assert(sizeof(DispatchParams) == 200, "DispatchParams layout");
 // A bare barrier (one block), e.g. before a combine.
 struct BarrierParams {
     uint64_t signal[kMaxRanks];
+    uint64_t publish_x;           // combine input rows to publish as comb_src, or 0
+    uint64_t publish_w;           // combine input weights to publish as comb_w_src, or 0
     uint64_t error;
     uint64_t epoch;
     uint64_t timeout_ns;
@@ -161,7 +166,7 @@ struct BarrierParams {
     int32_t what;
     int32_t pad;
 };
-static_assert(sizeof(BarrierParams) == 104, "BarrierParams layout");
+static_assert(sizeof(BarrierParams) == 120, "BarrierParams layout");
 
 // The push of a combine (`num_sms` blocks): receive row i goes back to its source rank's combine
 // region at [this rank][position].
@@ -183,6 +188,29 @@ struct CombinePushParams {
     int32_t pad;
 };
 static_assert(sizeof(CombinePushParams) == 264, "CombinePushParams layout");
+
+// The pull combine (`num_sms` blocks): each token's copies are read straight from the ranks
+// that hold them (their combine inputs, published by the start barrier), summed in f32, biased
+// and written as BF16; the last block then tells every peer it is done reading.
+struct CombinePullParams {
+    uint64_t signal[kMaxRanks];
+    uint64_t meta;                // the handle's Meta (send_offset = where our rows sit at each peer)
+    uint64_t send_pos;            // int32 [tokens][ranks]
+    uint64_t bias0;               // bf16 [tokens][hidden], or 0
+    uint64_t bias1;
+    uint64_t out;                 // bf16 [tokens][hidden]
+    uint64_t out_weights;         // f32 [tokens][topk], or 0
+    uint64_t error;
+    uint64_t epoch;
+    uint64_t timeout_ns;
+    int32_t rank;
+    int32_t ranks;
+    int32_t num_tokens;
+    int32_t hidden;
+    int32_t topk;
+    int32_t pad;
+};
+static_assert(sizeof(CombinePullParams) == 160, "CombinePullParams layout");
 
 // The local reduction of a combine (`num_sms` blocks).
 struct CombineReduceParams {
