@@ -743,6 +743,12 @@ impl GdrSlots {
 pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), TransportError> {
     use cudarc::driver::sys;
     let start = Instant::now();
+    stream.context().bind_to_thread().map_err(|source| {
+        TransportError::Cuda(ibgda_device::cuda::CudaError::Driver {
+            call: "cuCtxSetCurrent",
+            source,
+        })
+    })?;
     loop {
         // SAFETY: a live stream of a live context (the `CudaStream` keeps both).
         let r = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
