@@ -236,18 +236,21 @@ impl CudaLane {
     /// # Safety
     /// `a` must be a valid, 8-byte aligned, 64-byte device slot.
     unsafe fn cqe_memops(&mut self, a: u64, cqe: &[u8; 64]) -> Result<(), EmuError> {
-        // SAFETY: an all-zero parameter block is a valid starting point for every union member.
-        let mut params: [sys::CUstreamBatchMemOpParams; 8] = unsafe { std::mem::zeroed() };
+        // The parameter blocks are built from literals: `mem::zeroed` is not valid for them
+        // (their `operation` enum has no zero variant).
+        let mut params = [sys::CUstreamBatchMemOpParams { pad: [0; 6] }; 8];
         for (i, p) in params.iter_mut().enumerate() {
             let word = u64::from_ne_bytes(cqe[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-            // SAFETY: zeroed plain-old-data, filled field by field below.
-            let mut w: sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st =
-                unsafe { std::mem::zeroed() };
-            w.operation = sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
-            w.address = a + 8 * i as u64;
-            w.__bindgen_anon_1.value64 = word;
-            w.flags = 0;
-            p.writeValue = w;
+            p.writeValue = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
+                operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+                address: a + 8 * i as u64,
+                __bindgen_anon_1:
+                    sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
+                        value64: word,
+                    },
+                flags: 0,
+                alias: 0,
+            };
         }
         // SAFETY: the parameters describe 8 aligned writes inside the slot the caller vouched for.
         let r = unsafe { sys::cuStreamBatchMemOp_v2(self.stream.raw, 8, params.as_mut_ptr(), 0) };
