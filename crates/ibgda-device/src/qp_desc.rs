@@ -142,8 +142,8 @@ pub struct QpCounters {
     pub cq_cons_idx: u64,
     /// `[40,44)` 0 free, 1 held: one thread at a time consumes CQEs.
     pub poll_lock: u32,
-    /// `[44,48)` used by the device protocol (`protocol.cuh`) as the doorbell lock of mode gpu.
-    pub reserved0: u32,
+    /// `[44,48)` the doorbell lock of mode gpu (`protocol.cuh`): 0 free, 1 held.
+    pub db_lock: u32,
     /// `[48,64)` zero.
     pub reserved1: [u64; 2],
 }

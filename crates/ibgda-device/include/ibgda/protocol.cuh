@@ -155,9 +155,9 @@ __device__ __forceinline__ void ibgda_unlock(uint32_t* lock) {
     asm volatile("st.release.gpu.u32 [%0], 0;" ::"l"(lock) : "memory");
 }
 
-// The doorbell lock of mode gpu: the counters line's word at byte 44 (reserved0 in the layout),
+// The doorbell lock of mode gpu: the counters line's word at byte 44 (db_lock),
 // owned by this header. Only the ringer that holds it writes the doorbell record and db_reg.
-__device__ __forceinline__ uint32_t* ibgda_db_lock(ibgda_qp_desc* d) { return &d->counters.reserved0; }
+__device__ __forceinline__ uint32_t* ibgda_db_lock(ibgda_qp_desc* d) { return &d->counters.db_lock; }
 
 // ---------------------------------------------------------------------------------------------
 // Errors

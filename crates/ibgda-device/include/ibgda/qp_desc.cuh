@@ -44,7 +44,7 @@ struct alignas(64) ibgda_qp_counters {
     uint64_t cons_idx;    // [24,32)
     uint64_t cq_cons_idx; // [32,40)
     uint32_t poll_lock;   // [40,44) 0 free, 1 held: one thread at a time consumes CQEs
-    uint32_t reserved0;   // [44,48) protocol.cuh: the doorbell lock of mode gpu (0 free, 1 held)
+    uint32_t db_lock;     // [44,48) protocol.cuh: the doorbell lock of mode gpu (0 free, 1 held)
     uint64_t reserved1[2]; // [48,64)
 };
 

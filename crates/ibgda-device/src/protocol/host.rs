@@ -117,10 +117,10 @@ impl HostQp {
         unsafe { AtomicU32::from_ptr(addr_of_mut!((*self.counters_ptr()).poll_lock)) }
     }
 
-    /// The doorbell lock of mode gpu: the counters' `reserved0` word, as in `protocol.cuh`.
+    /// The doorbell lock of mode gpu: the counters' `db_lock` word, as in `protocol.cuh`.
     fn db_lock(&self) -> &AtomicU32 {
         // SAFETY: an aligned u32 of the live counters, only accessed atomically.
-        unsafe { AtomicU32::from_ptr(addr_of_mut!((*self.counters_ptr()).reserved0)) }
+        unsafe { AtomicU32::from_ptr(addr_of_mut!((*self.counters_ptr()).db_lock)) }
     }
 
     fn producer_slot(&self) -> &AtomicU64 {
@@ -138,7 +138,7 @@ impl HostQp {
             cons_idx: self.cons_idx().load(Ordering::Acquire),
             cq_cons_idx: self.cq_cons_idx().load(Ordering::Acquire),
             poll_lock: self.poll_lock().load(Ordering::Relaxed),
-            reserved0: self.db_lock().load(Ordering::Relaxed),
+            db_lock: self.db_lock().load(Ordering::Relaxed),
             reserved1: [0; 2],
         }
     }
