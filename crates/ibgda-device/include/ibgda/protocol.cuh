@@ -46,12 +46,6 @@
 // thread, possibly on another QP sharing the record). The record says what happened.
 #define IBGDA_STATUS_ABORTED 0x100
 
-// A descriptor that breaks the protocol's assumptions (ring size, a misaligned producer slot, a
-// missing doorbell pointer): reported through the error record with this kind.
-#ifndef IBGDA_ERROR_INVALID_DESC
-#define IBGDA_ERROR_INVALID_DESC 6u
-#endif
-
 // Bound of every wait when the descriptor's timeout_ns is 0: long enough for any sane completion
 // (a real NIC retries a lost packet for well under a second), short enough that a test suite
 // reports a broken protocol instead of stalling.
