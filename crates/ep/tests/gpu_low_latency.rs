@@ -29,7 +29,7 @@ fn rank_counts() -> Vec<usize> {
 }
 
 fn experts_for(ranks: usize) -> usize {
-    24 * ranks
+    12 * ranks
 }
 
 fn options(ranks: usize) -> LowLatencyOptions {

@@ -12,11 +12,12 @@ use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
 
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
+use crate::bootstrap::ThreadGroup;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mapped::MappedHost;
-use crate::rendezvous::{Exchange, ThreadGroup};
+use crate::rendezvous::Exchange;
 use crate::tensor::Tensor;
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
@@ -390,13 +391,14 @@ impl LowLatencyBuffer {
         ctxs: &[Arc<CudaContext>],
         opts: &LowLatencyOptions,
     ) -> Result<Vec<LowLatencyBuffer>, EpError> {
-        let group = ThreadGroup::new(ctxs.len(), opts.timeout);
+        let comms = ThreadGroup::with_timeout(ctxs.len(), opts.timeout)
+            .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
         std::thread::scope(|s| {
             let joins: Vec<_> = ctxs
                 .iter()
-                .enumerate()
-                .map(|(r, ctx)| {
-                    let m: Arc<dyn Exchange> = Arc::new(group.member(r));
+                .zip(comms)
+                .map(|(ctx, comm)| {
+                    let m: Arc<dyn Exchange> = Arc::new(comm);
                     s.spawn(move || LowLatencyBuffer::new(ctx, m, opts))
                 })
                 .collect();
@@ -693,11 +695,11 @@ impl LowLatencyBuffer {
         let grid = self.grid(args.num_sms)?;
 
         let half = self.dispatch_half;
-        let region = self.dispatch_out[half].clone();
         self.free_half(
             &self.dispatch_out[half],
             "low-latency dispatch output (half)",
         )?;
+        let region = self.dispatch_out[half].clone();
         self.poison(&region)?;
         let o = self.out_plan;
         let base = region.ptr();
@@ -833,8 +835,8 @@ impl LowLatencyBuffer {
         let grid = self.grid(args.num_sms)?;
 
         let half = self.combine_half;
-        let out = self.combine_out[half].clone();
         self.free_half(&self.combine_out[half], "low-latency combine output (half)")?;
+        let out = self.combine_out[half].clone();
         self.poison(&out)?;
         let p = k::LlCombineParams {
             peer_base: self.peer_base,
