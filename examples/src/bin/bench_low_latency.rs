@@ -2,8 +2,10 @@
 //! 7168, each to its top-8 of 288 experts (uniform random), ranks as threads, one per visible
 //! GPU (at most 8; `--ranks` to use fewer), NVLink allowed.
 //!
-//! Timed with device events around each operation, queued behind a sleep kernel so the host's
-//! launch rate does not show; median over `--iters` per rank, then the mean over ranks. Prints
+//! Dispatch (BF16, FP8) and dispatch + combine are each captured `--iters` times into one CUDA
+//! graph and timed over a replay with device events (combine = the pair minus the dispatch), so
+//! the host's launch rate does not show; the mean over ranks is reported. Hook-mode send and
+//! receive halves are timed with host-queued events (median), an upper bound. Prints
 //! dispatch (BF16 and FP8) and combine, and in hook mode the send and receive halves of each.
 //! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
 //!
@@ -11,7 +13,6 @@
 //!  [--experts E] [--iters N]`; exits 2 with a message where there is no GPU.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use ep::low_latency::{
@@ -20,6 +21,7 @@ use ep::low_latency::{
 use ep::{Bf16, EpError, Event, Tensor};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
+use std::time::Duration;
 
 struct Args {
     json: Option<String>,
@@ -98,6 +100,23 @@ fn us(a: &Event, b: &Event) -> Result<f64, EpError> {
     Ok(f64::from(a.elapsed_ms(b)?) * 1000.0)
 }
 
+/// Microseconds per operation of `iters` calls of `op` captured into one graph.
+fn time_graph(
+    b: &mut LowLatencyBuffer,
+    stream: &Arc<ibgda_device::cuda::CudaStream>,
+    iters: usize,
+    op: impl Fn(&mut LowLatencyBuffer) -> Result<(), EpError>,
+) -> Result<f64, EpError> {
+    let (g, ()) = b.capture(|b| (0..iters).try_for_each(|_| op(b)))?;
+    g.replay()?;
+    b.synchronize()?;
+    let e0 = Event::timed(stream)?;
+    g.replay()?;
+    let e1 = Event::timed(stream)?;
+    b.synchronize()?;
+    Ok(us(&e0, &e1)? / iters.max(1) as f64)
+}
+
 /// One rank's whole benchmark.
 fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpError> {
     let ctx = b.context().clone();
@@ -148,37 +167,31 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpEr
         drop((o, c));
     }
 
-    // (fp8, before dispatch, after dispatch, after combine) per iteration.
-    let mut marks = Vec::new();
-    b.sleep_on_stream(Duration::from_millis(30))?;
-    for i in 0..2 * a.iters {
+    // Whole-graph timings: `iters` operations captured into one graph, replayed once to warm up
+    // and once between two events (events inside a graph carry no timestamps).
+    let d16 = time_graph(b, &stream, a.iters, |b| {
+        b.dispatch(&LlDispatchArgs::new(&x, &idx)).map(drop)
+    })?;
+    let d8 = time_graph(b, &stream, a.iters, |b| {
         let mut d = LlDispatchArgs::new(&x, &idx);
-        d.fp8 = if i % 2 == 1 { fp8 } else { None };
-        let e0 = Event::timed(&stream)?;
-        let o = b.dispatch(&d)?;
-        let e1 = Event::timed(&stream)?;
+        d.fp8 = fp8;
+        b.dispatch(&d).map(drop)
+    })?;
+    let pair = time_graph(b, &stream, a.iters, |b| {
+        let o = b.dispatch(&LlDispatchArgs::new(&x, &idx))?;
         let c = b.combine(&LlCombineArgs::new(
             LlCombineX::Tensor(&comb_in),
             &idx,
             &w,
             &o.handle,
         ))?;
-        let e2 = Event::timed(&stream)?;
         drop((o, c));
-        marks.push((i % 2 == 1, e0, e1, e2));
-    }
-    b.synchronize()?;
-    let (mut d16, mut d8, mut t_c) = (Vec::new(), Vec::new(), Vec::new());
-    for (is_fp8, e0, e1, e2) in &marks {
-        if *is_fp8 {
-            d8.push(us(e0, e1)?);
-        } else {
-            d16.push(us(e0, e1)?);
-        }
-        t_c.push(us(e1, e2)?);
-    }
+        Ok(())
+    })?;
 
-    // Hook mode: send and receive halves timed separately.
+    // Hook mode: send and receive halves timed separately with events queued by the host
+    // (behind a sleep kernel); where the host queues slower than the GPU runs, these include
+    // launch gaps and are upper bounds.
     let mut hooks = Vec::new();
     b.sleep_on_stream(Duration::from_millis(30))?;
     for _ in 0..a.iters {
@@ -211,9 +224,9 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpEr
     }
     let [ds, dr, cs, cr] = phases;
     Ok(Times {
-        dispatch_bf16: median(d16),
-        dispatch_fp8: median(d8),
-        combine: median(t_c),
+        dispatch_bf16: d16,
+        dispatch_fp8: d8,
+        combine: pair - d16,
         dispatch_send: median(ds),
         dispatch_recv: median(dr),
         combine_send: median(cs),
