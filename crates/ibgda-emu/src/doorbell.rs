@@ -147,8 +147,11 @@ impl DoorbellState {
                 }
             }
         }
-        let now = Instant::now();
-        let device_due = now >= self.next_device_poll;
+        // The clock only matters for sources in GPU memory (and may be a system call in a VM).
+        let on_device = matches!(self.cfg.dbr, Some(Loc::Device(_)))
+            || matches!(self.cfg.producer_slot, Some(Loc::Device(_)));
+        let now = on_device.then(Instant::now);
+        let device_due = now.is_some_and(|n| n >= self.next_device_poll);
         let mut polled_device = false;
         if let Some(loc) = self.cfg.dbr {
             let word_loc = loc.offset(DBR_SEND_OFFSET as u64);
@@ -187,7 +190,7 @@ impl DoorbellState {
                 }
             }
         }
-        if polled_device {
+        if let (true, Some(now)) = (polled_device, now) {
             self.next_device_poll = now + device_poll_interval;
         }
         Ok(Polled {

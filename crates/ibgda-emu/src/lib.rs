@@ -76,8 +76,9 @@
 //! with no copy), the CQ in GPU memory (device code polls it locally), and either ring through
 //! the emulated UAR page (`QpHandle::uar.bf_reg_device` is the descriptor's `db_reg`) in mode
 //! `gpu`, or let the proxy write the doorbell record and store to `bf_reg` (or call
-//! [`Nic::ring_doorbell`]) in the CPU modes. Rings in GPU memory work too; the NIC then reads
-//! them with copies (one per batch of up to 256 WQEBBs), which costs a few microseconds each.
+//! [`Nic::ring_doorbell`], or ring a [`DirectDoorbell`] handle: no lookup, no lock) in the CPU
+//! modes. Rings in GPU memory work too; the NIC then reads them with copies (one per batch of
+//! up to 256 WQEBBs), which costs a few microseconds each.
 //! [`Nic::create_host_qp`] does all of this for host-driven QPs.
 //!
 //! Connecting mirrors a real NIC: create the QP, exchange [`QpInfo`] (node, QPN and — across
@@ -116,5 +117,5 @@ pub use fault::{DoorbellDrop, FaultPlan, WqeFault, INJECTED_SYNDROME};
 pub use host::{HostBuffer, HostMemory};
 pub use ipc::MrExport;
 pub use mr::{Access, Mr, Place};
-pub use nic::{HostQp, Nic, NicConfig, ProgressMode};
+pub use nic::{DirectDoorbell, HostQp, Nic, NicConfig, ProgressMode};
 pub use qp::{QpConfig, QpError, QpHandle, QpState, QpStatus, MAX_WQEBBS};

@@ -85,8 +85,20 @@ impl NicConfig {
 pub(crate) struct QpSlot {
     pub engine: Mutex<QpEngine>,
     direct: Arc<AtomicU64>,
+    /// Set by [`Nic::destroy_qp`] under the engine lock. The progress thread may still hold the
+    /// slot in an older snapshot of the QP list; it checks this under the same lock and never
+    /// touches a destroyed QP's rings, CQ or doorbell words again, which the QP's owner is free
+    /// to release as soon as `destroy_qp` returns.
+    retired: AtomicBool,
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
 }
+
+/// Whether the progress thread is (about to be) parked, on a cache line of its own: every
+/// direct doorbell reads it, and the progress thread writes it only when it goes to sleep or
+/// wakes up.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+struct Sleeping(AtomicBool);
 
 pub(crate) struct NicShared {
     pub node: NodeId,
@@ -105,6 +117,9 @@ pub(crate) struct NicShared {
     wire: Mutex<Wire>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::Thread>>,
+    /// The progress thread's handle, for wake-ups that must not take a lock (doorbells).
+    thread_handle: std::sync::OnceLock<std::thread::Thread>,
+    sleeping: Sleeping,
 }
 
 impl NicShared {
@@ -118,6 +133,23 @@ impl NicShared {
                 nic: self.cfg.name.clone(),
                 qpn,
             })
+    }
+
+    /// Locks QP `qpn`'s engine unless the QP has been destroyed (a caller that looked the slot up
+    /// just before `destroy_qp` removed it).
+    fn live<'a>(
+        &self,
+        qpn: u32,
+        slot: &'a QpSlot,
+    ) -> Result<std::sync::MutexGuard<'a, QpEngine>, EmuError> {
+        let e = slot.engine.lock().expect("qp lock");
+        if slot.retired.load(Ordering::Relaxed) {
+            return Err(EmuError::NoSuchQp {
+                nic: self.cfg.name.clone(),
+                qpn,
+            });
+        }
+        Ok(e)
     }
 
     fn snapshot(&self) -> (u64, Vec<Arc<QpSlot>>) {
@@ -140,6 +172,10 @@ impl NicShared {
         let mut did = false;
         for slot in qps {
             let mut e = slot.engine.lock().expect("qp lock");
+            // A QP destroyed since this snapshot was taken: its memory may be gone.
+            if slot.retired.load(Ordering::Relaxed) {
+                continue;
+            }
             match e.step(&cx) {
                 Ok(d) => did |= d,
                 Err(err) => {
@@ -158,6 +194,18 @@ impl NicShared {
             t.unpark();
         }
     }
+
+    /// Wakes the progress thread if it sleeps; lock-free, for doorbells. Pairs with the
+    /// progress loop's "announce sleep, look once more, then park": either this sees the flag
+    /// and unparks (a token that makes the coming park return at once), or the loop's last look
+    /// sees the doorbell word, which the caller stored before (both sides SeqCst).
+    fn wake_if_sleeping(&self) {
+        if self.sleeping.0.load(Ordering::SeqCst) {
+            if let Some(t) = self.thread_handle.get() {
+                t.unpark();
+            }
+        }
+    }
 }
 
 fn progress_loop(shared: Arc<NicShared>) {
@@ -167,23 +215,49 @@ fn progress_loop(shared: Arc<NicShared>) {
     }
     const SPIN: Duration = Duration::from_micros(200);
     const YIELD: Duration = Duration::from_millis(5);
+    /// Idle rounds between clock reads while spinning (a clock read can be a system call in a
+    /// VM; a round is far cheaper).
+    const CLOCK_EVERY: u32 = 64;
     let (mut gen, mut qps) = shared.snapshot();
     let mut idle_since: Option<Instant> = None;
+    let mut idle_rounds = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
         if shared.qps_gen.load(Ordering::Acquire) != gen {
+            // The old snapshot is dropped here, outside any round: QPs destroyed meanwhile are
+            // released on this thread (their lanes need its context).
             (gen, qps) = shared.snapshot();
         }
         if shared.round(&qps) {
             idle_since = None;
+            idle_rounds = 0;
             continue;
         }
+        idle_rounds = idle_rounds.wrapping_add(1);
+        if idle_rounds % CLOCK_EVERY != 0 {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Idle time counts from the first clock read of the idle period.
         let idle = idle_since.get_or_insert_with(Instant::now).elapsed();
         if idle < SPIN {
             std::hint::spin_loop();
         } else if idle < YIELD {
             std::thread::yield_now();
         } else {
-            std::thread::park_timeout(shared.cfg.idle_sleep);
+            shared.sleeping.0.store(true, Ordering::SeqCst);
+            // Orders the flag before the doorbell words this round reads (see wake_if_sleeping).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            // One more look after announcing the sleep: a doorbell stored before a ringer read
+            // the flag as false is seen here.
+            let did = shared.round(&qps);
+            if !did && !shared.stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(shared.cfg.idle_sleep);
+            }
+            shared.sleeping.0.store(false, Ordering::SeqCst);
+            if did {
+                idle_since = None;
+                idle_rounds = 0;
+            }
         }
     }
 }
@@ -252,6 +326,8 @@ impl Nic {
             wire: Mutex::new(Wire::default()),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
+            thread_handle: std::sync::OnceLock::new(),
+            sleeping: Sleeping::default(),
         });
         let join = match shared.cfg.progress {
             ProgressMode::Manual => None,
@@ -264,6 +340,7 @@ impl Nic {
                         EmuError::BadConfig(format!("spawning the progress thread: {e}"))
                     })?;
                 *shared.thread.lock().expect("thread lock") = Some(h.thread().clone());
+                let _ = shared.thread_handle.set(h.thread().clone());
                 Some(h)
             }
         };
@@ -454,6 +531,7 @@ impl Nic {
         let slot = Arc::new(QpSlot {
             engine: Mutex::new(engine),
             direct,
+            retired: AtomicBool::new(false),
             _keep: keep,
         });
         self.shared.qps.lock().expect("qps lock").insert(qpn, slot);
@@ -517,7 +595,9 @@ impl Nic {
         })
     }
 
-    /// Destroys a QP. Work in flight on its lane is waited for (bounded).
+    /// Destroys a QP. Work in flight on its lane is waited for (bounded). Once this returns the
+    /// NIC never touches the QP's rings, CQ or doorbell words again, whatever the outcome, so
+    /// their owner may free them.
     pub fn destroy_qp(&self, qpn: u32) -> Result<(), EmuError> {
         let slot = self
             .shared
@@ -530,8 +610,11 @@ impl Nic {
                 qpn,
             })?;
         self.shared.qps_gen.fetch_add(1, Ordering::AcqRel);
-        self.shared.backend.bind_thread()?;
         let mut e = slot.engine.lock().expect("qp lock");
+        // Retired first, under the engine lock: from here on no round steps this QP, even one
+        // over a snapshot taken before the removal above.
+        slot.retired.store(true, Ordering::Relaxed);
+        self.shared.backend.bind_thread()?;
         e.lane.fence(self.shared.cfg.op_timeout)
     }
 
@@ -578,7 +661,7 @@ impl Nic {
     pub fn connect(&self, qpn: u32, remote: &QpInfo) -> Result<(), EmuError> {
         let registry = self.peer_registry(remote)?;
         let slot = self.shared.slot(qpn)?;
-        let mut e = slot.engine.lock().expect("qp lock");
+        let mut e = self.shared.live(qpn, &slot)?;
         if e.state != QpState::Reset {
             return Err(EmuError::BadState {
                 qpn,
@@ -602,7 +685,7 @@ impl Nic {
     pub fn reset_qp(&self, qpn: u32) -> Result<(), EmuError> {
         let slot = self.shared.slot(qpn)?;
         self.shared.backend.bind_thread()?;
-        let mut e = slot.engine.lock().expect("qp lock");
+        let mut e = self.shared.live(qpn, &slot)?;
         e.lane.fence(self.shared.cfg.op_timeout)?;
         e.reset();
         Ok(())
@@ -612,9 +695,8 @@ impl Nic {
     /// now on is flushed.
     pub fn set_error(&self, qpn: u32) -> Result<(), EmuError> {
         let slot = self.shared.slot(qpn)?;
-        slot.engine
-            .lock()
-            .expect("qp lock")
+        self.shared
+            .live(qpn, &slot)?
             .force_error("moved to the error state by the program".into());
         self.shared.wake();
         Ok(())
@@ -624,9 +706,21 @@ impl Nic {
     /// 64-bit). What a CPU proxy in this process calls instead of storing to a UAR page.
     pub fn ring_doorbell(&self, qpn: u32, pi: u64) -> Result<(), EmuError> {
         let slot = self.shared.slot(qpn)?;
-        slot.direct.fetch_max(pi, Ordering::AcqRel);
-        self.shared.wake();
+        slot.direct.fetch_max(pi, Ordering::SeqCst);
+        self.shared.wake_if_sleeping();
         Ok(())
+    }
+
+    /// QP `qpn`'s direct doorbell as a handle: [`DirectDoorbell::ring`] is
+    /// [`ring_doorbell`](Nic::ring_doorbell) without the QP lookup (no lock, no allocation), for
+    /// a CPU proxy's hot path. Ringing after the QP was destroyed does nothing.
+    pub fn direct_doorbell(&self, qpn: u32) -> Result<DirectDoorbell, EmuError> {
+        let slot = self.shared.slot(qpn)?;
+        Ok(DirectDoorbell {
+            word: slot.direct.clone(),
+            nic: self.shared.clone(),
+            qpn,
+        })
     }
 
     /// A snapshot of QP `qpn`'s progress.
@@ -664,7 +758,7 @@ impl Nic {
                 self.progress()?;
             }
             {
-                let mut e = slot.engine.lock().expect("qp lock");
+                let mut e = self.shared.live(qpn, &slot)?;
                 if e.state == QpState::Reset {
                     return Err(EmuError::BadState {
                         qpn,
@@ -718,6 +812,41 @@ impl Drop for Nic {
         if let Some(f) = self.shared.fabric.upgrade() {
             f.remove(self.shared.node);
         }
+    }
+}
+
+/// One QP's direct doorbell (see [`Nic::direct_doorbell`]). Keeps the NIC's shared state alive,
+/// not its progress thread: ringing after the [`Nic`] was dropped does nothing.
+#[derive(Clone)]
+pub struct DirectDoorbell {
+    word: Arc<AtomicU64>,
+    nic: Arc<NicShared>,
+    qpn: u32,
+}
+
+impl std::fmt::Debug for DirectDoorbell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectDoorbell")
+            .field("nic", &self.nic.cfg.name)
+            .field("qpn", &self.qpn)
+            .finish()
+    }
+}
+
+impl DirectDoorbell {
+    /// Tells the NIC that the QP's ring is valid below `pi` (absolute, 64-bit; monotonic, a
+    /// smaller value than one already rung is ignored). One atomic on the QP's doorbell word, and
+    /// an unpark only when the progress thread sleeps. Writes before this call (the WQEs, a
+    /// doorbell record) are visible to the NIC once it sees the new index.
+    #[inline]
+    pub fn ring(&self, pi: u64) {
+        self.word.fetch_max(pi, Ordering::SeqCst);
+        self.nic.wake_if_sleeping();
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
     }
 }
 

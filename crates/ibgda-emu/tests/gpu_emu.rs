@@ -510,7 +510,29 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
 // ---- two processes ------------------------------------------------------------------------
 
 const CHILD_ENV: &str = "IBGDA_EMU_GPU_CHILD";
-const TAG: &str = "IBEMU ";
+/// Marks the child's protocol lines on its stdout. libtest shares that stream: with
+/// `--test-threads=1` it prints `test gpu_two_process_child ... ` with no newline before the test
+/// runs, so the child's first line arrives glued to it. The parent looks for the tag anywhere in
+/// a line, and the child starts its lines on a fresh one.
+const TAG: &str = "IBEMU> ";
+
+/// Last lines kept of each of the child's streams for the parent's failure messages.
+const CHILD_TAIL_LINES: usize = 200;
+
+/// The protocol reply in one line of the child's stdout, if the line carries one.
+fn tagged(line: &str) -> Option<&str> {
+    line.find(TAG).map(|at| &line[at + TAG.len()..])
+}
+
+#[test]
+fn protocol_lines_are_found_after_libtest_prefix() {
+    assert_eq!(
+        tagged("test gpu_two_process_child ... IBEMU> info 00ff"),
+        Some("info 00ff")
+    );
+    assert_eq!(tagged("IBEMU> ok"), Some("ok"));
+    assert_eq!(tagged("running 1 test"), None);
+}
 
 /// The second process of `gpu_two_process_writes_and_atomics`: owns GPU 1's memory, exports it,
 /// and checks what the first process wrote. Does nothing when run on its own.
@@ -519,21 +541,35 @@ fn gpu_two_process_child() {
     if std::env::var_os(CHILD_ENV).is_none() {
         return;
     }
+    let say = |s: &str| {
+        // A fresh line: libtest may have left `test ... ` unterminated on stdout.
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "\n{TAG}{s}").expect("child stdout");
+        out.flush().expect("child stdout");
+    };
+    let step = |what: &str| eprintln!("child: {what}");
+    step("opening GPU 1");
     let ctx = ibgda_device::cuda::context(1).expect("GPU 1 in the child");
     let fabric = Fabric::new();
     let nic = fabric.cuda_nic(&ctx, NicConfig::named("child")).unwrap();
+    step("allocating and registering the target");
     let dst = Arc::new(DeviceBuffer::new(&ctx, MAX + GUARD_BYTES).unwrap());
-    dst.fill_bytes(GUARD).unwrap();
-    dst.upload(MAX, &[0u64; 8]).unwrap();
+    let reset = || {
+        dst.fill_bytes(GUARD).unwrap();
+        dst.upload(MAX, &[0u64; 8]).unwrap();
+        // cuMemsetD8 returns before it has run: the parent writes as soon as it hears back.
+        ctx.synchronize().expect("synchronizing the child's GPU");
+    };
+    reset();
     nic.register_device(&dst, 0, MAX + GUARD_BYTES, Access::ALL)
         .unwrap();
     let qp = nic.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    step("exporting the registration (cuIpcGetMemHandle)");
     let info = nic.qp_info_for_ipc(qp.qpn()).unwrap();
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{TAG}info {}", info.to_hex()).unwrap();
-    out.flush().unwrap();
+    say(&format!("info {}", info.to_hex()));
+    step("waiting for commands");
     for line in std::io::stdin().lock().lines() {
-        let line = line.unwrap();
+        let line = line.expect("child stdin");
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {
             ["check", len, seed] => {
@@ -541,8 +577,7 @@ fn gpu_two_process_child() {
                 let want = pattern(seed, len);
                 let got: Vec<u8> = dst.download(0, MAX).unwrap();
                 let bad = (0..MAX).find(|&i| got[i] != if i < len { want[i] } else { GUARD });
-                dst.fill_bytes(GUARD).unwrap();
-                dst.upload(MAX, &[0u64; 8]).unwrap();
+                reset();
                 match bad {
                     None => "ok".to_string(),
                     Some(i) => format!("bad byte {i}"),
@@ -559,51 +594,198 @@ fn gpu_two_process_child() {
             ["quit"] => break,
             _ => format!("bad command {line}"),
         };
-        writeln!(out, "{TAG}{reply}").unwrap();
-        out.flush().unwrap();
+        say(&reply);
+    }
+    step("done");
+}
+
+/// The child process as the parent drives it: its tagged replies, the rest of its output kept
+/// for failure messages, and a kill on drop so a failing parent never leaves it behind.
+struct ChildPeer {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    replies: mpsc::Receiver<String>,
+    stdout_tail: Arc<std::sync::Mutex<Vec<String>>>,
+    stderr_tail: Arc<std::sync::Mutex<Vec<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+fn keep_tail(tail: &std::sync::Mutex<Vec<String>>, line: String) {
+    let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+    if t.len() == CHILD_TAIL_LINES {
+        t.remove(0);
+    }
+    t.push(line);
+}
+
+impl ChildPeer {
+    fn spawn() -> Self {
+        let exe = std::env::current_exe().expect("path of this test binary");
+        let mut child = Command::new(&exe)
+            .args([
+                "--exact",
+                "gpu_two_process_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting the child {}: {e}", exe.display()));
+        let (tx, replies) = mpsc::channel::<String>();
+        let stdout_tail = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr_tail = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let out_tail = stdout_tail.clone();
+        let err_tail = stderr_tail.clone();
+        let readers = vec![
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if let Some(rest) = tagged(&line) {
+                        let _ = tx.send(rest.to_string());
+                    } else if !line.trim().is_empty() {
+                        keep_tail(&out_tail, line);
+                    }
+                }
+            }),
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    // Passed on as it comes, so a hang shows how far the child got.
+                    eprintln!("[child] {line}");
+                    keep_tail(&err_tail, line);
+                }
+            }),
+        ];
+        let stdin = child.stdin.take();
+        Self {
+            child,
+            stdin,
+            replies,
+            stdout_tail,
+            stderr_tail,
+            readers,
+        }
+    }
+
+    /// Everything known about the child, for a panic message.
+    fn report(&mut self, what: &str) -> String {
+        // A child that just closed its pipes is usually exiting: give it a moment.
+        let t0 = Instant::now();
+        let status = loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) => break format!("exited with {st}"),
+                Ok(None) if t0.elapsed() < Duration::from_secs(2) => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Ok(None) => break "still running (killed now)".to_string(),
+                Err(e) => break format!("status unknown: {e}"),
+            }
+        };
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The pipes close with the child: the readers finish and the tails are complete.
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        let lock = |t: &std::sync::Mutex<Vec<String>>| {
+            t.lock().unwrap_or_else(|p| p.into_inner()).join("\n  ")
+        };
+        format!(
+            "{what}; the child {status}\nchild stderr:\n  {}\nchild stdout (untagged):\n  {}",
+            lock(&self.stderr_tail),
+            lock(&self.stdout_tail)
+        )
+    }
+
+    /// The child's next reply; panics with its status and output if it exits or stays silent
+    /// for `T`.
+    fn recv(&mut self, waiting_for: &str) -> String {
+        let t0 = Instant::now();
+        loop {
+            match self.replies.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => return r,
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let m = self.report(&format!(
+                        "the child closed its stdout while the parent waited for {waiting_for}"
+                    ));
+                    panic!("{m}");
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if let Ok(Some(_)) = self.child.try_wait() {
+                // A last reply may still be in the pipe.
+                if let Ok(r) = self.replies.recv_timeout(Duration::from_millis(200)) {
+                    return r;
+                }
+                let m = self.report(&format!(
+                    "the child exited while the parent waited for {waiting_for}"
+                ));
+                panic!("{m}");
+            }
+            if t0.elapsed() > T {
+                let m = self.report(&format!(
+                    "the child did not answer within {T:?} while the parent waited for {waiting_for}"
+                ));
+                panic!("{m}");
+            }
+        }
+    }
+
+    fn say(&mut self, s: &str) {
+        let ok = self
+            .stdin
+            .as_mut()
+            .is_some_and(|i| writeln!(i, "{s}").and_then(|()| i.flush()).is_ok());
+        if !ok {
+            let m = self.report(&format!("sending {s:?} to the child failed"));
+            panic!("{m}");
+        }
+    }
+
+    /// Sends `quit` and waits (bounded) for a successful exit.
+    fn finish(mut self) {
+        self.say("quit");
+        drop(self.stdin.take());
+        let t0 = Instant::now();
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) if st.success() => return,
+                Ok(Some(_)) => {
+                    let m = self.report("the child failed");
+                    panic!("{m}");
+                }
+                Ok(None) if t0.elapsed() < T => std::thread::sleep(Duration::from_millis(10)),
+                _ => {
+                    let m = self.report("the child did not exit after quit");
+                    panic!("{m}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ChildPeer {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
 #[test]
 fn gpu_two_process_writes_and_atomics() {
     let Some(ctxs) = gpus(2) else { return };
-    let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
-        .args([
-            "--exact",
-            "gpu_two_process_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix(TAG) {
-                if tx.send(rest.to_string()).is_err() {
-                    break;
-                }
-            }
-        }
-    });
-    let recv = || {
-        rx.recv_timeout(T)
-            .expect("the child process did not answer in time")
-    };
-    let mut stdin = child.stdin.take().unwrap();
-    let mut say = |s: String| {
-        writeln!(stdin, "{s}").unwrap();
-        stdin.flush().unwrap();
-    };
-
-    let first = recv();
-    let info = QpInfo::from_hex(first.strip_prefix("info ").expect("info line")).unwrap();
+    let mut child = ChildPeer::spawn();
+    let first = child.recv("the child's QpInfo");
+    let info = QpInfo::from_hex(first.strip_prefix("info ").unwrap_or_else(|| {
+        let m = child.report(&format!("expected an info line, got {first:?}"));
+        panic!("{m}")
+    }))
+    .unwrap();
     let remote = info.exports[0].mr;
     let fabric = Fabric::new();
     let nic = fabric
@@ -623,6 +805,8 @@ fn gpu_two_process_writes_and_atomics() {
     {
         let sd = s ^ (k as u64 + 1);
         src.upload(0, &pattern(sd, len)).unwrap();
+        // A pageable upload may return before its last DMA; the NIC's copy runs on its own stream.
+        ctxs[0].synchronize().unwrap();
         let w = RdmaWrite::new(
             qp.qpn(),
             pi as u16,
@@ -641,8 +825,12 @@ fn gpu_two_process_writes_and_atomics() {
         let c = wait_cqe(&qp, cons);
         cons += 1;
         assert_eq!(c.opcode(), cqe_opcode::REQ, "{c}");
-        say(format!("check {len} {sd}"));
-        assert_eq!(recv(), "ok", "write of {len} bytes across processes");
+        child.say(&format!("check {len} {sd}"));
+        assert_eq!(
+            child.recv("a check"),
+            "ok",
+            "write of {len} bytes across processes"
+        );
     }
     for k in 0..50u64 {
         let w = FetchAdd64::new(
@@ -665,16 +853,11 @@ fn gpu_two_process_writes_and_atomics() {
     assert!(!c.is_error(), "{c}");
     let fetched: Vec<u64> = src.download(0, 50).unwrap();
     assert_eq!(fetched, (0..50).map(|k| 2 * k).collect::<Vec<u64>>());
-    say("counter 100".into());
-    assert_eq!(recv(), "ok");
-    say("quit".into());
-    let t0 = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            assert!(st.success(), "child exited with {st}");
-            break;
-        }
-        assert!(t0.elapsed() < T, "child did not exit");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    child.say("counter 100");
+    assert_eq!(child.recv("the counter check"), "ok");
+    // The parent's NIC holds the child's memory open (CUDA IPC): close it before the child
+    // frees it.
+    nic.destroy_qp(qp.qpn()).unwrap();
+    drop(nic);
+    child.finish();
 }

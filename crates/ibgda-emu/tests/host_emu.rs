@@ -821,3 +821,87 @@ fn concurrent_producers_and_atomics() {
     });
     assert_eq!(target.load_u64(0), 4 * 1000);
 }
+
+/// Once `destroy_qp` returns, the progress thread never touches the QP's memory again, even a
+/// round over a list of QPs taken before the destroy: here a doorbell written into a destroyed
+/// QP's record must never execute the WQE waiting in its ring (its owner may free it at once).
+#[test]
+fn a_destroyed_qp_is_never_touched_again() {
+    let fabric = ibgda_emu::Fabric::new();
+    let a = fabric.host_nic(NicConfig::named("a")).unwrap();
+    let b = fabric.host_nic(NicConfig::named("b")).unwrap();
+    let target = std::sync::Arc::new(HostBuffer::new(64));
+    target.fill(GUARD);
+    let rm = b
+        .register_host(&target, 0, 64, Access::REMOTE_WRITE)
+        .unwrap();
+    let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    let info = b.qp_info(peer.qpn()).unwrap();
+    // Idle QPs that make every round longer.
+    let _busy: Vec<_> = (0..16)
+        .map(|_| {
+            let qp = a.create_host_qp(8, CqMode::Ring, 8).unwrap();
+            a.connect(qp.qpn(), &info).unwrap();
+            qp
+        })
+        .collect();
+    const N: u32 = 16;
+    for iter in 0..300 {
+        let mem = HostBuffer::new(2 * N as usize * 64 + 64);
+        let cfg = QpConfig {
+            sq: mem.loc(0),
+            nwqebbs: N,
+            cq: CqConfig::ring(mem.loc(N as usize * 64), N),
+            doorbell: DoorbellConfig {
+                dbr: Some(mem.loc(2 * N as usize * 64)),
+                uar: false,
+                producer_slot: None,
+            },
+        };
+        // SAFETY: `mem` outlives the QP: it is dropped after destroy_qp below.
+        let h = unsafe { a.create_qp(cfg) }.unwrap();
+        a.connect(h.qpn, &info).unwrap();
+        let w = InlineWrite::new(h.qpn, 0, ra(&rm, 0), b"zombie!!").build();
+        mem.write(0, w.as_bytes());
+        a.destroy_qp(h.qpn).unwrap();
+        mem.store_u32(
+            2 * N as usize * 64 + 4,
+            u32::from_ne_bytes(ibgda_device::wire::dbr_send_word(1).to_bytes()),
+        );
+        // Give a stale round the time to act on the doorbell, then free the memory.
+        for _ in 0..20 {
+            std::thread::yield_now();
+        }
+        drop(mem);
+        assert_eq!(
+            target.read_vec(0, 8),
+            vec![GUARD; 8],
+            "iteration {iter}: a destroyed QP executed a WQE"
+        );
+    }
+}
+
+/// A progress thread that has gone to sleep (idle past its spin and yield phases) executes what a
+/// direct doorbell announces; the handle keeps working after the NIC stops.
+#[test]
+fn a_direct_doorbell_wakes_a_sleeping_progress_thread() {
+    let mut p = Pair::new(false, 64, CqMode::Ring, 64);
+    let q = p.qpn();
+    let db = p.a.direct_doorbell(q).unwrap();
+    assert_eq!(db.qpn(), q);
+    for round in 0..3u64 {
+        // Past the progress thread's spin (200 µs) and yield (5 ms) phases.
+        std::thread::sleep(Duration::from_millis(20));
+        p.post(Nop::new(q, round as u16).cqe(true).build());
+        db.ring(round + 1);
+        let t0 = Instant::now();
+        while p.qp.poll_cqe(round).is_none() {
+            assert!(t0.elapsed() < T, "round {round}: no CQE");
+            std::thread::yield_now();
+        }
+    }
+    assert!(p.a.direct_doorbell(0xbad).is_err());
+    let Pair { a, .. } = p;
+    drop(a);
+    db.ring(10); // the NIC is gone: nothing happens, nothing breaks
+}
