@@ -1,13 +1,19 @@
 //! The proxy's doorbell on the emulated NIC: the doorbell record in host memory, then the
-//! emulator's doorbell, either its direct call (which also wakes its progress thread) or a store
-//! to the QP's emulated UAR page (the same code path as a real UAR, [`Mlx5UarDoorbell`]).
+//! emulator's doorbell, either its direct doorbell (one atomic on the QP's doorbell word, waking
+//! the progress thread only if it sleeps) or a store to the QP's emulated UAR page (the same code
+//! path as a real UAR, [`Mlx5UarDoorbell`]).
+//!
+//! The direct path is what the proxy's latency rests on, so it does no more than hardware needs:
+//! a release store of the record's send counter, then the doorbell word. No lock, no lookup, no
+//! allocation.
 
 use std::any::Any;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use ibgda_device::proxy::{Doorbell, Mlx5UarDoorbell};
 use ibgda_device::wire::{dbr_send_word, DoorbellRecord, DBR_SEND_OFFSET};
+use ibgda_emu::DirectDoorbell;
 
 /// How the proxy rings an emulated QP.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -40,19 +46,24 @@ pub struct EmuDoorbell {
 
 enum How {
     Direct {
-        nic: Arc<ibgda_emu::Nic>,
-        qpn: u32,
-        dbr: *mut DoorbellRecord,
+        db: DirectDoorbell,
+        /// The send counter of the QP's doorbell record.
+        send_counter: *mut u32,
+        /// Keeps the NIC (and its progress thread) alive as long as the proxy can ring it.
+        _nic: Arc<ibgda_emu::Nic>,
     },
     Uar(Mlx5UarDoorbell),
 }
 
-// SAFETY: `dbr` points into host memory kept alive by `_keep`; one proxy thread at a time rings
-// through this value (the `Doorbell` contract), and `Nic` is Send + Sync.
+// SAFETY: `send_counter` points into host memory kept alive by `_keep`; one proxy thread at a
+// time rings through this value (the `Doorbell` contract), and `Nic` and `DirectDoorbell` are
+// Send + Sync.
 unsafe impl Send for EmuDoorbell {}
 
 impl EmuDoorbell {
     /// The doorbell of emulated QP `qpn`, with its doorbell record at host address `dbr`.
+    /// `None` when `dbr` is null or misaligned, the QP does not exist on `nic`, or
+    /// [`ProxyDoorbell::UarPage`] is asked for without a UAR page.
     ///
     /// # Safety
     ///
@@ -67,12 +78,15 @@ impl EmuDoorbell {
         uar_bf: Option<u64>,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
     ) -> Option<Self> {
+        if dbr == 0 || dbr % 8 != 0 {
+            return None;
+        }
         let dbr_ptr = dbr as *mut DoorbellRecord;
         let how = match how {
             ProxyDoorbell::Direct => How::Direct {
-                nic,
-                qpn,
-                dbr: dbr_ptr,
+                db: nic.direct_doorbell(qpn).ok()?,
+                send_counter: (dbr as usize + DBR_SEND_OFFSET) as *mut u32,
+                _nic: nic,
             },
             ProxyDoorbell::UarPage => {
                 let bf = uar_bf? as *mut u64;
@@ -98,17 +112,17 @@ impl EmuDoorbell {
 impl Doorbell for EmuDoorbell {
     fn ring(&mut self, pi: u64) {
         match &mut self.how {
-            How::Direct { nic, qpn, dbr } => {
-                // SAFETY: the live record (`new`'s contract); the emulator reads it, hence volatile.
-                unsafe {
-                    ((*dbr as *mut u8).add(DBR_SEND_OFFSET) as *mut ibgda_device::wire::Be32)
-                        .write_volatile(dbr_send_word(pi))
-                };
-                fence(Ordering::SeqCst);
-                if let Err(e) = nic.ring_doorbell(*qpn, pi) {
-                    // The QP is gone (torn down under a late publish): nothing left to ring.
-                    tracing::warn!(target: "ep", "proxy doorbell on QP {qpn:#x}: {e}");
-                }
+            How::Direct {
+                db, send_counter, ..
+            } => {
+                let word = u32::from_ne_bytes(dbr_send_word(pi).to_bytes());
+                // SAFETY: the send counter of the live, 8-byte aligned record (`new`'s contract),
+                // which the emulator reads with atomic loads. Release: the WQEs this proxy saw
+                // published (its acquire load of the slot) are visible before the record is.
+                unsafe { AtomicU32::from_ptr(*send_counter) }.store(word, Ordering::Release);
+                // An atomic RMW, ordered after the record: the NIC never sees the doorbell
+                // before the record. A QP destroyed under a late publish ignores it.
+                db.ring(pi);
             }
             How::Uar(db) => db.ring(pi),
         }

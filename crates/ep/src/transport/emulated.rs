@@ -553,7 +553,11 @@ impl QpGroup {
                     )
                 }
                 .ok_or_else(|| {
-                    TransportError::Config(format!("QP {i}: no emulated UAR page for the proxy"))
+                    TransportError::Config(format!(
+                        "QP {i} (qpn {qpn:#x}): no doorbell for the proxy (QP unknown to the NIC, \
+                         or no emulated UAR page for {:?})",
+                        cfg.proxy_doorbell
+                    ))
                 })?
                 .with_hook(cfg.on_doorbell.clone(), i as u32);
                 pqs.push(ProxyQp {

@@ -42,15 +42,23 @@ impl std::fmt::Debug for ProxyQp {
 }
 
 /// How the proxy runs.
+///
+/// A thread sweeps its slots back to back (one 8-byte load each) and rings as soon as a sweep
+/// finds a slot that moved. Only after `spins_before_yield` empty sweeps in a row does it back
+/// off: it yields its core between sweeps, and once idle for `sleep_after` it sleeps
+/// `idle_sleep` between sweeps. Any doorbell returns it to busy polling at once. The clock is not
+/// read while it spins.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
     /// Polling threads; QPs are dealt to them round-robin. At least 1, at most one per QP.
     pub threads: usize,
-    /// Empty sweeps a thread busy-polls before it starts yielding its core between sweeps:
-    /// a publish after a short lull is still seen within a sweep.
+    /// The spin budget: empty sweeps a thread busy-polls (no system call, no clock read) before
+    /// it starts yielding its core between sweeps. The default, 2^16 sweeps, is a few
+    /// milliseconds: every publish of a running workload is seen within a sweep.
     pub spins_before_yield: u32,
-    /// After this long with nothing to ring, sleep `idle_sleep` between sweeps (`None`: never
-    /// sleep, for the lowest latency at the cost of a busy core).
+    /// After this long with nothing to ring (counted from the end of the spin budget), sleep
+    /// `idle_sleep` between sweeps (`None`: never sleep, for the lowest latency after long idle
+    /// periods at the cost of a busy core).
     pub sleep_after: Option<Duration>,
     /// How long to sleep between sweeps once idle past `sleep_after`.
     pub idle_sleep: Duration,
@@ -288,23 +296,42 @@ impl Drop for Proxy {
     }
 }
 
+/// What one proxy thread serves: its QPs' slots and doorbells, and the last index rung on each,
+/// side by side so a sweep walks one array.
+struct Served {
+    /// Index of the QP in the proxy's list (for `Shared::rung`).
+    index: usize,
+    /// The last producer index rung.
+    last: u64,
+    qp: ProxyQp,
+}
+
 /// One thread's loop over its QPs.
-fn serve(shared: &Shared, thread: usize, mut qps: Vec<(usize, ProxyQp)>, cfg: &ProxyConfig) {
-    let mut last: Vec<u64> = qps.iter().map(|(_, q)| q.rung_from).collect();
+fn serve(shared: &Shared, thread: usize, qps: Vec<(usize, ProxyQp)>, cfg: &ProxyConfig) {
+    let mut served: Vec<Served> = qps
+        .into_iter()
+        .map(|(index, qp)| Served {
+            index,
+            last: qp.rung_from,
+            qp,
+        })
+        .collect();
     let mut rung_total = 0u64;
     let mut empty_sweeps = 0u32;
-    let mut idle_since = Instant::now();
+    // Set when the spin budget runs out; the clock is never read while spinning.
+    let mut idle_since: Option<Instant> = None;
     loop {
         // Read the stop request before the sweep: the sweep that follows it is the last, and it
         // sees everything published before `stop` was called.
         let stopping = shared.stop.load(Ordering::Acquire);
         let mut rang = false;
-        for (k, (i, q)) in qps.iter_mut().enumerate() {
-            let v = q.slot.load();
-            if v > last[k] {
-                q.doorbell.ring(v);
-                last[k] = v;
-                shared.rung[*i].0.store(v, Ordering::Relaxed);
+        for s in served.iter_mut() {
+            // Slots only grow: ringing up to the value read covers every publish before it.
+            let v = s.qp.slot.load();
+            if v > s.last {
+                s.qp.doorbell.ring(v);
+                s.last = v;
+                shared.rung[s.index].0.store(v, Ordering::Relaxed);
                 rung_total += 1;
                 rang = true;
             }
@@ -317,15 +344,16 @@ fn serve(shared: &Shared, thread: usize, mut qps: Vec<(usize, ProxyQp)>, cfg: &P
                 .0
                 .store(rung_total, Ordering::Relaxed);
             empty_sweeps = 0;
+            idle_since = None;
             continue;
         }
-        if empty_sweeps == 0 {
-            idle_since = Instant::now();
-        }
         empty_sweeps = empty_sweeps.saturating_add(1);
-        if empty_sweeps < cfg.spins_before_yield {
+        if empty_sweeps <= cfg.spins_before_yield {
             std::hint::spin_loop();
-        } else if cfg.sleep_after.is_some_and(|d| idle_since.elapsed() >= d) {
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        if cfg.sleep_after.is_some_and(|d| since.elapsed() >= d) {
             std::thread::sleep(cfg.idle_sleep);
         } else {
             std::thread::yield_now();
@@ -418,6 +446,54 @@ mod tests {
             report.doorbells,
             seen.lock().unwrap().iter().map(Vec::len).sum::<usize>() as u64
         );
+    }
+
+    #[test]
+    fn an_idle_proxy_backs_off_and_still_rings_the_next_publish() {
+        let words = slots(2);
+        let keep = words.clone();
+        let qps = (0..2)
+            .map(|i| {
+                let keep = keep.clone();
+                ProxyQp {
+                    // SAFETY: `keep` (moved into the doorbell) keeps the words alive.
+                    slot: unsafe { ProducerSlot::new(words[i].as_ptr()) }.unwrap(),
+                    doorbell: Box::new(move |_pi: u64| {
+                        let _ = &keep;
+                    }),
+                    rung_from: 0,
+                    rank: 0,
+                    qp_index: i as u32,
+                }
+            })
+            .collect();
+        let proxy = Proxy::start(
+            qps,
+            ProxyConfig {
+                spins_before_yield: 16,
+                sleep_after: Some(Duration::from_millis(1)),
+                idle_sleep: Duration::from_micros(200),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for v in 1..=6u64 {
+            // Idle long enough to be sleeping between sweeps.
+            std::thread::sleep(Duration::from_millis(5));
+            let q = (v % 2) as usize;
+            words[q].fetch_max(v, Ordering::Release);
+            let t0 = Instant::now();
+            while proxy.last_rung(q) != Some(v) {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "publish {v} never rung"
+                );
+                std::thread::yield_now();
+            }
+        }
+        let report = proxy.stop().unwrap();
+        assert_eq!(report.rung, vec![6, 5]);
+        assert_eq!(report.doorbells, 6);
     }
 
     #[test]
