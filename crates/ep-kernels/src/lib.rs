@@ -17,6 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DriverError};
 
 pub mod intranode;
+pub mod low_latency;
 pub mod testing;
 
 include!(concat!(env!("OUT_DIR"), "/modules.rs"));

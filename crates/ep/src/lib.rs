@@ -15,6 +15,7 @@ mod dtype;
 mod error;
 mod event;
 mod intranode;
+pub mod low_latency;
 mod mapped;
 pub mod reference;
 mod rendezvous;
