@@ -51,6 +51,15 @@ fn wait_cqe(qp: &HostQp, cons: u64) -> Cqe64 {
     }
 }
 
+/// Waits until everything the test enqueued on these GPUs has run. `cuMemsetD8` returns before
+/// it runs and a pageable `cuMemcpyHtoD` before its last DMA, both on the legacy stream, while
+/// the NIC works on streams of its own that do not wait for it.
+fn settle(ctxs: &[Arc<CudaContext>]) {
+    for c in ctxs {
+        c.synchronize().expect("synchronizing a GPU");
+    }
+}
+
 fn ra(m: &Mr, off: u64) -> RemoteAddr {
     RemoteAddr {
         addr: m.addr + off,
@@ -136,6 +145,7 @@ fn gpu_writes_8b_to_64mib_land_byte_for_byte() {
         let data = pattern(s ^ k as u64, len);
         src.upload(so, &data).unwrap();
         dst.fill_bytes(GUARD).unwrap();
+        settle(&g.ctxs);
         let c = g.run(|q, i| {
             RdmaWrite::new(
                 q,
@@ -166,6 +176,7 @@ fn gpu_writes_8b_to_64mib_land_byte_for_byte() {
     }
     // Inline writes too.
     dst.fill_bytes(GUARD).unwrap();
+    settle(&g.ctxs);
     g.run(|q, i| {
         InlineWrite::new(q, i, ra(&rm, 13), b"inline bytes")
             .cqe(true)
@@ -185,6 +196,7 @@ fn gpu_atomics_between_two_gpus() {
     let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 4096).unwrap());
     target.fill_bytes(0).unwrap();
     fetch.fill_bytes(0xee).unwrap();
+    settle(&g.ctxs);
     let rm =
         g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
             .unwrap();
@@ -272,6 +284,7 @@ fn gpu_rings_and_cq_in_gpu_memory() {
     dbr.fill_bytes(0).unwrap();
     let dst = Arc::new(DeviceBuffer::new(&ctxs[1], 4096).unwrap());
     dst.fill_bytes(0).unwrap();
+    settle(&ctxs);
     let rm = b.register_device(&dst, 0, 4096, Access::ALL).unwrap();
     let cfg = QpConfig {
         sq: Loc::Device(ring.ptr()),
@@ -301,6 +314,8 @@ fn gpu_rings_and_cq_in_gpu_memory() {
         .cqe(true)
         .build();
     ring.upload(128, w2.as_bytes()).unwrap();
+    // The WQE must have landed before the doorbell below, which is a plain CPU store.
+    settle(&ctxs);
     let uar = h.uar.unwrap();
     // SAFETY: the BlueFlame register of the QP's live UAR page; 8-byte aligned.
     unsafe { std::sync::atomic::AtomicU64::from_ptr(uar.bf_reg as *mut u64) }.store(
@@ -400,6 +415,8 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     let lm =
         g.a.register_device(&fetch, 0, 64, Access::LOCAL_WRITE)
             .unwrap();
+    // The flag and `out` are zero before the kernel (on a non-blocking stream) reads them.
+    settle(&g.ctxs);
     ctx1.bind_to_thread().unwrap();
     let ptx = std::ffi::CString::new(SPIN_PTX).unwrap();
     let mut module: sys::CUmodule = std::ptr::null_mut();
