@@ -1,13 +1,20 @@
 // Intranode (NVLink) dispatch and combine between ranks whose memory is mapped into each other's
 // address space (peer access or CUDA IPC).
 //
+// Every rank's signal region, receive regions and combine staging lie in one device allocation,
+// its window, that every peer maps once at creation; kernels get each peer's window base and
+// exchange offsets into it, so ranks as processes (each mapping a peer at its own address) and
+// as threads run the same code.
+//
 // Dispatch: `ep_intranode_notify` (one block) exchanges token counts and receive-region
-// addresses, runs the start barrier and computes where this rank's tokens go in every
+// offsets, runs the start barrier and computes where this rank's tokens go in every
 // destination; `ep_intranode_dispatch` pushes each token straight into its final row in every
 // destination's receive region (16-byte streaming loads, stores to peer memory), then its last
 // block releases the data and waits for every peer's. Combine: `ep_intranode_barrier`, then
 // `ep_intranode_combine` pushes every received row back to its source's combine region at
-// [this rank][position], then `ep_intranode_combine_reduce` sums the copies of each token locally.
+// [this rank][position], then `ep_intranode_combine_reduce` sums the copies of each token locally
+// (ranks as processes); ranks as threads instead run `ep_intranode_combine_pull`, which reads
+// every copy straight from the peers' combine inputs and sums them in one pass.
 // Every wait is bounded and reports through the host-mapped error word.
 #include <cstdint>
 
@@ -41,8 +48,9 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     if (abort) return;
     const int L = p.num_local_experts;
     const bool cached = p.cached_meta != 0;
-    // 1. Publish: this rank's receive region, its count row and per-expert counts, to every rank.
-    for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) signal_of(p.signal, d)->recv_base[p.rank] = p.recv_base;
+    // 1. Publish: where this rank's receive region lies in its window, its count row and
+    // per-expert counts, to every rank.
+    for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) signal_of(p.signal, d)->recv_offset[p.rank] = p.recv_offset;
     if (!cached) {
         const int* per_rank = reinterpret_cast<const int*>(p.tokens_per_rank);
         for (int i = threadIdx.x; i < p.ranks * p.ranks; i += blockDim.x) {
@@ -140,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     if (threadIdx.x < p.ranks) {
-        dst_base[threadIdx.x] = ld_volatile_u64(&mine->recv_base[threadIdx.x]);
+        dst_base[threadIdx.x] = p.window[threadIdx.x] + ld_volatile_u64(&mine->recv_offset[threadIdx.x]);
         send_offset[threadIdx.x] = meta->send_offset[threadIdx.x];
     }
     __syncthreads();

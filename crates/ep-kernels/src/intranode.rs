@@ -62,15 +62,16 @@ pub struct ErrorWord {
     pub detail: u64,
 }
 
-/// The start of each rank's signal region (`SignalHead`); per-expert counts follow it.
+/// The start of each rank's signal region (`SignalHead`), at the start of its window; per-expert
+/// counts follow it.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct SignalHead {
     /// Barrier flags, indexed by source rank.
     pub flag: [u64; MAX_RANKS],
-    /// Each rank's receive region for the dispatch in flight.
-    pub recv_base: [u64; MAX_RANKS],
-    /// Each rank's combine input rows (pull combine).
+    /// Byte offset, in each rank's window, of its receive region for the dispatch in flight.
+    pub recv_offset: [u64; MAX_RANKS],
+    /// Each rank's combine input rows (pull combine, ranks as threads).
     pub comb_src: [u64; MAX_RANKS],
     /// Each rank's combine input weights (pull combine).
     pub comb_w_src: [u64; MAX_RANKS],
@@ -142,6 +143,8 @@ pub struct NotifyParams {
     pub signal: [u64; MAX_RANKS],
     /// This rank's receive region for this dispatch.
     pub recv_base: u64,
+    /// The same region as a byte offset in this rank's window (what peers are told).
+    pub recv_offset: u64,
     /// A previous dispatch's [`Meta`] to reuse (cached dispatch), or 0.
     pub cached_meta: u64,
     /// `i32 [ranks]`.
@@ -190,6 +193,9 @@ pub struct RegionLayout {
 pub struct DispatchParams {
     /// Every rank's signal region.
     pub signal: [u64; MAX_RANKS],
+    /// Every rank's window as mapped by this rank (destination rows are at `window[d]` plus the
+    /// offset `d` published).
+    pub window: [u64; MAX_RANKS],
     /// Receive-region sections.
     pub region: RegionLayout,
     /// This rank's [`Meta`] for this dispatch.
@@ -389,11 +395,14 @@ const _: () = {
     assert!(offset_of!(Meta, num_recv) == 68);
     assert!(size_of::<HostInfo>() == 16);
     assert!(size_of::<LayoutParams>() == 64);
-    assert!(size_of::<NotifyParams>() == 152);
-    assert!(offset_of!(NotifyParams, rank) == 128);
+    assert!(offset_of!(SignalHead, recv_offset) == 64);
+    assert!(size_of::<NotifyParams>() == 160);
+    assert!(offset_of!(NotifyParams, recv_offset) == 72);
+    assert!(offset_of!(NotifyParams, rank) == 136);
     assert!(size_of::<RegionLayout>() == 32);
-    assert!(size_of::<DispatchParams>() == 200);
-    assert!(offset_of!(DispatchParams, rank) == 168);
+    assert!(size_of::<DispatchParams>() == 264);
+    assert!(offset_of!(DispatchParams, region) == 128);
+    assert!(offset_of!(DispatchParams, rank) == 232);
     assert!(size_of::<BarrierParams>() == 120);
     assert!(size_of::<CombinePullParams>() == 160);
     assert!(offset_of!(CombinePullParams, rank) == 136);

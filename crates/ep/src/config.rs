@@ -15,7 +15,8 @@ pub struct BufferOptions {
     /// Experts over all ranks (a multiple of the rank count).
     pub num_experts: usize,
     /// How many dispatch outputs (with their handles) and combine outputs may be alive at once
-    /// per kind; each holds one pooled region.
+    /// per kind; each holds one pooled region. Every region is allocated when the buffer is
+    /// built (the receive regions are part of the memory peers map once, at creation).
     pub max_live_outputs: usize,
     /// Bound of every wait, on the GPU and on the host.
     pub timeout: Duration,
@@ -43,12 +44,14 @@ impl BufferOptions {
         }
     }
 
-    /// Bytes of one receive region for `ranks` ranks (GPU memory per live dispatch output).
+    /// Bytes of one receive region for `ranks` ranks (GPU memory per live dispatch output; a
+    /// buffer holds `max_live_outputs` of them).
     pub fn recv_region_bytes(&self, ranks: usize) -> usize {
         crate::intranode::RegionPlan::new(self, ranks).bytes
     }
 
-    /// Bytes of the combine region (GPU memory, once per buffer).
+    /// Bytes of the combine staging region (GPU memory, once per buffer, for ranks as
+    /// processes; ranks as threads combine without it).
     pub fn combine_region_bytes(&self, ranks: usize) -> usize {
         ranks * self.max_tokens_per_rank * (self.max_hidden * 2 + self.max_topk * 4)
     }

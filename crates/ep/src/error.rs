@@ -104,6 +104,17 @@ pub enum EpError {
         /// What happened.
         what: String,
     },
+    /// The rank bootstrap failed: a collective of the group's
+    /// [`Communicator`](crate::bootstrap::Communicator) (a rank missing, mismatched calls, a
+    /// socket error) or sharing the buffers (CUDA IPC).
+    #[error("bootstrap failed on rank {rank}: {source}")]
+    Bootstrap {
+        /// The rank.
+        rank: usize,
+        /// What failed.
+        #[source]
+        source: crate::bootstrap::BootstrapError,
+    },
     /// Every pooled output region is still referenced by a live output or handle.
     #[error("rank {rank}: all {limit} {what} regions are in use; drop older outputs or handles, or raise BufferOptions::max_live_outputs")]
     RegionsInUse {

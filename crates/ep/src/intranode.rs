@@ -1,12 +1,20 @@
 //! The intranode (NVLink) [`Buffer`]: ranks on one host whose GPUs map each other's memory.
 //!
-//! Per rank the buffer holds a signal region (flags, counts, published addresses; peers write
-//! it), pooled receive regions (peers push tokens straight into their final rows there, so the
-//! returned tensors are views with no copy), pooled combine outputs, a host-mapped word where
-//! kernels report errors, and a combine staging region for the push-then-reduce combine. With
-//! ranks as threads, combine instead pulls each token's copies straight from the ranks that
-//! hold them and sums them in one pass (half the memory traffic of push-then-reduce). Operations run on the
-//! buffer's communication stream; every wait, on the GPU and on the host, is bounded.
+//! Ranks are processes (one per GPU, rendezvous over TCP, memory shared through CUDA IPC) or
+//! threads of one process (peer access); both run the same kernels. Per rank the buffer holds
+//! one *window*, a device allocation that every peer maps once, at creation, through
+//! [`exchange_buffers`]: a signal region (flags, counts; peers write it), a pool of receive
+//! regions (peers push tokens straight into their final rows there, so the returned tensors are
+//! views with no copy) and, for ranks as processes, a combine staging region. Kernels get every
+//! peer's window base and exchange offsets into it, never addresses, since a process maps a
+//! peer's window wherever its driver chooses. Besides the window: pooled combine outputs and a
+//! host-mapped word where kernels report errors.
+//!
+//! Combine pushes every row back into its source's staging region, then each rank reduces its
+//! tokens locally (ranks as processes: a process cannot read a peer's arbitrary tensors). Ranks
+//! as threads instead pull each token's copies straight from the peers' combine inputs and sum
+//! them in one pass (half the memory traffic). Operations run on the buffer's communication
+//! stream; every wait, on the GPU and on the host, is bounded.
 //!
 //! Every rank of a group must call the same operations in the same order (they are collectives).
 
@@ -20,12 +28,13 @@ use cudarc::driver::{
 use ep_kernels::intranode as k;
 use ibgda_device::cuda::DeviceBuffer;
 
+use crate::bootstrap::{exchange_buffers, Communicator, PeerBuffer, ThreadGroup};
 use crate::config::{BufferOptions, Config};
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::{backoff, Event};
-use crate::rendezvous::{Exchange, ThreadGroup};
-use crate::tensor::Tensor;
+use crate::rendezvous::Exchange;
+use crate::tensor::{Region, Tensor};
 
 const ALIGN: usize = 256;
 const ERROR_OFFSET: usize = 0;
@@ -36,10 +45,6 @@ pub const FP8_BLOCK: usize = 128;
 fn align_up(x: usize) -> usize {
     x.div_ceil(ALIGN) * ALIGN
 }
-
-/// Combine by pulling each token's copies from the ranks that hold them (threads mode), rather
-/// than pushing them back and reducing locally.
-const PULL_COMBINE: bool = true;
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -76,37 +81,98 @@ impl RegionPlan {
     }
 }
 
-/// Regions handed out as tensor storage, reused once nothing refers to them.
+/// Where the sections of a rank's window lie: equal on every rank (checked at creation), so
+/// an offset means the same in every peer's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WindowPlan {
+    /// Bytes of the signal region, at offset 0.
+    signal_bytes: usize,
+    /// Combine staging rows `[ranks][max_tokens][max_hidden]` BF16 (push combine only).
+    comb_x: usize,
+    /// Combine staging weights `[ranks][max_tokens][max_topk]` f32 (push combine only).
+    comb_w: usize,
+    /// The first receive region; the others follow every `recv_bytes`.
+    recv_at: usize,
+    recv_bytes: usize,
+    recv_count: usize,
+    /// Whole window.
+    bytes: usize,
+}
+
+impl WindowPlan {
+    pub(crate) fn new(o: &BufferOptions, ranks: usize, push_combine: bool) -> Self {
+        let num_local_experts = o.num_experts / ranks.max(1);
+        let signal_bytes =
+            align_up(std::mem::size_of::<k::SignalHead>() + 4 * ranks * num_local_experts);
+        let comb_x = signal_bytes;
+        let (x_bytes, w_bytes) = if push_combine {
+            let rows = ranks * o.max_tokens_per_rank;
+            (
+                align_up(rows * o.max_hidden * 2),
+                align_up(rows * o.max_topk * 4),
+            )
+        } else {
+            (0, 0)
+        };
+        let comb_w = comb_x + x_bytes;
+        let recv_at = comb_w + w_bytes;
+        let recv_bytes = RegionPlan::new(o, ranks).bytes;
+        let recv_count = o.max_live_outputs;
+        Self {
+            signal_bytes,
+            comb_x,
+            comb_w,
+            recv_at,
+            recv_bytes,
+            recv_count,
+            bytes: recv_at + recv_bytes * recv_count,
+        }
+    }
+
+    /// The words every rank compares at creation: a rank whose window differs (other options,
+    /// another kind of group) would read and write the wrong bytes of its peers' windows.
+    fn words(&self) -> [u64; 7] {
+        [
+            self.signal_bytes,
+            self.comb_x,
+            self.comb_w,
+            self.recv_at,
+            self.recv_bytes,
+            self.recv_count,
+            self.bytes,
+        ]
+        .map(|w| w as u64)
+    }
+}
+
+/// Regions handed out as tensor storage: fixed slots of one allocation, made at creation (the
+/// receive regions are part of the window peers map), reused once nothing refers to them.
 #[derive(Debug)]
 struct Pool {
     what: &'static str,
-    bytes: usize,
-    limit: usize,
-    regions: Vec<Arc<DeviceBuffer>>,
+    slots: Vec<Arc<Region>>,
 }
 
 impl Pool {
-    fn acquire(
-        &mut self,
-        ctx: &Arc<CudaContext>,
-        rank: usize,
-    ) -> Result<Arc<DeviceBuffer>, EpError> {
-        if let Some(r) = self.regions.iter().find(|r| Arc::strong_count(r) == 1) {
-            return Ok(r.clone());
+    fn new(what: &'static str, buf: &Arc<DeviceBuffer>, at: usize, bytes: usize, n: usize) -> Self {
+        Self {
+            what,
+            slots: (0..n)
+                .map(|i| Arc::new(Region::part(buf, at + i * bytes, bytes)))
+                .collect(),
         }
-        if self.regions.len() >= self.limit {
-            return Err(EpError::RegionsInUse {
+    }
+
+    fn acquire(&self, rank: usize) -> Result<Arc<Region>, EpError> {
+        self.slots
+            .iter()
+            .find(|r| Arc::strong_count(r) == 1)
+            .cloned()
+            .ok_or(EpError::RegionsInUse {
                 rank,
                 what: self.what,
-                limit: self.limit,
-            });
-        }
-        let r = Arc::new(
-            DeviceBuffer::new(ctx, self.bytes)
-                .map_err(|source| EpError::Device { rank, source })?,
-        );
-        self.regions.push(r.clone());
-        Ok(r)
+                limit: self.slots.len(),
+            })
     }
 }
 
@@ -268,7 +334,7 @@ pub struct DispatchOutput {
 #[derive(Debug, Clone)]
 pub struct Handle {
     buffer_id: u64,
-    region: Arc<DeviceBuffer>,
+    region: Arc<Region>,
     send_pos: Tensor<i32>,
     num_tokens: usize,
     rows: usize,
@@ -334,7 +400,31 @@ pub struct CombineOutput {
 }
 
 /// One rank's intranode communication buffer.
+///
+/// Ranks as threads of this process: [`Buffer::create_group`]. Ranks as processes (or any other
+/// [`Communicator`]): every rank calls [`Buffer::new`] with its communicator, and the group ends
+/// with [`Buffer::shutdown`].
+///
+/// ```no_run
+/// use ep::bootstrap::{launch, Communicator};
+/// use ep::{Buffer, BufferOptions};
+///
+/// fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+///     // Re-executes this program once per rank; each rank runs the closure on its own GPU.
+///     launch(2, |comm| -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+///         let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+///         let buf = Buffer::new(&ctx, comm, &BufferOptions::new(4096, 7168, 8, 256))?;
+///         // get_dispatch_layout, dispatch, combine: every rank, in the same order.
+///         buf.shutdown(comm)?;
+///         Ok(())
+///     })?;
+///     Ok(())
+/// }
+/// ```
 pub struct Buffer {
+    /// The peers' windows as this rank reaches them. Declared first so that they are dropped
+    /// (IPC mappings closed) before any memory of this rank is freed.
+    peers: Vec<PeerBuffer>,
     id: u64,
     rank: usize,
     ranks: usize,
@@ -344,12 +434,15 @@ pub struct Buffer {
     opts: BufferOptions,
     num_local_experts: usize,
     kernels: Kernels,
-    _signal: DeviceBuffer,
-    peer_signal: [u64; k::MAX_RANKS],
-    comb: DeviceBuffer,
-    comb_w_offset: usize,
-    peer_comb_x: [u64; k::MAX_RANKS],
-    peer_comb_w: [u64; k::MAX_RANKS],
+    /// This rank's window: signal region, combine staging, receive regions.
+    window: Arc<DeviceBuffer>,
+    wplan: WindowPlan,
+    /// Every rank's window base as mapped here. The signal region is at offset 0, so this is
+    /// also every rank's signal region.
+    peer_window: [u64; k::MAX_RANKS],
+    /// Combine by pulling from the peers' inputs (every rank a thread of this process) rather
+    /// than pushing into their staging regions and reducing.
+    pull: bool,
     plan: RegionPlan,
     recv_pool: Pool,
     out_pool: Pool,
@@ -365,8 +458,58 @@ impl std::fmt::Debug for Buffer {
             .field("id", &self.id)
             .field("rank", &self.rank)
             .field("ranks", &self.ranks)
+            .field("pull_combine", &self.pull)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
+    }
+}
+
+/// What a rank allocates before it meets the others.
+struct Parts {
+    kernels: Kernels,
+    comm: Arc<CudaStream>,
+    window: Arc<DeviceBuffer>,
+    out: Arc<DeviceBuffer>,
+    mapped: crate::mapped::MappedHost,
+}
+
+impl Parts {
+    fn allocate(
+        ctx: &Arc<CudaContext>,
+        (rank, ranks): (usize, usize),
+        opts: &BufferOptions,
+        wplan: &WindowPlan,
+        out_bytes: usize,
+    ) -> Result<Self, EpError> {
+        let dev = |source| EpError::Device { rank, source };
+        let cuda = |call, source| EpError::Cuda { rank, call, source };
+        let kernels = Kernels::load(ctx, rank)?;
+        let comm = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
+        let window = DeviceBuffer::new(ctx, wplan.bytes).map_err(dev)?;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the signal region is the first `signal_bytes` of the live window allocation,
+        // and the window's context is current.
+        unsafe { cudarc::driver::sys::cuMemsetD8_v2(window.ptr(), 0, wplan.signal_bytes) }
+            .result()
+            .map_err(|e| cuda("cuMemsetD8", e))?;
+        // Peers write the signal region as soon as the exchange returns: it must be zero by then
+        // (a memset is asynchronous to the host).
+        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
+        let out = DeviceBuffer::new(ctx, out_bytes * opts.max_live_outputs).map_err(dev)?;
+        let num_local_experts = opts.num_experts / ranks;
+        let mapped = crate::mapped::MappedHost::new(
+            ctx,
+            HOST_INFO_OFFSET + std::mem::size_of::<k::HostInfo>() + 4 * num_local_experts,
+            rank,
+        )?;
+        Ok(Self {
+            kernels,
+            comm,
+            window: Arc::new(window),
+            out: Arc::new(out),
+            mapped,
+        })
     }
 }
 
@@ -377,15 +520,13 @@ impl Buffer {
         ctxs: &[Arc<CudaContext>],
         opts: &BufferOptions,
     ) -> Result<Vec<Buffer>, EpError> {
-        let group = ThreadGroup::new(ctxs.len(), opts.timeout);
+        let comms = ThreadGroup::with_timeout(ctxs.len(), opts.timeout)
+            .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
         std::thread::scope(|s| {
             let joins: Vec<_> = ctxs
                 .iter()
-                .enumerate()
-                .map(|(r, ctx)| {
-                    let m = group.member(r);
-                    s.spawn(move || Buffer::new(ctx, &m, opts))
-                })
+                .zip(comms)
+                .map(|(ctx, comm)| s.spawn(move || Buffer::new(ctx, &comm, opts)))
                 .collect();
             joins
                 .into_iter()
@@ -398,102 +539,131 @@ impl Buffer {
         })
     }
 
-    /// Builds this rank's buffer; every rank of `group` calls this at the same time.
+    /// Builds this rank's buffer on `ctx` (this rank's GPU); every rank of `group` calls this at
+    /// the same time, with the same options.
+    ///
+    /// Every rank allocates its window (all `max_live_outputs` receive regions included: see
+    /// [`BufferOptions::recv_region_bytes`]), then the ranks check they agree on its layout and
+    /// map each other's windows once ([`exchange_buffers`]: CUDA IPC between processes, peer
+    /// access between threads). A rank that fails makes every rank fail, naming it. With ranks
+    /// as processes, end with [`shutdown`](Self::shutdown).
     pub fn new(
         ctx: &Arc<CudaContext>,
-        group: &dyn Exchange,
+        group: &dyn Communicator,
         opts: &BufferOptions,
     ) -> Result<Buffer, EpError> {
         let rank = group.rank();
-        let ranks = group.ranks();
+        let ranks = group.world_size();
         Self::check_options(rank, ranks, opts)?;
-        if !group.same_process() {
-            return Err(invalid(
-                rank,
-                "ranks as processes (CUDA IPC) are not wired into the intranode buffer yet",
-            ));
-        }
-        let dev = |source| EpError::Device { rank, source };
-        let cuda = |call, source| EpError::Cuda { rank, call, source };
-        let num_local_experts = opts.num_experts / ranks;
-        let kernels = Kernels::load(ctx, rank)?;
-        let comm = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
-        let compute = ctx.default_stream();
+        // Pull combine reads the peers' combine inputs at the addresses they publish, which only
+        // mean the same to every rank when all are threads of one process.
+        let pull = group.same_process();
+        let wplan = WindowPlan::new(opts, ranks, !pull);
+        let out_w_offset = align_up(opts.max_tokens_per_rank * opts.max_hidden * 2);
+        let out_bytes = align_up(out_w_offset + opts.max_tokens_per_rank * opts.max_topk * 4);
+        let parts = Parts::allocate(ctx, (rank, ranks), opts, &wplan, out_bytes);
 
-        let signal = DeviceBuffer::new(
-            ctx,
-            std::mem::size_of::<k::SignalHead>() + 4 * ranks * num_local_experts,
-        )
-        .map_err(dev)?;
-        signal.fill_bytes(0).map_err(dev)?;
-        let comb_w_offset = align_up(ranks * opts.max_tokens_per_rank * opts.max_hidden * 2);
-        let comb = DeviceBuffer::new(
-            ctx,
-            comb_w_offset + ranks * opts.max_tokens_per_rank * opts.max_topk * 4,
-        )
-        .map_err(dev)?;
-        let mapped = crate::mapped::MappedHost::new(
-            ctx,
-            HOST_INFO_OFFSET + std::mem::size_of::<k::HostInfo>() + 4 * num_local_experts,
-            rank,
-        )?;
-
-        let all = group.all_gather(&[ctx.ordinal() as u64, signal.ptr(), comb.ptr()])?;
-        let mut peer_signal = [0u64; k::MAX_RANKS];
-        let mut peer_comb_x = [0u64; k::MAX_RANKS];
-        let mut peer_comb_w = [0u64; k::MAX_RANKS];
-        for (r, v) in all.iter().enumerate() {
-            if v.len() != 3 {
+        // Every rank learns whether all could allocate, and that all agree on the window, before
+        // anyone maps anything.
+        let mut mine = vec![
+            u64::from(parts.is_err()),
+            u64::from(pull),
+            opts.max_tokens_per_rank as u64,
+            opts.max_hidden as u64,
+            opts.max_topk as u64,
+            opts.num_experts as u64,
+            opts.max_live_outputs as u64,
+        ];
+        mine.extend(wplan.words());
+        let all = group.all_gather(&mine)?;
+        let parts = parts?;
+        for (r, theirs) in all.iter().enumerate() {
+            if theirs.first() != Some(&0) {
                 return Err(EpError::Rendezvous {
                     rank,
-                    what: format!("rank {r} sent {} words, expected 3", v.len()),
+                    what: format!("rank {r} could not set up its buffer (its own error says why)"),
                 });
             }
-            let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
-            ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
-            peer_signal[r] = v[1];
-            peer_comb_x[r] = v[2];
-            peer_comb_w[r] = v[2] + comb_w_offset as u64;
+            if theirs[1..] != mine[1..] {
+                return Err(EpError::Rendezvous {
+                    rank,
+                    what: format!(
+                        "rank {r} builds a different buffer ([pull, max_tokens, max_hidden, \
+                         max_topk, experts, live outputs, window plan..] {:?}, this rank {:?}): \
+                         every rank must pass the same BufferOptions and the same kind of group",
+                        &theirs[1..],
+                        &mine[1..]
+                    ),
+                });
+            }
         }
-        // Nobody writes a peer's signal region before every rank has zeroed its own.
-        group.all_gather(&[])?;
+        // One collective: every rank zeroed its signal region before it, so it is also the
+        // barrier after which peers may write there.
+        let peers = exchange_buffers(group, ctx, &parts.window)
+            .map_err(|source| EpError::Bootstrap { rank, source })?;
+        let mut peer_window = [0u64; k::MAX_RANKS];
+        for p in &peers {
+            if p.len() != wplan.bytes || p.rank() >= ranks {
+                return Err(EpError::Rendezvous {
+                    rank,
+                    what: format!(
+                        "rank {}'s window is {} bytes, expected {}",
+                        p.rank(),
+                        p.len(),
+                        wplan.bytes
+                    ),
+                });
+            }
+            peer_window[p.rank()] = p.ptr();
+        }
 
         let plan = RegionPlan::new(opts, ranks);
-        let out_w_offset = align_up(opts.max_tokens_per_rank * opts.max_hidden * 2);
+        let limit = opts.max_live_outputs;
         Ok(Buffer {
+            peers,
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             rank,
             ranks,
             ctx: ctx.clone(),
-            comm,
-            compute,
+            comm: parts.comm,
+            compute: ctx.default_stream(),
             opts: opts.clone(),
-            num_local_experts,
-            kernels,
-            _signal: signal,
-            peer_signal,
-            comb,
-            comb_w_offset,
-            peer_comb_x,
-            peer_comb_w,
+            num_local_experts: opts.num_experts / ranks,
+            kernels: parts.kernels,
+            recv_pool: Pool::new(
+                "receive",
+                &parts.window,
+                wplan.recv_at,
+                wplan.recv_bytes,
+                limit,
+            ),
+            out_pool: Pool::new("combine output", &parts.out, 0, out_bytes, limit),
+            window: parts.window,
+            wplan,
+            peer_window,
+            pull,
             plan,
-            recv_pool: Pool {
-                what: "receive",
-                bytes: plan.bytes,
-                limit: opts.max_live_outputs,
-                regions: Vec::new(),
-            },
-            out_pool: Pool {
-                what: "combine output",
-                bytes: out_w_offset + opts.max_tokens_per_rank * opts.max_topk * 4,
-                limit: opts.max_live_outputs,
-                regions: Vec::new(),
-            },
             out_w_offset,
-            mapped,
+            mapped: parts.mapped,
             epoch: 0,
             poisoned: None,
         })
+    }
+
+    /// Tears the buffer down together with the other ranks of `group` (the communicator it was
+    /// built with): waits (bounded) for this rank's work, unmaps the peers' windows, meets every
+    /// rank, then frees this rank's memory (what live outputs still view is freed when they go).
+    /// Ranks as processes must end this way, since a process must not free memory that a peer
+    /// still maps. Returns the first error; everything is released either way.
+    pub fn shutdown(mut self, group: &dyn Communicator) -> Result<(), EpError> {
+        let synced = self.synchronize();
+        self.peers.clear();
+        let met = group.barrier().map_err(|source| EpError::Bootstrap {
+            rank: self.rank,
+            source,
+        });
+        drop(self);
+        synced.and(met)
     }
 
     fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
@@ -682,9 +852,10 @@ impl Buffer {
         Ok(())
     }
 
-    fn poison(&self, region: &DeviceBuffer) -> Result<(), EpError> {
+    fn poison(&self, region: &Region) -> Result<(), EpError> {
         if self.opts.poison_outputs {
-            // SAFETY: the whole live allocation is written, ordered on the communication stream.
+            // SAFETY: the whole region, part of a live allocation of this rank, is written,
+            // ordered on the communication stream.
             unsafe {
                 cudarc::driver::sys::cuMemsetD8Async(
                     region.ptr(),
@@ -913,7 +1084,7 @@ impl Buffer {
 
     fn recv_views(
         &self,
-        region: &Arc<DeviceBuffer>,
+        region: &Arc<Region>,
         x: &DispatchX<'_>,
         rows: usize,
         hidden: usize,
@@ -1004,14 +1175,15 @@ impl Buffer {
                 ));
             }
         }
-        let region = self.recv_pool.acquire(&self.ctx, self.rank)?;
+        let region = self.recv_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
         self.start(&args.order)?;
         self.poison(&region)?;
         let worst = args.num_worst_tokens.unwrap_or(0);
         let notify = k::NotifyParams {
-            signal: self.peer_signal,
+            signal: self.peer_window,
             recv_base: region.ptr(),
+            recv_offset: region.offset() as u64,
             cached_meta: 0,
             tokens_per_rank: layout.tokens_per_rank.device_address(),
             tokens_per_expert: if args.topk.is_some() {
@@ -1098,7 +1270,7 @@ impl Buffer {
         x: &DispatchX<'_>,
         topk: Option<&TopK<'_>>,
         send_pos: &Tensor<i32>,
-        region: &DeviceBuffer,
+        region: &Region,
         tokens: usize,
         row_bytes: usize,
         scale_words: usize,
@@ -1112,7 +1284,8 @@ impl Buffer {
             DispatchX::Fp8 { x, scales } => (x.device_address(), scales.device_address()),
         };
         let p = k::DispatchParams {
-            signal: self.peer_signal,
+            signal: self.peer_window,
+            window: self.peer_window,
             region: self.plan.layout,
             meta: region.ptr(),
             x: xa,
@@ -1160,14 +1333,15 @@ impl Buffer {
         }
         let (t, hidden, row_bytes, scale_words) = self.check_x(&x, Some(handle.num_tokens))?;
         self.check_config(config)?;
-        let region = self.recv_pool.acquire(&self.ctx, self.rank)?;
+        let region = self.recv_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
         self.start(order)?;
         self.poison(&region)?;
         let worst = if handle.worst { handle.rows } else { 0 };
         let notify = k::NotifyParams {
-            signal: self.peer_signal,
+            signal: self.peer_window,
             recv_base: region.ptr(),
+            recv_offset: region.offset() as u64,
             cached_meta: handle.region.ptr(),
             tokens_per_rank: 0,
             tokens_per_expert: 0,
@@ -1267,19 +1441,19 @@ impl Buffer {
                 )?;
             }
         }
-        let out = self.out_pool.acquire(&self.ctx, self.rank)?;
+        let out = self.out_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
         self.start(&args.order)?;
         self.poison(&out)?;
         let error = self.mapped.device_addr(ERROR_OFFSET);
-        // Pull combine (threads mode: every rank can read every other rank's tensors): the start
-        // barrier publishes this rank's input, each rank reads and sums its tokens' copies in one
-        // pass. The push path (stage into the source's combine region, then reduce locally)
-        // moves twice the bytes through memory; it stays for ranks that cannot map each other's
-        // tensors (processes).
-        let pull = PULL_COMBINE;
+        // Pull combine (ranks as threads: every rank can read every other rank's tensors): the
+        // start barrier publishes this rank's input, each rank reads and sums its tokens' copies
+        // in one pass. Push combine (ranks as processes, which map only each other's windows):
+        // stage every row in its source's combine region, then each rank reduces locally; twice
+        // the bytes through memory.
+        let pull = self.pull;
         let barrier = k::BarrierParams {
-            signal: self.peer_signal,
+            signal: self.peer_window,
             publish_x: if pull { args.x.device_address() } else { 0 },
             publish_w: if pull {
                 args.topk_weights.map_or(0, |w| w.device_address())
@@ -1309,7 +1483,7 @@ impl Buffer {
         };
         if pull {
             let p = k::CombinePullParams {
-                signal: self.peer_signal,
+                signal: self.peer_window,
                 meta: h.region.ptr(),
                 send_pos: h.send_pos.device_address(),
                 bias0: args.bias[0].map_or(0, |b| b.device_address()),
@@ -1343,9 +1517,9 @@ impl Buffer {
             });
         }
         let push = k::CombinePushParams {
-            signal: self.peer_signal,
-            comb_x: self.peer_comb_x,
-            comb_w: self.peer_comb_w,
+            signal: self.peer_window,
+            comb_x: self.peer_window.map(|w| w + self.wplan.comb_x as u64),
+            comb_w: self.peer_window.map(|w| w + self.wplan.comb_w as u64),
             meta: h.region.ptr(),
             x: args.x.device_address(),
             topk_weights: args.topk_weights.map_or(0, |w| w.device_address()),
@@ -1368,8 +1542,8 @@ impl Buffer {
             "cuLaunchKernel(ep_intranode_combine)",
         )?;
         let reduce = k::CombineReduceParams {
-            comb_x: self.comb.ptr(),
-            comb_w: self.comb.ptr() + self.comb_w_offset as u64,
+            comb_x: self.window.ptr() + self.wplan.comb_x as u64,
+            comb_w: self.window.ptr() + self.wplan.comb_w as u64,
             send_pos: h.send_pos.device_address(),
             bias0: args.bias[0].map_or(0, |b| b.device_address()),
             bias1: args.bias[1].map_or(0, |b| b.device_address()),

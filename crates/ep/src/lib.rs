@@ -4,9 +4,11 @@
 //! (intranode and low-latency), handles and events, and the choice of real or emulated NIC.
 //!
 //! The intranode path ([`Buffer`]) moves tokens between the GPUs of one host over NVLink: ranks
-//! (threads of one process today) build their buffers together with [`Buffer::create_group`],
-//! compute a [`DispatchLayout`] from top-k expert ids, [`dispatch`](Buffer::dispatch) tokens to
-//! the ranks holding their experts and [`combine`](Buffer::combine) the expert outputs back.
+//! build their buffers together, as processes (each calls [`Buffer::new`] with its
+//! [`bootstrap::Communicator`]; [`bootstrap::Launcher`] starts them) or as threads of one process
+//! ([`Buffer::create_group`]), compute a [`DispatchLayout`] from top-k expert ids,
+//! [`dispatch`](Buffer::dispatch) tokens to the ranks holding their experts and
+//! [`combine`](Buffer::combine) the expert outputs back.
 //! [`reference`] is the CPU definition of every result, used by the tests.
 
 pub mod bootstrap;
@@ -30,5 +32,5 @@ pub use intranode::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchLayout, DispatchOutput, DispatchX,
     Handle, RecvX, StreamOrder, TopK, FP8_BLOCK,
 };
-pub use rendezvous::{Exchange, ThreadGroup, ThreadMember};
+pub use rendezvous::Exchange;
 pub use tensor::Tensor;

@@ -1,145 +1,81 @@
-//! How the ranks of a group swap the small facts a [`Buffer`](crate::Buffer) needs at creation
-//! (GPU ordinals, region addresses). Ranks as threads of one process use [`ThreadGroup`]; ranks
-//! as processes plug in through the same trait (with CUDA IPC handles in place of addresses).
+//! The small facts the ranks of a group swap while they build a buffer (layouts, options,
+//! status words), as collectives of `u64` words over the group's
+//! [`Communicator`](crate::bootstrap::Communicator): TCP between processes, shared memory between
+//! threads ([`bootstrap::ThreadGroup`](crate::bootstrap::ThreadGroup)). Buffers themselves are
+//! shared with [`exchange_buffers`](crate::bootstrap::exchange_buffers).
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
-
+use crate::bootstrap::Communicator;
 use crate::error::EpError;
 
-/// A rank's view of its group: one collective, all-gather of `u64` words.
-pub trait Exchange: Send + Sync {
-    /// This rank.
-    fn rank(&self) -> usize;
-    /// Ranks in the group.
-    fn ranks(&self) -> usize;
-    /// Whether every rank is a thread of this process, so device addresses mean the same on all
-    /// (once peer access is enabled).
-    fn same_process(&self) -> bool;
-    /// Every rank's `mine`, indexed by rank; returns within the group's time bound.
-    fn all_gather(&self, mine: &[u64]) -> Result<Vec<Vec<u64>>, EpError>;
-}
-
-#[derive(Debug)]
-struct Round {
-    generation: u64,
-    slots: Vec<Option<Vec<u64>>>,
-    last: Arc<Vec<Vec<u64>>>,
-}
-
-/// The shared state of a group of ranks that are threads of one process.
-#[derive(Debug)]
-pub struct ThreadGroup {
-    ranks: usize,
-    timeout: Duration,
-    state: Mutex<Round>,
-    cv: Condvar,
-}
-
-impl ThreadGroup {
-    /// A group of `ranks` threads whose collectives wait at most `timeout` for the others.
-    pub fn new(ranks: usize, timeout: Duration) -> Arc<Self> {
-        Arc::new(Self {
-            ranks,
-            timeout,
-            state: Mutex::new(Round {
-                generation: 0,
-                slots: vec![None; ranks],
-                last: Arc::new(Vec::new()),
-            }),
-            cv: Condvar::new(),
-        })
-    }
-
-    /// Rank `rank`'s handle on the group.
-    pub fn member(self: &Arc<Self>, rank: usize) -> ThreadMember {
-        ThreadMember {
-            group: self.clone(),
-            rank,
-        }
-    }
-}
-
-/// One rank's handle on a [`ThreadGroup`].
-#[derive(Debug, Clone)]
-pub struct ThreadMember {
-    group: Arc<ThreadGroup>,
-    rank: usize,
-}
-
-impl Exchange for ThreadMember {
-    fn rank(&self) -> usize {
-        self.rank
-    }
+/// Word-sized collectives on any [`Communicator`], with errors as [`EpError`]. Implemented for
+/// every communicator (including `dyn Communicator`); bring it into scope and call it.
+///
+/// ```
+/// use ep::bootstrap::{Communicator, ThreadGroup};
+/// use ep::Exchange;
+///
+/// let comms = ThreadGroup::new(2).unwrap();
+/// let all: Vec<_> = std::thread::scope(|s| {
+///     let hs: Vec<_> = comms
+///         .iter()
+///         .map(|c| s.spawn(move || c.all_gather(&[c.rank() as u64, 7]).unwrap()))
+///         .collect();
+///     hs.into_iter().map(|h| h.join().unwrap()).collect()
+/// });
+/// assert!(all.iter().all(|g| *g == vec![vec![0, 7], vec![1, 7]]));
+/// ```
+pub trait Exchange: Communicator {
+    /// Ranks in the group (the communicator's world size).
     fn ranks(&self) -> usize {
-        self.group.ranks
+        self.world_size()
     }
-    fn same_process(&self) -> bool {
-        true
-    }
+
+    /// Every rank's `mine`, indexed by rank; returns within the communicator's time bound.
     fn all_gather(&self, mine: &[u64]) -> Result<Vec<Vec<u64>>, EpError> {
-        let g = &*self.group;
-        let fail = |what: String| EpError::Rendezvous {
-            rank: self.rank,
-            what,
-        };
-        let mut s = g
-            .state
-            .lock()
-            .map_err(|_| fail("a rank panicked inside the rendezvous".into()))?;
-        if s.slots[self.rank].is_some() {
-            return Err(fail(
-                "this rank called all_gather twice in one round".into(),
-            ));
-        }
-        let my_generation = s.generation;
-        s.slots[self.rank] = Some(mine.to_vec());
-        if s.slots.iter().all(Option::is_some) {
-            let all: Vec<Vec<u64>> = s
-                .slots
-                .iter_mut()
-                .map(|x| x.take().unwrap_or_default())
-                .collect();
-            s.last = Arc::new(all);
-            s.generation += 1;
-            g.cv.notify_all();
-            return Ok((*s.last).clone());
-        }
-        let deadline = Instant::now() + g.timeout;
-        while s.generation == my_generation {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let missing: Vec<usize> = (0..g.ranks).filter(|&r| s.slots[r].is_none()).collect();
-                s.slots[self.rank] = None;
-                return Err(fail(format!(
-                    "ranks {missing:?} did not arrive within {:?}",
-                    g.timeout
-                )));
-            }
-            s =
-                g.cv.wait_timeout(s, left)
-                    .map_err(|_| fail("a rank panicked inside the rendezvous".into()))?
-                    .0;
-        }
-        Ok((*s.last).clone())
+        let rank = self.rank();
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let all = self
+            .all_gather_bytes(&bytes)
+            .map_err(|source| EpError::Bootstrap { rank, source })?;
+        all.iter()
+            .enumerate()
+            .map(|(r, b)| {
+                if b.len() % 8 != 0 {
+                    return Err(EpError::Rendezvous {
+                        rank,
+                        what: format!("rank {r} sent {} bytes, not whole u64 words", b.len()),
+                    });
+                }
+                Ok(b.chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect())
+            })
+            .collect()
     }
 }
+
+impl<C: Communicator + ?Sized> Exchange for C {}
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::bootstrap::ThreadGroup;
 
     #[test]
     fn all_gather_orders_by_rank_over_several_rounds() {
-        let g = ThreadGroup::new(4, Duration::from_secs(10));
+        let comms = ThreadGroup::new(4).unwrap();
         std::thread::scope(|s| {
-            for r in 0..4 {
-                let m = g.member(r);
+            for (r, m) in comms.iter().enumerate() {
                 s.spawn(move || {
+                    assert_eq!(m.ranks(), 4);
                     for round in 0..50u64 {
-                        let all = m.all_gather(&[r as u64, round]).unwrap();
+                        let all = m
+                            .all_gather(&[r as u64, round, u64::MAX - r as u64])
+                            .unwrap();
                         for (q, v) in all.iter().enumerate() {
-                            assert_eq!(v, &vec![q as u64, round]);
+                            assert_eq!(v, &vec![q as u64, round, u64::MAX - q as u64]);
                         }
                     }
                 });
@@ -149,8 +85,10 @@ mod tests {
 
     #[test]
     fn a_missing_rank_is_named() {
-        let g = ThreadGroup::new(3, Duration::from_millis(100));
-        let e = g.member(1).all_gather(&[1]).unwrap_err().to_string();
-        assert!(e.contains("[0, 2]"), "{e}");
+        let comms = ThreadGroup::with_timeout(3, Duration::from_millis(100)).unwrap();
+        let m: &dyn Communicator = &comms[1];
+        let e = m.all_gather(&[1]).unwrap_err();
+        assert!(matches!(e, EpError::Bootstrap { rank: 1, .. }), "{e}");
+        assert!(e.to_string().contains("[0, 2]"), "{e}");
     }
 }

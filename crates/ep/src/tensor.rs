@@ -9,6 +9,69 @@ use ibgda_device::cuda::DeviceBuffer;
 use crate::dtype::Element;
 use crate::error::EpError;
 
+/// A byte range of a `cuMemAlloc` allocation: what tensors view. A pool hands these out (its
+/// regions are parts of one allocation that peers map) and reuses one once no tensor or handle
+/// holds it any more.
+#[derive(Debug)]
+pub(crate) struct Region {
+    buf: Arc<DeviceBuffer>,
+    offset: usize,
+    len: usize,
+}
+
+impl Region {
+    /// `len` bytes at `offset` of `buf`.
+    pub(crate) fn part(buf: &Arc<DeviceBuffer>, offset: usize, len: usize) -> Self {
+        debug_assert!(offset + len <= buf.len());
+        Self {
+            buf: buf.clone(),
+            offset,
+            len,
+        }
+    }
+
+    /// The device address of the first byte.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.buf.ptr() + self.offset as u64
+    }
+
+    /// Where the region starts in its allocation.
+    pub(crate) fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn context(&self) -> &Arc<CudaContext> {
+        self.buf.context()
+    }
+}
+
+/// What a tensor view can be made over: a whole allocation or a pooled [`Region`].
+pub(crate) trait IntoStorage {
+    fn into_storage(self) -> Arc<Region>;
+}
+
+impl IntoStorage for Arc<Region> {
+    fn into_storage(self) -> Arc<Region> {
+        self
+    }
+}
+
+impl IntoStorage for Arc<DeviceBuffer> {
+    fn into_storage(self) -> Arc<Region> {
+        let len = self.len();
+        Arc::new(Region {
+            buf: self,
+            offset: 0,
+            len,
+        })
+    }
+}
+
 /// A dense row-major tensor of `T` in GPU memory.
 ///
 /// The memory comes from `cuMemAlloc` (peer-mappable). Cloning shares the storage. Outputs of
@@ -16,7 +79,7 @@ use crate::error::EpError;
 /// reserved while any view or handle on them is alive.
 #[derive(Debug)]
 pub struct Tensor<T: Element> {
-    storage: Arc<DeviceBuffer>,
+    storage: Arc<Region>,
     offset: usize,
     shape: Vec<usize>,
     _t: PhantomData<T>,
@@ -71,7 +134,9 @@ impl<T: Element> Tensor<T> {
         Self::from_host(ctx, &vec![value; numel(shape)], shape)
     }
 
-    pub(crate) fn view(storage: Arc<DeviceBuffer>, offset: usize, shape: Vec<usize>) -> Self {
+    /// A view of `shape` at byte `offset` of `storage` (an allocation or a pooled region).
+    pub(crate) fn view(storage: impl IntoStorage, offset: usize, shape: Vec<usize>) -> Self {
+        let storage = storage.into_storage();
         debug_assert!(
             offset + numel(&shape) * std::mem::size_of::<T>() <= storage.len().max(offset)
         );
@@ -90,7 +155,8 @@ impl<T: Element> Tensor<T> {
             return Ok(Vec::new());
         }
         self.storage
-            .download(self.offset, self.numel())
+            .buf
+            .download(self.storage.offset + self.offset, self.numel())
             .map_err(|source| EpError::Device {
                 rank: usize::MAX,
                 source,

@@ -1,17 +1,24 @@
-//! The main job: expert-parallel dispatch and combine across the visible GPUs (ranks as threads,
-//! one per GPU, at most 8), checked against the CPU reference, with timings.
+//! The main job: expert-parallel dispatch and combine across the visible GPUs (one rank per GPU,
+//! at most 8), checked against the CPU reference, with timings.
+//!
+//! Ranks are threads of this process by default; with `--procs` they are processes: the program
+//! starts them itself (`ep::bootstrap::Launcher`: one copy of itself per GPU, rendezvous over TCP
+//! on loopback, buffers shared through CUDA IPC), each printing with a `[rank N]` prefix.
 //!
 //! Each rank draws random BF16 tokens and top-k routes, computes the dispatch layout, dispatches,
 //! scales every received row by 2 as a stand-in expert, and combines. Dispatch must match the
-//! CPU reference bit for bit; combine must equal the reference sum within BF16 rounding.
+//! CPU reference bit for bit; combine must equal the reference sum within BF16 rounding. Every
+//! rank's inputs derive from one seed, so a rank in its own process computes the reference too.
 //! With no GPU it exits with status 2 and says so.
 //!
-//! `dispatch_combine [--tokens N] [--hidden H] [--topk K] [--experts E] [--sms S] [--seed S]`
+//! `dispatch_combine [--procs] [--tokens N] [--hidden H] [--topk K] [--experts E] [--sms S]
+//!  [--seed S]`
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::reference::{self, CombineInput, RankInput};
 use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, DispatchX, Event, RecvX,
@@ -20,7 +27,9 @@ use ep::{
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 
+#[derive(Debug, Clone)]
 struct Args {
+    procs: bool,
     tokens: usize,
     hidden: usize,
     topk: usize,
@@ -31,6 +40,7 @@ struct Args {
 
 fn parse() -> Result<Args> {
     let mut a = Args {
+        procs: false,
         tokens: 1024,
         hidden: 7168,
         topk: 8,
@@ -40,6 +50,10 @@ fn parse() -> Result<Args> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
+        if f == "--procs" {
+            a.procs = true;
+            continue;
+        }
         let v = it.next().with_context(|| format!("{f} needs a value"))?;
         match f.as_str() {
             "--tokens" => a.tokens = v.parse()?,
@@ -189,42 +203,17 @@ fn run_rank(
     })
 }
 
-fn main() -> Result<()> {
-    let a = parse()?;
-    let n = match ibgda_device::cuda::device_count() {
-        Ok(0) => {
-            eprintln!(
-                "dispatch_combine: no CUDA GPU is visible on this machine; run it on a GPU machine"
-            );
-            std::process::exit(2);
-        }
-        Ok(n) => n.min(8),
-        Err(e) => {
-            eprintln!("dispatch_combine: {e}");
-            std::process::exit(2);
-        }
-    };
-    ensure!(
-        a.experts % n == 0,
-        "{} experts do not split over {n} ranks",
-        a.experts
-    );
-    println!("dispatch_combine: {n} rank(s) as threads, one per GPU; {} tokens x {} hidden, top-{} of {} experts; seed {}", a.tokens, a.hidden, a.topk, a.experts, a.seed);
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
-        .map(ibgda_device::cuda::context)
-        .collect::<Result<_, _>>()?;
-    let mut opts = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
-    opts.timeout = Duration::from_secs(20);
-    let started = Instant::now();
-    let mut bufs = Buffer::create_group(&ctxs, &opts)?;
-    println!(
-        "  buffers ready in {:.1} ms ({} MiB receive region per rank)",
-        started.elapsed().as_secs_f64() * 1e3,
-        opts.recv_region_bytes(n) >> 20
-    );
+/// Every rank's inputs and what each must get back, from the seed alone.
+struct Problem {
+    inputs: Vec<RankInput>,
+    xs: Vec<Vec<Bf16>>,
+    want: Vec<reference::Received>,
+    want_out: Vec<(Vec<Bf16>, Vec<f32>)>,
+}
 
+fn problem(a: &Args, n: usize) -> Problem {
     let mut rng = Rng::new(a.seed);
-    let (inputs, xs): (Vec<RankInput>, Vec<Vec<Bf16>>) = (0..n).map(|_| gen(&a, &mut rng)).unzip();
+    let (inputs, xs): (Vec<RankInput>, Vec<Vec<Bf16>>) = (0..n).map(|_| gen(a, &mut rng)).unzip();
     let want = reference::dispatch(&inputs, a.experts, 1);
     let combine_in: Vec<CombineInput> = want
         .iter()
@@ -247,21 +236,34 @@ fn main() -> Result<()> {
         0,
         &vec![[None, None]; n],
     );
+    Problem {
+        inputs,
+        xs,
+        want,
+        want_out,
+    }
+}
 
-    let reports: Vec<Result<RankReport>> = std::thread::scope(|s| {
-        let js: Vec<_> = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(r, b)| {
-                let (ctx, inp, x, w, wo) = (&ctxs[r], &inputs[r], &xs[r], &want[r], &want_out[r].0);
-                let a = &a;
-                s.spawn(move || run_rank(b, ctx, a, inp, x, w, wo))
-            })
-            .collect();
-        js.into_iter()
-            .map(|j| j.join().unwrap_or_else(|_| bail!("rank thread panicked")))
-            .collect()
-    });
+fn options(a: &Args) -> BufferOptions {
+    let mut opts = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    opts.timeout = Duration::from_secs(20);
+    opts
+}
+
+fn header(a: &Args, n: usize, kind: &str) {
+    println!("dispatch_combine: {n} rank(s) as {kind}, one per GPU; {} tokens x {} hidden, top-{} of {} experts; seed {}", a.tokens, a.hidden, a.topk, a.experts, a.seed);
+}
+
+fn ready(a: &Args, n: usize, started: Instant) {
+    println!(
+        "  buffers ready in {:.1} ms ({} MiB receive region per rank)",
+        started.elapsed().as_secs_f64() * 1e3,
+        options(a).recv_region_bytes(n) >> 20
+    );
+}
+
+/// Prints the per-rank table; fails if any rank did.
+fn report(a: &Args, reports: Vec<Result<RankReport, String>>) -> Result<()> {
     println!(
         "{:>4} {:>9} {:>12} {:>10} {:>12} {:>10}",
         "rank", "received", "dispatch us", "GB/s", "combine us", "GB/s"
@@ -282,7 +284,7 @@ fn main() -> Result<()> {
             }
             Err(e) => {
                 failed = true;
-                println!("{r:>4} FAILED: {e:#}");
+                println!("{r:>4} FAILED: {e}");
             }
         }
     }
@@ -291,4 +293,146 @@ fn main() -> Result<()> {
     }
     println!("dispatch bit-exact and combine within BF16 rounding of the CPU reference on every rank (sms {})", a.sms);
     Ok(())
+}
+
+/// Ranks as threads of this process.
+fn run_threads(a: &Args, n: usize) -> Result<()> {
+    header(a, n, "threads");
+    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+        .map(ibgda_device::cuda::context)
+        .collect::<Result<_, _>>()?;
+    let started = Instant::now();
+    let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
+    ready(a, n, started);
+    let p = problem(a, n);
+    let reports: Vec<Result<RankReport, String>> = std::thread::scope(|s| {
+        let js: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, b)| {
+                let (ctx, p) = (&ctxs[r], &p);
+                s.spawn(move || {
+                    run_rank(
+                        b,
+                        ctx,
+                        a,
+                        &p.inputs[r],
+                        &p.xs[r],
+                        &p.want[r],
+                        &p.want_out[r].0,
+                    )
+                    .map_err(|e| format!("{e:#}"))
+                })
+            })
+            .collect();
+        js.into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
+            })
+            .collect()
+    });
+    report(a, reports)
+}
+
+/// A rank's report as bytes, for the gather to rank 0: `[1, received, dispatch_us, combine_us]`
+/// or `[0, error text]`.
+fn encode(rep: &Result<RankReport, String>) -> Vec<u8> {
+    match rep {
+        Ok(r) => [
+            &[1u8][..],
+            &(r.received as u64).to_le_bytes(),
+            &r.dispatch_us.to_le_bytes(),
+            &r.combine_us.to_le_bytes(),
+        ]
+        .concat(),
+        Err(e) => [&[0u8][..], e.as_bytes()].concat(),
+    }
+}
+
+fn decode(b: &[u8]) -> Result<RankReport, String> {
+    let word = |i: usize| -> [u8; 8] { b[1 + 8 * i..9 + 8 * i].try_into().unwrap_or_default() };
+    match b.first() {
+        Some(1) if b.len() == 25 => Ok(RankReport {
+            received: u64::from_le_bytes(word(0)) as usize,
+            dispatch_us: f64::from_le_bytes(word(1)),
+            combine_us: f64::from_le_bytes(word(2)),
+        }),
+        Some(0) => Err(String::from_utf8_lossy(&b[1..]).into_owned()),
+        _ => Err("malformed report".into()),
+    }
+}
+
+/// One rank as a process: rank 0's seed for everyone, the buffer over CUDA IPC, the run, the
+/// table on rank 0.
+fn rank_process(comm: &TcpCommunicator, a: &Args, n: usize) -> Result<()> {
+    let mut a = a.clone();
+    let seed = comm.broadcast_bytes(0, &a.seed.to_le_bytes())?;
+    a.seed = u64::from_le_bytes(seed.try_into().map_err(|_| anyhow::anyhow!("bad seed"))?);
+    let first = comm.rank() == 0;
+    if first {
+        header(&a, n, "processes");
+    }
+    let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    let started = Instant::now();
+    let mut buf = Buffer::new(&ctx, comm, &options(&a))?;
+    if first {
+        ready(&a, n, started);
+    }
+    let p = problem(&a, n);
+    let r = comm.rank();
+    let rep = run_rank(
+        &mut buf,
+        &ctx,
+        &a,
+        &p.inputs[r],
+        &p.xs[r],
+        &p.want[r],
+        &p.want_out[r].0,
+    )
+    .map_err(|e| format!("{e:#}"));
+    buf.shutdown(comm)?;
+    let all = comm.all_gather_bytes(&encode(&rep))?;
+    let reports: Vec<Result<RankReport, String>> = all.iter().map(|b| decode(b)).collect();
+    if first {
+        return report(&a, reports);
+    }
+    ensure!(
+        reports.iter().all(Result::is_ok),
+        "dispatch/combine did not match the CPU reference (rank 0 has the table)"
+    );
+    Ok(())
+}
+
+/// Ranks as processes: this program re-executed once per GPU by the launcher.
+fn run_processes(a: &Args, n: usize) -> Result<()> {
+    Launcher::new(n).run(|comm| rank_process(comm, a, n))?;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let a = parse()?;
+    let n = match ibgda_device::cuda::device_count() {
+        Ok(0) => {
+            eprintln!(
+                "dispatch_combine: no CUDA GPU is visible on this machine; run it on a GPU machine"
+            );
+            std::process::exit(2);
+        }
+        Ok(n) => n.min(8),
+        Err(e) => {
+            eprintln!("dispatch_combine: {e}");
+            std::process::exit(2);
+        }
+    };
+    ensure!(
+        a.experts % n == 0,
+        "{} experts do not split over {n} ranks",
+        a.experts
+    );
+    if a.procs {
+        run_processes(&a, n)
+    } else {
+        run_threads(&a, n)
+    }
 }

@@ -2,6 +2,7 @@
 // layout of the per-rank regions that peers write into. Mirrored by `ep_kernels::intranode` in
 // Rust; sizes and offsets are asserted on both sides.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace ep {
@@ -39,15 +40,19 @@ struct ErrorWord {
 };
 static_assert(sizeof(ErrorWord) == 32, "ErrorWord layout");
 
-// Per-rank signal region, in device memory that every peer maps. Peers write flags, counts and
-// their receive-region address here; only the owner reads it.
+// Per-rank signal region, at the start of the rank's window (the one device allocation every
+// peer maps, through peer access or CUDA IPC). Peers write flags, counts and where their
+// receive region lies in their own window here; only the owner reads it.
 struct SignalHead {
     // Barrier flags: flag[src] = the last epoch rank src released to this rank. Monotonic, so
     // never reset; waits are `>= epoch`.
     uint64_t flag[kMaxRanks];
-    // recv_base[src] = rank src's receive region for the dispatch in flight.
-    uint64_t recv_base[kMaxRanks];
-    // comb_src[src] / comb_w_src[src] = rank src's combine input rows / weights (pull combine).
+    // recv_offset[src] = byte offset of rank src's receive region for the dispatch in flight
+    // within src's window. An offset, not an address: each rank maps a peer's window at its own
+    // address (CUDA IPC), so only the window base is per-viewer.
+    uint64_t recv_offset[kMaxRanks];
+    // comb_src[src] / comb_w_src[src] = rank src's combine input rows / weights (pull combine,
+    // ranks as threads only: the addresses are src's own).
     uint64_t comb_src[kMaxRanks];
     uint64_t comb_w_src[kMaxRanks];
     // tokens[src][dst]: how many tokens src sends to dst (each src writes its whole row to all).
@@ -59,6 +64,7 @@ struct SignalHead {
     // rank's local experts.
 };
 static_assert(sizeof(SignalHead) == 576, "SignalHead layout");
+static_assert(offsetof(SignalHead, recv_offset) == 64, "SignalHead layout");
 
 // Per-dispatch facts a rank computed, stored at the start of its receive region (so a handle
 // that keeps the region keeps them too).
@@ -103,6 +109,7 @@ static_assert(sizeof(LayoutParams) == 64, "LayoutParams layout");
 struct NotifyParams {
     uint64_t signal[kMaxRanks];   // every rank's signal region
     uint64_t recv_base;           // this rank's receive region for this dispatch
+    uint64_t recv_offset;         // the same region as an offset in this rank's window
     uint64_t cached_meta;         // a previous dispatch's Meta to reuse, or 0
     uint64_t tokens_per_rank;     // int32 [ranks] (unused when cached)
     uint64_t tokens_per_expert;   // int32 [experts], or 0 without top-k
@@ -117,7 +124,9 @@ struct NotifyParams {
     int32_t num_worst_tokens;     // 0: none
     int32_t pad;
 };
-static_assert(sizeof(NotifyParams) == 152, "NotifyParams layout");
+static_assert(sizeof(NotifyParams) == 160, "NotifyParams layout");
+static_assert(offsetof(NotifyParams, recv_offset) == 72, "NotifyParams layout");
+static_assert(offsetof(NotifyParams, rank) == 136, "NotifyParams layout");
 
 // Receive-region section offsets (bytes from the region's base), equal on every rank. The region
 // starts with a Meta and its expert counts; these sections follow.
@@ -131,7 +140,9 @@ static_assert(sizeof(RegionLayout) == 32, "RegionLayout layout");
 
 // The push of a dispatch (`num_sms` blocks).
 struct DispatchParams {
-    uint64_t signal[kMaxRanks];   // every rank's signal region (this rank's holds peers' recv_base)
+    uint64_t signal[kMaxRanks];   // every rank's signal region (this rank's holds peers' recv_offset)
+    uint64_t window[kMaxRanks];   // every rank's window, as mapped here (a destination's rows are
+                                  // at window[d] + its published recv_offset)
     RegionLayout region;
     uint64_t meta;                // this rank's Meta for this dispatch
     uint64_t x;                   // [tokens][row_bytes]
@@ -151,7 +162,9 @@ struct DispatchParams {
     int32_t num_local_experts;
     int32_t num_worst_tokens;     // 0: none; else pad rows [num_recv, this) of top-k
 };
-static_assert(sizeof(DispatchParams) == 200, "DispatchParams layout");
+static_assert(sizeof(DispatchParams) == 264, "DispatchParams layout");
+static_assert(offsetof(DispatchParams, region) == 128, "DispatchParams layout");
+static_assert(offsetof(DispatchParams, rank) == 232, "DispatchParams layout");
 
 // A bare barrier (one block), e.g. before a combine.
 struct BarrierParams {
