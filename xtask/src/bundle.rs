@@ -12,7 +12,11 @@ use std::process::Command;
 const MAX_BUNDLE_BYTES: u64 = 60 << 20;
 
 /// Example binaries run as smoke tests by `run.sh`, with their arguments.
-const SMOKE_EXAMPLES: &[(&str, &str)] = &[("ibgda_info", ""), ("dispatch_combine", "")];
+const SMOKE_EXAMPLES: &[(&str, &str)] = &[
+    ("ibgda_info", ""),
+    ("dispatch_combine", ""),
+    ("dispatch_combine", "--procs"),
+];
 
 /// Libraries every Linux system has (glibc and the C++ runtime): never bundled.
 const SYSTEM_LIBS: &[&str] = &[

@@ -80,9 +80,10 @@ if [ $mode = tests ]; then
   done
   while IFS='|' read -r name args; do
     [ -n "$name" ] || continue
-    echo "example::$name" | grep -Eq -- "$pattern" || continue
+    row="example::$name${args:+ $args}"
+    echo "$row" | grep -Eq -- "$pattern" || continue
     # shellcheck disable=SC2086
-    run_one "example::$name" "$here/bin/$name" $args
+    run_one "$row" "$here/bin/$name" $args
   done <"$here/examples.txt"
 else
   for bin in "$here"/bin/bench_*; do
