@@ -1,1 +1,100 @@
 //! Shared helpers for the example binaries.
+
+pub mod bench {
+    //! What every `bench_*` binary needs to report: dates, percentiles and JSON values. The
+    //! records are written by hand (one object per line) so they read well in a diff.
+
+    fn civil_from_unix(secs: u64) -> (i64, u32, u32) {
+        // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+        let z = (secs / 86_400) as i64 + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+        let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+        (yoe + era * 400 + i64::from(m <= 2), m, d)
+    }
+
+    fn unix_now() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
+    }
+
+    /// Today as `YYYY-MM-DD` (UTC), the `date` of a benchmark record.
+    pub fn utc_date() -> String {
+        let (y, m, d) = civil_from_unix(unix_now());
+        format!("{y:04}-{m:02}-{d:02}")
+    }
+
+    /// Now as `YYYY-MM-DDTHH:MM:SSZ` (UTC).
+    pub fn utc_timestamp() -> String {
+        let secs = unix_now();
+        let (y, m, d) = civil_from_unix(secs);
+        let s = secs % 86_400;
+        format!(
+            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+            s / 3600,
+            s / 60 % 60,
+            s % 60
+        )
+    }
+
+    /// The value at quantile `p` (0..=1) of ascending `sorted` values; NaN when empty.
+    pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+        if sorted.is_empty() {
+            return f64::NAN;
+        }
+        let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+        sorted[i.min(sorted.len() - 1)]
+    }
+
+    /// A JSON number with 3 decimals, or `null` when not measured (NaN or infinite).
+    pub fn json_num(x: f64) -> String {
+        if x.is_finite() {
+            format!("{x:.3}")
+        } else {
+            "null".into()
+        }
+    }
+
+    /// A JSON string literal.
+    pub fn json_str(s: &str) -> String {
+        let mut o = String::from("\"");
+        for c in s.chars() {
+            match c {
+                '"' => o.push_str("\\\""),
+                '\\' => o.push_str("\\\\"),
+                c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+                c => o.push(c),
+            }
+        }
+        o.push('"');
+        o
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn civil_dates() {
+            assert_eq!(civil_from_unix(0), (1970, 1, 1));
+            assert_eq!(civil_from_unix(951_782_400), (2000, 2, 29));
+            assert_eq!(civil_from_unix(1_795_910_400 + 86_399), (2026, 11, 29));
+        }
+
+        #[test]
+        fn percentiles_and_json() {
+            let v = [1.0, 2.0, 3.0, 4.0, 5.0];
+            assert_eq!(percentile(&v, 0.5), 3.0);
+            assert_eq!(percentile(&v, 1.0), 5.0);
+            assert!(percentile(&[], 0.5).is_nan());
+            assert_eq!(json_num(f64::NAN), "null");
+            assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        }
+    }
+}

@@ -11,6 +11,7 @@
 //! time runs from the first doorbell to the last CQE. Latency: one write at a time, from the
 //! doorbell-record store to the CQE seen by this thread.
 
+use ep_examples::bench::{json_str, utc_timestamp as utc_now};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -119,45 +120,6 @@ fn latency(lane: &mut Lane, src: &Mr, dst: &Mr, iters: usize) -> Result<Vec<f64>
     }
     us.sort_by(|a, b| a.total_cmp(b));
     Ok(us)
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` for now (UTC).
-fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
 }
 
 fn main() -> Result<()> {

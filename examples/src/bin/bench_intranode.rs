@@ -10,6 +10,7 @@
 //! `bench_intranode [--json PATH] [--tokens N] [--hidden H] [--topk K] [--experts E]
 //!  [--sms 8,16,24] [--threads 256,512,1024] [--iters N]`
 
+use ep_examples::bench::utc_date as date_utc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,24 +69,6 @@ fn parse() -> Result<Args> {
 
 /// (op, dtype, sms, threads, µs, GB/s) per measurement, averaged over ranks.
 type Row = (&'static str, &'static str, u32, u32, f64, f64);
-
-fn date_utc() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = (secs / 86400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
-}
 
 struct RankData {
     ids: Tensor<i32>,
