@@ -3,14 +3,17 @@
 // receiver's per-expert region, one signal per (expert, source rank) announces the count.
 //
 // Regions (byte offsets into every rank's net buffer, equal on all ranks; the host computes them):
-//   dispatch signals  u64 [half][local experts][ranks]      count + 1, written by the source rank,
-//                                                           zeroed by the receiver after reading
+//   dispatch signals  u64 [half][local experts][ranks]      (n << 32) | (count + 1) for the n-th
+//                                                           dispatch on the half, written only by
+//                                                           the source rank
 //   combine flags     u64 [half][experts]                   monotonic: the n-th combine on a half
 //                                                           stores n (device-side sequence number)
 //   dispatch recv     msg [half][local experts][ranks][max tokens]   msg = 16-byte header
 //                                                           {src token, 0, 0, 0} | row | f32 scales
 //   combine recv      bf16 [half][experts][max tokens][hidden]
-//   combine send      bf16 [local experts][ranks * max tokens][hidden]  (zero-copy input)
+//   combine send      bf16 [local experts][ranks * max tokens][hidden]  (zero-copy input; the
+//                                                           transport's combine send staging)
+//   dispatch staging  msg [max tokens]                      transport only: what the NIC reads
 //
 // Kernels take a phase mask: SEND only (hook mode: the kernel returns once the data is out),
 // RECV only (the hook), or both in one launch (every block first sends, then receives; the grid
@@ -19,16 +22,28 @@
 //
 // The send path goes through one small interface, `Net` below: `peer(dst)` is the NVLink window
 // of rank dst (0 when dst is reachable only through the transport), `put_warp` moves bytes from
-// local memory, `signal` publishes a u64 after every earlier put to that rank. Only the NVLink
-// implementation exists today; the IBGDA one (protocol.cuh: ibgda_put_warp / ibgda_signal_add on
-// the QP of dst) plugs in where the TODOs say.
+// local memory, `signal` publishes a u64 after every earlier put to that rank, `quiet` waits for
+// the transport. With NVLink disabled (`LlTransport`), every byte to another rank is an IBGDA
+// RDMA write (ibgda_put_warp from the registered send staging) and every signal a fenced remote
+// add (ibgda_signal_add) on QP `key % nqps` of the destination's group, where the key (the
+// destination's local expert in dispatch, the expert in combine) is the same for a word and for
+// the data it announces, so one QP carries both, in order. A signal word has exactly one writer
+// (its source rank), through the transport or, for this rank's own experts, by a local store;
+// nobody else writes it (the emulator's atomics on GPU memory are atomic only among its own ops).
+//
+// Dispatch count signals are monotonic: the n-th dispatch on a half stores (n << 32) | (count + 1)
+// (the sender remembers what it stored last, so the transport adds the difference); combine flags
+// count the combines on a half. No receiver ever writes a signal word.
 //
 // Every wait is bounded by %globaltimer; a timeout records the first error in the host-mapped
-// ErrorWord (rank, peer, what, expert in `epoch`, last value seen) and the kernel winds down.
+// ErrorWord (rank, peer, what, expert in `epoch`, last value seen) and the kernel winds down. A
+// transport call that fails records kErrTransport (the QP group's own error record says why) and
+// the kernel winds down the same way.
 #include <cstddef>
 #include <cstdint>
 
 #include "ep/device.cuh"
+#include "ibgda/protocol.cuh"
 
 using namespace ep;
 
@@ -56,6 +71,12 @@ constexpr uint32_t kWaitDispatchRecv = 12; // a source rank's count signal for a
 constexpr uint32_t kWaitCombineRecv = 13;  // an expert's rank flagging its rows back
 // Error code (beside ep's kErrTimeout): a top-k id outside [-1, experts); `epoch` holds the id.
 constexpr uint32_t kErrBadExpert = 16;
+// Error code: a transport (protocol.cuh) call returned a non-zero status; `peer` is the
+// destination, `what` the call (kTransport*), `epoch` the status, `detail` the QP key.
+constexpr uint32_t kErrTransport = 17;
+constexpr uint32_t kTransportPut = 21;
+constexpr uint32_t kTransportSignal = 22;
+constexpr uint32_t kTransportQuiet = 23;
 
 struct LlDispatchParams {
     uint64_t peer_base[kMaxRanks];  // every rank's net buffer (NVLink window); 0: transport only
@@ -71,6 +92,7 @@ struct LlDispatchParams {
     uint64_t timeout_ns;
     uint64_t signal_off;            // this half's dispatch signals
     uint64_t recv_off;              // this half's dispatch receive messages
+    uint64_t transport;             // LlTransport (device memory), or 0: NVLink only
     int32_t rank;
     int32_t ranks;
     int32_t num_tokens;
@@ -84,10 +106,10 @@ struct LlDispatchParams {
     int32_t round_scale;            // scales rounded up to powers of two
     int32_t ue8m0;                  // scales packed as UE8M0 exponent bytes, 4 per u32
     int32_t msg_bytes;
-    int32_t pad;
+    int32_t half;                   // which half (0 or 1)
 };
-static_assert(sizeof(LlDispatchParams) == 216, "LlDispatchParams layout");
-static_assert(offsetof(LlDispatchParams, rank) == 160, "LlDispatchParams layout");
+static_assert(sizeof(LlDispatchParams) == 224, "LlDispatchParams layout");
+static_assert(offsetof(LlDispatchParams, rank) == 168, "LlDispatchParams layout");
 
 struct LlCombineParams {
     uint64_t peer_base[kMaxRanks];
@@ -102,6 +124,7 @@ struct LlCombineParams {
     uint64_t timeout_ns;
     uint64_t flag_off;              // this half's combine flags
     uint64_t recv_off;              // this half's combine receive rows
+    uint64_t transport;             // LlTransport (device memory), or 0: NVLink only
     int32_t rank;
     int32_t ranks;
     int32_t num_tokens;
@@ -113,63 +136,133 @@ struct LlCombineParams {
     int32_t phases;
     int32_t half;
 };
-static_assert(sizeof(LlCombineParams) == 192, "LlCombineParams layout");
-static_assert(offsetof(LlCombineParams, rank) == 152, "LlCombineParams layout");
+static_assert(sizeof(LlCombineParams) == 200, "LlCombineParams layout");
+static_assert(offsetof(LlCombineParams, rank) == 160, "LlCombineParams layout");
 
 struct LlSleepParams {
     uint64_t ns;
 };
 
+// The transport of a buffer with NVLink disabled (device memory, built at creation), mirrored in
+// Rust.
+struct LlTransport {
+    uint64_t descs[kMaxRanks];  // ibgda_qp_desc[nqps] of this rank's QPs to rank r; 0 for itself
+    uint64_t rbase[kMaxRanks];  // rank r's registered net buffer (RDMA address)
+    uint64_t rkey[kMaxRanks];   // its rkey
+    uint64_t nqps;              // QPs per peer
+    uint64_t stage_off;         // dispatch send staging [max tokens][msg] in this rank's net buffer
+    uint64_t comb_send_off;     // combine send rows (the zero-copy input) in this rank's net buffer
+    uint64_t pad[5];
+};
+static_assert(sizeof(LlTransport) == 256, "LlTransport layout");
+
 // Per-rank state in local device memory (zeroed at creation), mirrored in Rust.
 struct LlState {
-    uint64_t combine_seq[2];       // combines completed on each half
-    uint32_t combine_blocks_done;  // blocks of the current combine receive that have finished
-    uint32_t pad[11];
-    // Followed by int32 finish[num_experts]: (token, expert) sends completed by this rank's warps
-    // in the current dispatch; the expert's count warp resets it.
+    uint64_t combine_seq[2];        // combines completed on each half
+    uint64_t dispatch_seq[2];       // dispatches received on each half
+    uint32_t combine_blocks_done;   // blocks of the current combine receive that have finished
+    uint32_t dispatch_blocks_done;  // blocks of the current dispatch receive that have finished
+    uint32_t pad[6];
+    // Followed by uint64 last_signal[2][num_experts] (the dispatch signal this rank last stored
+    // to each expert on each half), then int32 finish[num_experts]: (token, expert) sends
+    // completed by this rank's warps in the current dispatch; the expert's count warp resets it.
 };
 static_assert(sizeof(LlState) == 64, "LlState layout");
 
-__device__ __forceinline__ int* finish_of(uint64_t state) { return reinterpret_cast<int*>(state + sizeof(LlState)); }
+__device__ __forceinline__ uint64_t* last_signal_of(uint64_t state) {
+    return reinterpret_cast<uint64_t*>(state + sizeof(LlState));
+}
+__device__ __forceinline__ int* finish_of(uint64_t state, int num_experts) {
+    return reinterpret_cast<int*>(state + sizeof(LlState) + 16ull * static_cast<uint64_t>(num_experts));
+}
 
 // ---- The send interface ----------------------------------------------------------------------
 
 struct Net {
     const uint64_t* base;
+    const LlTransport* tp;  // nullptr: NVLink only
+    uint64_t error;
+    int rank;
+    int ranks;
 
     // The NVLink window of rank `dst`'s net buffer, or 0 when only the transport reaches it.
     __device__ __forceinline__ uint64_t peer(int dst) const { return base[dst]; }
 
-    // Warp-collective: bytes (a multiple of 16) from local `src` to `remote_off` in dst's net
-    // buffer. NVLink: 16-byte stores, kUnroll loads in flight per lane.
-    __device__ __forceinline__ void put_warp(int dst, uint64_t remote_off, const int4* src, int n16, int lane) const {
-        // TODO(transport): when peer(dst) == 0, src must lie in the registered send staging and the
-        // put goes out as ibgda_put_warp(qp_of(dst), rbase[dst] + remote_off, rkey[dst], src, bytes).
-        int4* dst_p = reinterpret_cast<int4*>(peer(dst) + remote_off);
-        for (int i = lane; i < n16; i += 32 * kUnroll) {
-            int4 v[kUnroll];
+    // The QP that carries everything to `dst` under `key` (the data and the signal announcing it).
+    __device__ __forceinline__ ibgda_qp_desc* qp(int dst, int key) const {
+        return reinterpret_cast<ibgda_qp_desc*>(tp->descs[dst]) + (static_cast<uint32_t>(key) % tp->nqps);
+    }
+
+    __device__ __noinline__ void fail(int dst, uint32_t what, int status, int key) const {
+        record_error(error, kErrTransport, rank, dst, what, static_cast<uint64_t>(static_cast<uint32_t>(status)),
+                     static_cast<uint64_t>(key));
+    }
+
+    // Warp-collective: bytes (a multiple of 16) to `remote_off` in dst's net buffer. NVLink:
+    // 16-byte stores from `src` (any local memory), kUnroll loads in flight per lane. Transport:
+    // one RDMA write from `laddr`, which lies in this rank's registered net buffer and holds the
+    // same bytes (visible to the NIC: the caller fenced them). False (error recorded) on failure.
+    __device__ __forceinline__ bool put_warp(int dst, uint64_t remote_off, const int4* src, uint64_t laddr, int n16,
+                                             int lane, int key) const {
+        if (peer(dst) != 0) {
+            int4* dst_p = reinterpret_cast<int4*>(peer(dst) + remote_off);
+            for (int i = lane; i < n16; i += 32 * kUnroll) {
+                int4 v[kUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (i + u * 32 < n16) v[u] = src[i + u * 32];
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i + u * 32 < n16) v[u] = src[i + u * 32];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (i + u * 32 < n16) st_stream_v4(dst_p + i + u * 32, v[u]);
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i + u * 32 < n16) st_stream_v4(dst_p + i + u * 32, v[u]);
+            }
+            return true;
         }
+        // No doorbell: the signal that follows on the same QP (or the quiet) rings for this put.
+        const int st = ibgda_put_warp(qp(dst, key), tp->rbase[dst] + remote_off, static_cast<uint32_t>(tp->rkey[dst]),
+                                      laddr, static_cast<uint64_t>(n16) * 16u, 0u, false);
+        if (st != IBGDA_STATUS_OK) {
+            if (lane == 0) fail(dst, kTransportPut, st, key);
+            return false;
+        }
+        return true;
     }
 
-    // One thread: stores `value` at `remote_off` in dst's net buffer once every put to dst that
-    // happened-before this call is visible there. The slot has one writer; `delta` is value minus
-    // what that writer stored there last (the transport adds it with a fenced atomic).
-    __device__ __forceinline__ void signal(int dst, uint64_t remote_off, uint64_t value, uint64_t delta) const {
-        // TODO(transport): ibgda_signal_add(qp_of(dst), rbase[dst] + remote_off, rkey[dst], delta, fence=true).
-        (void)delta;
-        __threadfence_system();
-        st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
+    // One thread: makes `value` the word at `remote_off` in dst's net buffer once every put to dst
+    // under `key` that happened-before this call is visible there. The word has one writer (this
+    // rank); `delta` is value minus what this rank stored there last (the transport adds it with a
+    // fenced atomic, after the puts on the same QP). False (error recorded) on failure.
+    __device__ __forceinline__ bool signal(int dst, uint64_t remote_off, uint64_t value, uint64_t delta,
+                                           int key) const {
+        if (peer(dst) != 0) {
+            __threadfence_system();
+            st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
+            return true;
+        }
+        const int st = ibgda_signal_add(qp(dst, key), tp->rbase[dst] + remote_off, static_cast<uint32_t>(tp->rkey[dst]),
+                                        delta, true, true);
+        if (st != IBGDA_STATUS_OK) {
+            fail(dst, kTransportSignal, st, key);
+            return false;
+        }
+        return true;
     }
 
-    // Called once per kernel after the last put/signal: the transport waits for its QPs here
-    // (ibgda_quiet) so the send staging may be reused; NVLink stores need nothing.
-    __device__ __forceinline__ void quiet() const {}
+    // Block-collective, once per kernel after the last put/signal: waits until the NIC has
+    // completed everything posted to every peer (the send staging may be rewritten by the next
+    // kernel). NVLink stores need nothing.
+    __device__ __forceinline__ void quiet() const {
+        if (tp == nullptr) return;
+        __syncthreads();
+        const int n = ranks * static_cast<int>(tp->nqps);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int dst = i / static_cast<int>(tp->nqps);
+            if (peer(dst) != 0 || tp->descs[dst] == 0) continue;
+            ibgda_qp_desc* d = reinterpret_cast<ibgda_qp_desc*>(tp->descs[dst]) + i % static_cast<int>(tp->nqps);
+            const int st = ibgda_quiet(d);
+            if (st != IBGDA_STATUS_OK) fail(dst, kTransportQuiet, st, i);
+        }
+        __syncthreads();
+    }
 };
 
 // ---- Small helpers ---------------------------------------------------------------------------
@@ -236,14 +329,16 @@ __device__ __forceinline__ bool wait_sys(const uint64_t* p, Ok ok, uint64_t* see
 
 // ---- Dispatch ----------------------------------------------------------------------------------
 
-__device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const Net& net) {
+__device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const Net& net, uint64_t seq) {
     __shared__ int4 s_msg[kMaxMsg16];
     __shared__ int s_expert[kMaxTopk];
     __shared__ int s_slot[kMaxTopk];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = p.topk, T = p.num_tokens, H = p.hidden, L = p.num_local, R = p.ranks;
     const int* idx = reinterpret_cast<const int*>(p.topk_idx);
-    int* finish = finish_of(p.state);
+    int* finish = finish_of(p.state, p.num_experts);
+    uint64_t* last_signal = last_signal_of(p.state) + static_cast<int64_t>(p.half) * p.num_experts;
+    const uint64_t mine = p.peer_base[p.rank];
     const int n_chunks = H / 8;  // 8 BF16 channels per 16-byte chunk
     const int msg16 = p.msg_bytes / 16;
     const int parts = K > 0 ? (kWarps / K > 0 ? kWarps / K : 1) : 1;
@@ -312,20 +407,35 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             }
         }
         __syncthreads();
-        // 3. Copies: (top-k slot, part of the message) jobs over the warps.
+        // Transport: the message also goes to this token's row of the registered send staging,
+        // where the NIC reads it (fenced to system scope: the NIC is not an SM).
+        uint64_t stage = 0;
+        if (net.tp != nullptr) {
+            stage = mine + net.tp->stage_off + static_cast<uint64_t>(t) * p.msg_bytes;
+            for (int c = threadIdx.x; c < msg16; c += kThreads) reinterpret_cast<int4*>(stage)[c] = s_msg[c];
+            __threadfence_system();
+            __syncthreads();
+        }
+        // 3. Copies: (top-k slot, part of the message) jobs over the warps; a transport
+        //    destination gets the whole message as one RDMA write (part 0's job).
         const int per = (msg16 + parts - 1) / parts;
         for (int job = warp; job < K * parts; job += kWarps) {
             const int k = job % K, part = job / K;
             const int e = s_expert[k];
             if (e < 0) continue;
-            const int lo = part * per;
-            const int n = min(per, msg16 - lo);
-            if (n <= 0) continue;
             const int dst = e / L, le = e % L;
+            int lo = part * per;
+            int n = min(per, msg16 - lo);
+            if (net.peer(dst) == 0) {
+                if (part != 0) continue;
+                lo = 0;
+                n = msg16;
+            }
+            if (n <= 0) continue;
             const uint64_t off = p.recv_off +
                                  ((static_cast<uint64_t>(le) * R + p.rank) * p.max_tokens + s_slot[k]) * p.msg_bytes +
                                  static_cast<uint64_t>(lo) * 16;
-            net.put_warp(dst, off, s_msg + lo, n, lane);
+            net.put_warp(dst, off, s_msg + lo, stage + static_cast<uint64_t>(lo) * 16, n, lane, le);
         }
         __syncthreads();
         // 4. Count the sends done (after a system fence: the count warp's signal must follow them).
@@ -336,7 +446,8 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
         __syncthreads();
     }
 
-    // 5. One warp per expert: once every token for it has been sent, signal count + 1.
+    // 5. One warp per expert: once every token for it has been sent, signal
+    //    (seq + 1) << 32 | (count + 1) (see the top of the file).
     for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
         int n = 0;
         for (int u = lane; u < T; u += 32) n += token_has(idx, u, K, e) ? 1 : 0;
@@ -360,14 +471,17 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
                 finish[e] = 0;  // the next dispatch is a later kernel on this stream
                 const int dst = e / L, le = e % L;
                 const uint64_t off = p.signal_off + (static_cast<uint64_t>(le) * R + p.rank) * 8;
-                net.signal(dst, off, static_cast<uint64_t>(n) + 1, static_cast<uint64_t>(n) + 1);
+                const uint64_t value = ((seq + 1) << 32) | (static_cast<uint64_t>(n) + 1);
+                const uint64_t last = last_signal[e];
+                last_signal[e] = value;  // only this thread touches it in this kernel
+                net.signal(dst, off, value, value - last, le);
             }
         }
     }
     net.quiet();
 }
 
-__device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p) {
+__device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_t seq) {
     __shared__ int s_cnt[kMaxRanks];
     __shared__ int s_off[kMaxRanks + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -381,12 +495,12 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p) {
     for (int le = blockIdx.x; le < L; le += gridDim.x) {
         if (threadIdx.x < R) {
             const int r = threadIdx.x;
-            uint64_t* sig = reinterpret_cast<uint64_t*>(mine + p.signal_off) + le * R + r;
+            const uint64_t* sig = reinterpret_cast<const uint64_t*>(mine + p.signal_off) + le * R + r;
+            const uint64_t want = (seq + 1) & 0xffffffffull;
             uint64_t seen = 0;
-            const bool ok = wait_sys(sig, [](uint64_t v) { return v != 0; }, &seen, p.error, p.timeout_ns, p.rank, r,
-                                     kWaitDispatchRecv, static_cast<uint64_t>(le));
-            s_cnt[r] = ok ? static_cast<int>(seen - 1) : 0;
-            if (ok) *reinterpret_cast<volatile uint64_t*>(sig) = 0;  // one reader: this block
+            const bool ok = wait_sys(sig, [want](uint64_t v) { return (v >> 32) == want; }, &seen, p.error,
+                                     p.timeout_ns, p.rank, r, kWaitDispatchRecv, static_cast<uint64_t>(le));
+            s_cnt[r] = ok ? static_cast<int>(seen & 0xffffffffull) - 1 : 0;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -452,6 +566,10 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
     const int H = p.hidden, L = p.num_local, R = p.ranks;
     const int cap = R * p.max_tokens;
     const int row16 = H * 2 / 16;
+    // Transport: rows go out from the registered zero-copy input; rows given elsewhere are
+    // copied there first.
+    const uint64_t mine = p.peer_base[p.rank];
+    const uint64_t stage = net.tp != nullptr ? mine + net.tp->comb_send_off : 0;
     for (int le = blockIdx.x; le < L; le += gridDim.x) {
         const int e = p.rank * L + le;
         if (threadIdx.x < R) {
@@ -468,11 +586,21 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
                 const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
                 const uint64_t off =
                     p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
-                net.put_warp(r, off, src, row16, lane);
+                uint64_t laddr = 0;
+                if (net.peer(r) == 0) {
+                    laddr = stage + static_cast<uint64_t>(row) * H * 2;
+                    if (laddr != reinterpret_cast<uint64_t>(src)) {
+                        int4* st = reinterpret_cast<int4*>(laddr);
+                        for (int c = lane; c < row16; c += 32) st[c] = ld_stream_v4(src + c);
+                        __threadfence_system();
+                    }
+                    __syncwarp();
+                }
+                net.put_warp(r, off, src, laddr, row16, lane, e);
             }
         }
         __syncthreads();
-        if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1);
+        if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
         __syncthreads();
     }
     net.quiet();
@@ -535,12 +663,30 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const LlDispatchParams p) {
     __shared__ int abort;
-    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    __shared__ uint64_t seq;
+    LlState* state = reinterpret_cast<LlState*>(p.state);
+    if (threadIdx.x == 0) {
+        abort = error_recorded(p.error);
+        seq = state->dispatch_seq[p.half];
+    }
     __syncthreads();
     if (abort) return;
-    const Net net{p.peer_base};
-    if (p.phases & kPhaseSend) dispatch_send(p, net);
-    if (p.phases & kPhaseRecv) dispatch_recv(p);
+    const Net net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
+    if (p.phases & kPhaseSend) dispatch_send(p, net, seq);
+    if (p.phases & kPhaseRecv) {
+        dispatch_recv(p, seq);
+        // The last block to finish advances the half's sequence number: every block has read it.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const unsigned prev = atomicAdd(&state->dispatch_blocks_done, 1u);
+            if (prev == gridDim.x - 1) {
+                state->dispatch_blocks_done = 0;
+                state->dispatch_seq[p.half] = seq + 1;
+                __threadfence();
+            }
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const LlCombineParams p) {
@@ -553,7 +699,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const Ll
     }
     __syncthreads();
     if (abort) return;
-    const Net net{p.peer_base};
+    const Net net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) combine_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
         combine_recv(p, seq);

@@ -43,19 +43,76 @@ pub mod wait_what {
 pub mod error_code {
     /// A top-k id outside `[-1, experts)`; the error word's `epoch` holds the id (as i64 bits).
     pub const BAD_EXPERT: u32 = 16;
+    /// A transport call (`ibgda/protocol.cuh`) failed: `peer` is the destination, `what` one of
+    /// [`transport_what`](super::transport_what), `epoch` the protocol status, `detail` the QP
+    /// key. The QP group's error record says why.
+    pub const TRANSPORT: u32 = 17;
 }
 
-/// Per-rank state in local device memory (`LlState`), zeroed at creation; `i32 finish[experts]`
-/// follows it.
+/// Which transport call failed (the error word's `what` with [`error_code::TRANSPORT`]).
+pub mod transport_what {
+    /// `ibgda_put_warp` of token rows.
+    pub const PUT: u32 = 21;
+    /// `ibgda_signal_add` of a count or flag.
+    pub const SIGNAL: u32 = 22;
+    /// `ibgda_quiet` at the end of a send.
+    pub const QUIET: u32 = 23;
+}
+
+/// Per-rank state in local device memory (`LlState`), zeroed at creation; followed by
+/// `u64 last_signal[2][experts]`, then `i32 finish[experts]` ([`state_bytes`]).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LlState {
     /// Combines completed on each half.
     pub combine_seq: [u64; 2],
+    /// Dispatches received on each half.
+    pub dispatch_seq: [u64; 2],
     /// Blocks of the current combine receive that have finished.
     pub combine_blocks_done: u32,
+    /// Blocks of the current dispatch receive that have finished.
+    pub dispatch_blocks_done: u32,
     /// Padding.
-    pub pad: [u32; 11],
+    pub pad: [u32; 6],
+}
+
+/// Bytes of the per-rank state for `num_experts` experts ([`LlState`] and its arrays).
+pub const fn state_bytes(num_experts: usize) -> usize {
+    std::mem::size_of::<LlState>() + 16 * num_experts + 4 * num_experts
+}
+
+/// The transport of a buffer with NVLink disabled (`LlTransport`, in device memory; the
+/// kernels' `transport` parameter points at it).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LlTransport {
+    /// Per rank: device address of this rank's `ibgda_qp_desc[nqps]` to it; 0 for this rank.
+    pub descs: [u64; MAX_RANKS],
+    /// Per rank: its registered net buffer's address.
+    pub rbase: [u64; MAX_RANKS],
+    /// Per rank: that registration's rkey.
+    pub rkey: [u64; MAX_RANKS],
+    /// QPs per peer.
+    pub nqps: u64,
+    /// Offset of the dispatch send staging in this rank's net buffer.
+    pub stage_off: u64,
+    /// Offset of the combine send rows (the zero-copy input) in this rank's net buffer.
+    pub comb_send_off: u64,
+    /// Padding.
+    pub pad: [u64; 5],
+}
+
+impl LlTransport {
+    /// The struct as the words it is uploaded as.
+    pub fn to_words(&self) -> Vec<u64> {
+        let mut w = Vec::with_capacity(32);
+        w.extend_from_slice(&self.descs);
+        w.extend_from_slice(&self.rbase);
+        w.extend_from_slice(&self.rkey);
+        w.extend_from_slice(&[self.nqps, self.stage_off, self.comb_send_off]);
+        w.extend_from_slice(&self.pad);
+        w
+    }
 }
 
 /// `ep_ll_dispatch` parameters.
@@ -89,6 +146,8 @@ pub struct LlDispatchParams {
     pub signal_off: u64,
     /// This half's dispatch receive messages.
     pub recv_off: u64,
+    /// [`LlTransport`] in device memory, or 0: NVLink only.
+    pub transport: u64,
     /// This rank.
     pub rank: i32,
     /// Ranks.
@@ -115,8 +174,8 @@ pub struct LlDispatchParams {
     pub ue8m0: i32,
     /// Bytes per message (header + row + scales, a multiple of 16).
     pub msg_bytes: i32,
-    /// Padding.
-    pub pad: i32,
+    /// Which half (0 or 1).
+    pub half: i32,
 }
 
 /// `ep_ll_combine` parameters.
@@ -147,6 +206,8 @@ pub struct LlCombineParams {
     pub flag_off: u64,
     /// This half's combine receive rows.
     pub recv_off: u64,
+    /// [`LlTransport`] in device memory, or 0: NVLink only.
+    pub transport: u64,
     /// This rank.
     pub rank: i32,
     /// Ranks.
@@ -189,9 +250,10 @@ unsafe impl DeviceRepr for LlSleepParams {}
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<LlState>() == 64);
-    assert!(size_of::<LlDispatchParams>() == 216);
-    assert!(offset_of!(LlDispatchParams, rank) == 160);
-    assert!(size_of::<LlCombineParams>() == 192);
-    assert!(offset_of!(LlCombineParams, rank) == 152);
+    assert!(size_of::<LlTransport>() == 256);
+    assert!(size_of::<LlDispatchParams>() == 224);
+    assert!(offset_of!(LlDispatchParams, rank) == 168);
+    assert!(size_of::<LlCombineParams>() == 200);
+    assert!(offset_of!(LlCombineParams, rank) == 160);
     assert!(size_of::<LlSleepParams>() == 8);
 };

@@ -6,6 +6,11 @@
 //! has GPUs for: every hidden size of the issue, top-k up to 11, BF16 / FP8 / power-of-two /
 //! UE8M0, hook mode, zero-copy combine, CUDA-graph capture and replay, a bounded-wait timeout
 //! that names rank, peer and expert, and repeated create / use / teardown.
+//!
+//! With NVLink disabled (every byte to another rank through the IBGDA transport on the emulated
+//! NIC): a representative matrix (hidden 2048 and 7168, BF16 and FP8, top-1 and top-8, hook on
+//! and off) in NIC-handler modes `gpu` and `cpu_host_memory`, mode `cpu` failing cleanly where
+//! GDRCopy is missing, and create / dispatch / combine / teardown 20 times in a row per mode.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +23,8 @@ use ep::low_latency::{
 };
 use ep::{Bf16, Element, EpError, Tensor};
 use ep_kernels::testing::{gpus, seed, Rng};
+use ibgda_device::protocol::HandlerChoice;
+use ibgda_device::qp_desc::NicHandler;
 
 const MAX_TOKENS: usize = 128;
 const MAX_HIDDEN: usize = 8192;
@@ -649,5 +656,161 @@ fn repeated_create_use_teardown() {
         });
         check(2, &c, &data, &res, &format!("round {round}"));
         shutdown_all(bufs);
+    }
+}
+
+// ---- NVLink disabled: every byte through the transport ------------------------------------------
+
+/// The handler modes every machine runs on the emulated NIC.
+const TRANSPORT_MODES: [(HandlerChoice, NicHandler); 2] = [
+    (HandlerChoice::Gpu, NicHandler::Gpu),
+    (HandlerChoice::CpuHostMemory, NicHandler::CpuHostMemory),
+];
+
+fn transport_options(ranks: usize, handler: HandlerChoice) -> LowLatencyOptions {
+    let mut o = options(ranks);
+    o.allow_nvlink = false;
+    o.nic_handler = handler;
+    o
+}
+
+/// Hidden 2048 and 7168 × BF16 and FP8 × top-1 and top-8 × hook off and on; zero-copy combine
+/// on every other case.
+fn transport_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for hidden in [2048, 7168] {
+        for fp8 in [None, Some(Fp8Options::default())] {
+            for topk in [1, 8] {
+                for hook in [false, true] {
+                    v.push(Case {
+                        hidden,
+                        topk,
+                        fp8,
+                        hook,
+                        zero_copy: v.len() % 2 == 1,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+fn transport_group(
+    ctxs: &[Arc<CudaContext>],
+    mode: (HandlerChoice, NicHandler),
+) -> Vec<LowLatencyBuffer> {
+    let bufs = LowLatencyBuffer::create_group(ctxs, &transport_options(ctxs.len(), mode.0))
+        .unwrap_or_else(|e| {
+            panic!(
+                "creating the buffers with NVLink disabled, mode {}: {e}",
+                mode.1.name()
+            )
+        });
+    for b in &bufs {
+        assert_eq!(
+            b.nic_handler(),
+            Some(mode.1),
+            "rank {}: handler mode",
+            b.rank()
+        );
+    }
+    bufs
+}
+
+#[test]
+fn transport_matrix_matches_reference_in_gpu_and_cpu_host_memory_modes() {
+    let Some(_) = gpus(2) else { return };
+    let mut rng = Rng::new(seed());
+    for ranks in rank_counts() {
+        let Some(ctxs) = gpus(ranks) else { continue };
+        for mode in TRANSPORT_MODES {
+            let mut bufs = transport_group(&ctxs, mode);
+            for c in transport_cases() {
+                let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+                let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+                    let r = b.rank();
+                    run_case(b, &data[r], &c)
+                        .unwrap_or_else(|e| panic!("rank {r}, mode {}: {e}", mode.1.name()))
+                });
+                check(
+                    ranks,
+                    &c,
+                    &data,
+                    &res,
+                    &format!("EP{ranks} transport mode {} {c:?}", mode.1.name()),
+                );
+            }
+            shutdown_all(bufs);
+            eprintln!(
+                "EP{ranks} transport mode {}: {} cases passed",
+                mode.1.name(),
+                transport_cases().len()
+            );
+        }
+    }
+}
+
+#[test]
+fn transport_mode_cpu_fails_cleanly_without_gdrcopy() {
+    let Some(ctxs) = gpus(2) else { return };
+    match LowLatencyBuffer::create_group(&ctxs, &transport_options(2, HandlerChoice::Cpu)) {
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("GDRCopy") && msg.contains("cpu"),
+                "the error should say mode cpu needs GDRCopy: {msg}"
+            );
+            eprintln!("mode cpu refused as expected: {msg}");
+        }
+        Ok(mut bufs) => {
+            // GDRCopy works here: the mode must then work too.
+            eprintln!("GDRCopy is available: running one case in mode cpu");
+            let c = transport_cases()[5];
+            let mut rng = Rng::new(seed());
+            let data = random_data(&mut rng, 2, c.hidden, c.topk, None);
+            let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+                let r = b.rank();
+                run_case(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}, mode cpu: {e}"))
+            });
+            check(2, &c, &data, &res, "transport mode cpu");
+            shutdown_all(bufs);
+        }
+    }
+}
+
+/// Create, dispatch, combine, tear down (barrier, free, QP shutdown) 20 times in a row in each
+/// mode; every teardown must succeed.
+#[test]
+fn transport_create_use_teardown_20_times_per_mode() {
+    let Some(ctxs) = gpus(2) else { return };
+    let mut rng = Rng::new(seed());
+    for mode in TRANSPORT_MODES {
+        for round in 0..20 {
+            let mut bufs = transport_group(&ctxs, mode);
+            let c = Case {
+                hidden: 2048,
+                topk: 8,
+                fp8: (round % 2 == 1).then(Fp8Options::default),
+                hook: round % 3 == 2,
+                zero_copy: round % 4 == 3,
+            };
+            let data = random_data(&mut rng, 2, c.hidden, c.topk, None);
+            let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+                let r = b.rank();
+                run_case(b, &data[r], &c).unwrap_or_else(|e| {
+                    panic!("round {round}, rank {r}, mode {}: {e}", mode.1.name())
+                })
+            });
+            check(
+                2,
+                &c,
+                &data,
+                &res,
+                &format!("mode {} round {round}", mode.1.name()),
+            );
+            shutdown_all(bufs);
+        }
+        eprintln!("transport mode {}: 20 rounds passed", mode.1.name());
     }
 }

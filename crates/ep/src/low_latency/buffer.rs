@@ -10,6 +10,9 @@ use cudarc::driver::{
 };
 use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
+use ibgda_device::protocol::HandlerChoice;
+use ibgda_device::qp_desc::NicHandler;
+use ibgda_emu::Fabric;
 
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
 use crate::bootstrap::ThreadGroup;
@@ -19,12 +22,20 @@ use crate::event::Event;
 use crate::mapped::MappedHost;
 use crate::rendezvous::Exchange;
 use crate::tensor::Tensor;
+use crate::transport::{Arena, EmuRank, QpGroup, QpGroupConfig, TransportError};
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
 const ERROR_OFFSET: usize = 0;
 const MAPPED_BYTES: usize = 64;
 /// Error code of a timed-out device wait (shared with the intranode kernels).
 const ERR_TIMEOUT: u32 = ep_kernels::intranode::error_code::TIMEOUT;
+/// QPs from each rank to each peer (transport mode). Traffic to one destination expert stays on
+/// one QP (its signal must follow its rows), so more QPs spread experts over more emulator
+/// streams; four keeps the per-peer QP count (and proxy work) small.
+const QPS_PER_PEER: u32 = 4;
+/// Send-ring size of each QP in WQEBBs: a dispatch of 128 tokens × top-8 over 4 QPs posts about
+/// 256 puts plus the signals per QP; a full ring only makes the poster wait (bounded).
+const QP_RING_WQEBBS: u32 = 1024;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -40,8 +51,13 @@ pub struct LowLatencyOptions {
     /// Experts over all ranks (a multiple of the rank count).
     pub num_experts: usize,
     /// Move data by NVLink stores between ranks whose GPUs can map each other. `false` sends every
-    /// byte through the IBGDA transport, which is not wired into this buffer yet: creation fails.
+    /// byte to another rank through the IBGDA transport (RDMA writes and remote adds on the
+    /// emulated NIC, QPs to every peer, in the [`nic_handler`](Self::nic_handler) mode); this
+    /// needs the ranks as threads ([`LowLatencyBuffer::create_group`]).
     pub allow_nvlink: bool,
+    /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
+    /// (GDRCopy; creation fails cleanly without it) or `Auto`.
+    pub nic_handler: HandlerChoice,
     /// Bound of every wait, on the GPU and on the host.
     pub timeout: Duration,
     /// Fill each output region with the byte 0xAB before every operation (tests).
@@ -68,6 +84,7 @@ impl LowLatencyOptions {
             max_topk,
             num_experts,
             allow_nvlink: true,
+            nic_handler: HandlerChoice::Auto,
             timeout: Duration::from_secs(10),
             poison_outputs: false,
         }
@@ -372,6 +389,53 @@ pub struct LowLatencyBuffer {
     calls: u64,
     poisoned: Option<String>,
     shut_down: bool,
+    transport: Option<LlNet>,
+}
+
+/// The emulated NICs of a group whose ranks are threads of this process (NVLink disabled).
+#[derive(Debug)]
+struct SharedNics {
+    ranks: Vec<EmuRank>,
+    _fabric: Fabric,
+}
+
+/// This rank's transport (NVLink disabled): QPs to every peer, the table the kernels read, and
+/// the registered net buffer.
+struct LlNet {
+    /// Per rank: this rank's QPs to it (`None` for this rank).
+    groups: Vec<Option<QpGroup>>,
+    /// [`k::LlTransport`] in device memory.
+    table: DeviceBuffer,
+    handler: NicHandler,
+    _arena: Arena,
+    _nics: Arc<SharedNics>,
+}
+
+impl LlNet {
+    /// The first failure any of this rank's QP groups recorded.
+    fn first_failure(&self, prefer: Option<usize>) -> Option<(usize, TransportError)> {
+        let check = |r: usize| {
+            self.groups
+                .get(r)
+                .and_then(|g| g.as_ref())
+                .and_then(|g| g.check().err())
+                .map(|e| (r, e))
+        };
+        prefer
+            .and_then(check)
+            .or_else(|| (0..self.groups.len()).find_map(check))
+    }
+
+    /// Stops the proxies and destroys the QPs; the first error.
+    fn close(self) -> Result<(), (usize, TransportError)> {
+        let mut first = None;
+        for (r, g) in self.groups.into_iter().enumerate() {
+            if let Some(Err(e)) = g.map(QpGroup::shutdown) {
+                first.get_or_insert((r, e));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
 }
 
 impl std::fmt::Debug for LowLatencyBuffer {
@@ -393,13 +457,33 @@ impl LowLatencyBuffer {
     ) -> Result<Vec<LowLatencyBuffer>, EpError> {
         let comms = ThreadGroup::with_timeout(ctxs.len(), opts.timeout)
             .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
+        // NVLink disabled: one emulated NIC per rank on one fabric, so every rank can connect QPs
+        // to every other.
+        let nics = if opts.allow_nvlink {
+            None
+        } else {
+            let fabric = Fabric::new();
+            let ranks = ctxs
+                .iter()
+                .enumerate()
+                .map(|(r, ctx)| {
+                    EmuRank::cuda(&fabric, ctx, r as u32)
+                        .map_err(|e| transport_err(r, "starting the emulated NIC", e))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(Arc::new(SharedNics {
+                ranks,
+                _fabric: fabric,
+            }))
+        };
         std::thread::scope(|s| {
             let joins: Vec<_> = ctxs
                 .iter()
                 .zip(comms)
                 .map(|(ctx, comm)| {
                     let m: Arc<dyn Exchange> = Arc::new(comm);
-                    s.spawn(move || LowLatencyBuffer::new(ctx, m, opts))
+                    let nics = nics.clone();
+                    s.spawn(move || LowLatencyBuffer::build(ctx, m, opts, nics))
                 })
                 .collect();
             joins
@@ -414,21 +498,52 @@ impl LowLatencyBuffer {
     }
 
     /// Builds this rank's buffer; every rank of `group` calls this at the same time. The group
-    /// is kept for the teardown barrier.
+    /// is kept for the teardown barrier. NVLink only: a buffer with `allow_nvlink = false` needs
+    /// every rank's emulated NIC, which [`create_group`](Self::create_group) builds.
     pub fn new(
         ctx: &Arc<CudaContext>,
         group: Arc<dyn Exchange>,
         opts: &LowLatencyOptions,
     ) -> Result<LowLatencyBuffer, EpError> {
+        Self::build(ctx, group, opts, None)
+    }
+
+    fn build(
+        ctx: &Arc<CudaContext>,
+        group: Arc<dyn Exchange>,
+        opts: &LowLatencyOptions,
+        nics: Option<Arc<SharedNics>>,
+    ) -> Result<LowLatencyBuffer, EpError> {
         let rank = group.rank();
         let ranks = group.ranks();
         check_options(rank, ranks, opts)?;
-        if !opts.allow_nvlink {
-            return Err(invalid(
-                rank,
-                "allow_nvlink = false needs the IBGDA transport, which the low-latency buffer does not drive yet",
-            ));
-        }
+        let nics =
+            match (opts.allow_nvlink, nics) {
+                (true, _) => None,
+                (false, Some(n)) if n.ranks.len() == ranks => Some(n),
+                (false, _) => return Err(invalid(
+                    rank,
+                    "allow_nvlink = false (every byte through the transport) needs the ranks as \
+                     threads of one process: build the buffers with LowLatencyBuffer::create_group",
+                )),
+            };
+        // Before any collective, so a mode this machine cannot run fails the same way on every
+        // rank (mode cpu without GDRCopy).
+        let handler = match &nics {
+            Some(n) => Some(n.ranks[rank].select(opts.nic_handler).map_err(|e| {
+                let need = if opts.nic_handler == HandlerChoice::Cpu {
+                    " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
+                } else {
+                    ""
+                };
+                transport_err(
+                    rank,
+                    &format!("NIC handler {}{need}", opts.nic_handler.name()),
+                    e,
+                )
+            })?),
+            None => None,
+        };
         if !group.same_process() {
             return Err(invalid(
                 rank,
@@ -453,14 +568,25 @@ impl LowLatencyBuffer {
         let dims = opts.dims(ranks);
         let net_plan = NetPlan::new(&dims);
         let out_plan = OutPlan::new(&dims);
-        let net = DeviceBuffer::new(ctx, net_plan.bytes).map_err(dev)?;
-        // Signals and flags start at zero; the rest is written before it is read.
-        net.fill_bytes(0).map_err(dev)?;
-        let state = DeviceBuffer::new(
-            ctx,
-            std::mem::size_of::<k::LlState>() + 4 * opts.num_experts,
-        )
-        .map_err(dev)?;
+        // Signals and flags start at zero (an arena is zeroed); the rest is written before it is
+        // read.
+        let (net, arena) = match &nics {
+            None => {
+                let net = DeviceBuffer::new(ctx, net_plan.bytes).map_err(dev)?;
+                net.fill_bytes(0).map_err(dev)?;
+                (Arc::new(net), None)
+            }
+            Some(n) => {
+                let a = n.ranks[rank]
+                    .arena(net_plan.bytes)
+                    .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
+                let net = a.device().cloned().ok_or_else(|| {
+                    invalid(rank, "the emulated NIC gave a host arena on a GPU rank")
+                })?;
+                (net, Some(a))
+            }
+        };
+        let state = DeviceBuffer::new(ctx, k::state_bytes(opts.num_experts)).map_err(dev)?;
         state.fill_bytes(0).map_err(dev)?;
         let region = |bytes| -> Result<Arc<DeviceBuffer>, EpError> {
             Ok(Arc::new(DeviceBuffer::new(ctx, bytes).map_err(dev)?))
@@ -470,20 +596,71 @@ impl LowLatencyBuffer {
         let combine_out = [region(comb_bytes)?, region(comb_bytes)?];
         let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
 
-        let all = group.all_gather(&[ctx.ordinal() as u64, net.ptr()])?;
+        let rkey = arena.as_ref().map_or(0, |a| u64::from(a.mr().rkey));
+        let all = group.all_gather(&[ctx.ordinal() as u64, net.ptr(), rkey])?;
         let mut peer_base = [0u64; k::MAX_RANKS];
+        let mut table = k::LlTransport::default();
         for (r, v) in all.iter().enumerate() {
-            if v.len() != 2 {
+            if v.len() != 3 {
                 return Err(EpError::Rendezvous {
                     rank,
-                    what: format!("rank {r} sent {} words, expected 2", v.len()),
+                    what: format!("rank {r} sent {} words, expected 3", v.len()),
                 });
             }
+            // Also with NVLink disabled: the emulated NIC's copies between GPUs go peer to peer.
             let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
             ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
-            peer_base[r] = v[1];
+            // Transport: the kernels reach only their own buffer by stores.
+            peer_base[r] = if nics.is_none() || r == rank { v[1] } else { 0 };
+            table.rbase[r] = v[1];
+            table.rkey[r] = v[2];
         }
-        // Nobody signals a peer before every rank has zeroed its own signals.
+        let transport = match (&nics, handler, arena) {
+            (Some(n), Some(handler), Some(arena)) => {
+                let me = &n.ranks[rank];
+                let mut groups = Vec::with_capacity(ranks);
+                for (r, peer) in n.ranks.iter().enumerate() {
+                    if r == rank {
+                        groups.push(None);
+                        continue;
+                    }
+                    let cfg = QpGroupConfig {
+                        handler,
+                        nqps: QPS_PER_PEER,
+                        nwqes: QP_RING_WQEBBS,
+                        timeout: opts.timeout,
+                        peer_rank: r as u32,
+                        ..Default::default()
+                    };
+                    let g = me.connect(peer, &arena, &cfg).map_err(|e| {
+                        transport_err(rank, &format!("connecting QPs to rank {r}"), e)
+                    })?;
+                    table.descs[r] = g.descs().ok_or_else(|| {
+                        invalid(rank, "the emulated NIC gave host descriptors on a GPU rank")
+                    })?;
+                    groups.push(Some(g));
+                }
+                table.nqps = u64::from(QPS_PER_PEER);
+                table.stage_off = net_plan.stage as u64;
+                table.comb_send_off = net_plan.comb_send as u64;
+                let table = DeviceBuffer::from_slice(ctx, &table.to_words()).map_err(dev)?;
+                tracing::info!(
+                    target: "ep",
+                    "rank {rank}: low-latency buffer over the emulated NIC, NVLink disabled, mode {}, {QPS_PER_PEER} QPs per peer",
+                    handler.name()
+                );
+                Some(LlNet {
+                    groups,
+                    table,
+                    handler,
+                    _arena: arena,
+                    _nics: n.clone(),
+                })
+            }
+            _ => None,
+        };
+        // Nobody signals a peer before every rank has zeroed its own signals and connected its
+        // QPs.
         group.all_gather(&[])?;
         Ok(LowLatencyBuffer {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -496,7 +673,7 @@ impl LowLatencyBuffer {
             dispatch_fn,
             combine_fn,
             sleep_fn,
-            net: Arc::new(net),
+            net,
             net_plan,
             out_plan,
             peer_base,
@@ -511,6 +688,7 @@ impl LowLatencyBuffer {
             calls: 0,
             poisoned: None,
             shut_down: false,
+            transport,
         })
     }
 
@@ -542,6 +720,14 @@ impl LowLatencyBuffer {
     /// SMs of this GPU (the default grid).
     pub fn num_sms(&self) -> u32 {
         self.sms
+    }
+    /// The NIC-handler mode of the transport, or `None` when the data moves by NVLink.
+    pub fn nic_handler(&self) -> Option<NicHandler> {
+        self.transport.as_ref().map(|t| t.handler)
+    }
+
+    fn transport_table(&self) -> u64 {
+        self.transport.as_ref().map_or(0, |t| t.table.ptr())
     }
 
     /// Where zero-copy combine takes the expert outputs from: BF16
@@ -721,6 +907,7 @@ impl LowLatencyBuffer {
             timeout_ns: self.timeout_ns(),
             signal_off: self.net_plan.signal[half] as u64,
             recv_off: self.net_plan.recv[half] as u64,
+            transport: self.transport_table(),
             rank: self.rank as i32,
             ranks: self.ranks as i32,
             num_tokens: t as i32,
@@ -739,7 +926,7 @@ impl LowLatencyBuffer {
             round_scale: i32::from(fp8.is_some_and(|f| f.round_scale || f.ue8m0)),
             ue8m0: i32::from(ue8m0),
             msg_bytes: msg_bytes(h, fp8.is_some()) as i32,
-            pad: 0,
+            half: half as i32,
         };
         launch(
             &self.stream,
@@ -851,6 +1038,7 @@ impl LowLatencyBuffer {
             timeout_ns: self.timeout_ns(),
             flag_off: self.net_plan.flag[half] as u64,
             recv_off: self.net_plan.comb_recv[half] as u64,
+            transport: self.transport_table(),
             rank: self.rank as i32,
             ranks: self.ranks as i32,
             num_tokens: t as i32,
@@ -950,6 +1138,13 @@ impl LowLatencyBuffer {
     fn check_device_error(&mut self) -> Result<(), EpError> {
         let mut code = self.mapped.read_u32(ERROR_OFFSET);
         if code == 0 {
+            // Every protocol status is checked in the kernels, so a QP failure comes with a code;
+            // the records are read anyway (host memory, cheap).
+            if let Some((peer, e)) = self.transport.as_ref().and_then(|t| t.first_failure(None)) {
+                let err = self.transport_failure(peer, format!("IBGDA transport: {e}"));
+                self.poisoned = Some(err.to_string());
+                return Err(err);
+            }
             return Ok(());
         }
         let start = Instant::now();
@@ -968,6 +1163,27 @@ impl LowLatencyBuffer {
                 count: 1,
                 num_experts: self.opts.num_experts,
             },
+            k::error_code::TRANSPORT => {
+                let call = match what {
+                    k::transport_what::PUT => "ibgda_put_warp (rows)",
+                    k::transport_what::SIGNAL => "ibgda_signal_add (count or flag)",
+                    k::transport_what::QUIET => "ibgda_quiet",
+                    _ => "a transport call",
+                };
+                let record = self
+                    .transport
+                    .as_ref()
+                    .and_then(|t| t.first_failure(Some(peer)))
+                    .map(|(r, e)| format!("; QPs to rank {r}: {e}"))
+                    .unwrap_or_default();
+                let mode = self.nic_handler().map_or("?", NicHandler::name);
+                self.transport_failure(
+                    peer,
+                    format!(
+                        "IBGDA transport, mode {mode}: {call} returned status {expert:#x} (QP key {detail}){record}"
+                    ),
+                )
+            }
             ERR_TIMEOUT => {
                 let w = match what {
                     k::wait_what::SEND_DONE => format!(
@@ -1000,6 +1216,18 @@ impl LowLatencyBuffer {
         Err(err)
     }
 
+    fn transport_failure(&self, peer: usize, what: String) -> EpError {
+        EpError::PeerTimeout {
+            rank: self.rank,
+            peer,
+            // One error per buffer (it is poisoned after), so leaking the text is bounded.
+            what: Box::leak(what.into_boxed_str()),
+            epoch: self.calls,
+            seen: 0,
+            timeout: self.opts.timeout,
+        }
+    }
+
     /// Waits (bounded) until everything queued on the buffer's stream has run, then reports any
     /// error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
@@ -1016,8 +1244,29 @@ impl LowLatencyBuffer {
         self.shut_down = true;
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
+        let closed = self.close_transport(&synced);
         synced?;
-        met.map(|_| ())
+        met?;
+        closed
+    }
+
+    /// After the teardown barrier: stops the proxies and destroys the QPs. When this rank's
+    /// stream did not finish, a kernel may still post to the rings, so the transport is leaked
+    /// rather than freed under it.
+    fn close_transport(&mut self, synced: &Result<(), EpError>) -> Result<(), EpError> {
+        let Some(t) = self.transport.take() else {
+            return Ok(());
+        };
+        if matches!(synced, Err(EpError::HostTimeout { .. })) {
+            tracing::error!(
+                rank = self.rank,
+                "low-latency stream still busy at teardown: leaking its QPs"
+            );
+            std::mem::forget(t);
+            return Ok(());
+        }
+        t.close()
+            .map_err(|(r, e)| transport_err(self.rank, &format!("closing the QPs to rank {r}"), e))
     }
 }
 
@@ -1029,13 +1278,19 @@ impl Drop for LowLatencyBuffer {
         // Best effort, as in shutdown: never free memory a peer may still be writing.
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
-        if let Err(e) = synced.and(met.map(|_| ())) {
+        let closed = self.close_transport(&synced);
+        if let Err(e) = synced.and(met.map(|_| ())).and(closed) {
             tracing::warn!(
                 rank = self.rank,
                 "low-latency buffer dropped without a clean teardown: {e}"
             );
         }
     }
+}
+
+/// A transport failure at creation or teardown, as an error that names what was being done.
+fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpError {
+    invalid(rank, format!("low-latency transport: {doing}: {e}"))
 }
 
 fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {

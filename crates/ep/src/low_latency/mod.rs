@@ -22,9 +22,13 @@
 //! in between guarantees it). All work runs on [`LowLatencyBuffer::stream`]. Every device wait is
 //! bounded; a timeout becomes an `Err` naming the rank, the peer and the expert.
 //!
-//! Today the data moves by NVLink stores between ranks that are threads of one process; the
-//! kernels send through one small device interface (`put_warp`, `signal`, `quiet` in
-//! `low_latency.cu`) so the IBGDA transport can take over when NVLink is disabled.
+//! The ranks are threads of one process. With NVLink allowed the data moves by NVLink stores;
+//! with [`LowLatencyOptions::allow_nvlink`] `= false` every byte to another rank goes through the
+//! IBGDA transport on the emulated NIC (RDMA writes of the rows from registered staging, fenced
+//! remote adds for the counts and flags, a quiet before each send kernel ends), in the NIC-handler
+//! mode [`LowLatencyOptions::nic_handler`] names (`gpu`, `cpu_host_memory`; `cpu` needs GDRCopy).
+//! The kernels send through one small device interface (`put_warp`, `signal`, `quiet` in
+//! `low_latency.cu`) that picks the path per destination.
 
 mod buffer;
 mod plan;

@@ -30,8 +30,11 @@ pub(crate) struct NetPlan {
     pub(crate) recv: [usize; 2],
     /// Combine rows `[experts][max tokens][hidden]` BF16.
     pub(crate) comb_recv: [usize; 2],
-    /// Zero-copy combine input `[local][ranks × max tokens][hidden]` BF16.
+    /// Zero-copy combine input `[local][ranks × max tokens][hidden]` BF16 (also where the
+    /// transport sends combine rows from).
     pub(crate) comb_send: usize,
+    /// Dispatch send staging `[max tokens][msg]` (transport: the NIC reads messages here).
+    pub(crate) stage: usize,
     /// Total bytes.
     pub(crate) bytes: usize,
 }
@@ -87,12 +90,14 @@ impl NetPlan {
         let recv = [take(l * r * t * msg), take(l * r * t * msg)];
         let comb_recv = [take(e * t * h * 2), take(e * t * h * 2)];
         let comb_send = take(l * r * t * h * 2);
+        let stage = take(t * msg);
         Self {
             signal,
             flag,
             recv,
             comb_recv,
             comb_send,
+            stage,
             bytes: at,
         }
     }
@@ -146,7 +151,8 @@ mod tests {
         assert!(p.recv[0] >= p.flag[1] + 288 * 8);
         assert!(p.recv[1] - p.recv[0] >= 72 * 4 * 128 * msg_bytes(7168, false));
         assert!(p.comb_send >= p.comb_recv[1] + 288 * 128 * 7168 * 2);
-        assert!(p.bytes >= p.comb_send + 72 * 512 * 7168 * 2);
+        assert!(p.stage >= p.comb_send + 72 * 512 * 7168 * 2);
+        assert!(p.bytes >= p.stage + 128 * msg_bytes(7168, false));
         let o = OutPlan::new(&d);
         assert!(o.scales >= 72 * 512 * 7168 * 2);
         assert!(o.bytes >= o.count + 72 * 4);
