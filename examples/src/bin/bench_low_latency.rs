@@ -1,16 +1,22 @@
 //! Low-latency dispatch/combine benchmark with DeepEP's sizes: 128 tokens per rank of hidden
 //! 7168, each to its top-8 of 288 experts (uniform random), ranks as threads, one per visible
-//! GPU (at most 8; `--ranks` to use fewer), NVLink allowed.
+//! GPU (at most 8; `--ranks` to use fewer). Runs twice: NVLink allowed (the targets), then with
+//! NVLink disabled, every byte through the IBGDA transport on the emulated NIC (reported, no
+//! target; `--transport-handler gpu|cpu_host_memory`, `--no-transport` to skip).
 //!
-//! Dispatch (BF16, FP8) and dispatch + combine are each captured `--iters` times into one CUDA
-//! graph and timed over a replay with device events (combine = the pair minus the dispatch), so
-//! the host's launch rate does not show; the mean over ranks is reported. Hook-mode send and
-//! receive halves are timed with host-queued events (median), an upper bound. Prints
-//! dispatch (BF16 and FP8) and combine, and in hook mode the send and receive halves of each.
-//! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
+//! Dispatch (BF16, FP8) and dispatch + combine are each captured `--iters` times (rounded up to
+//! even, so the double-buffered halves keep alternating across replays) into one CUDA graph on
+//! the buffer's (non-default) stream, instantiated once, replayed once to warm up, then replayed
+//! `REPLAYS` times between two events recorded on that stream outside the capture; after a
+//! synchronize the elapsed time is divided by the operations run (combine = the pair minus the
+//! dispatch). The host's launch rate does not show; the mean over ranks is reported. Hook-mode
+//! send and receive halves are timed with host-queued events behind a sleep kernel (median), an
+//! upper bound (printed, not recorded). GB/s = rows received × hidden × bytes per element ÷ time
+//! (FP8: 1 + 4/128 bytes per element).
 //!
 //! `bench_low_latency [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
-//!  [--experts E] [--iters N]`; exits 2 with a message where there is no GPU.
+//!  [--experts E] [--iters N] [--transport-iters N] [--transport-handler MODE] [--no-transport]`;
+//! exits 2 with a message where there is no GPU.
 
 use std::sync::Arc;
 
@@ -19,9 +25,14 @@ use ep::low_latency::{
     Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions,
 };
 use ep::{Bf16, EpError, Event, Tensor};
+use ep_examples::bench::utc_date as date_utc;
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
+use ibgda_device::protocol::HandlerChoice;
 use std::time::Duration;
+
+/// Timed replays of each graph (after one warm-up replay).
+const REPLAYS: usize = 5;
 
 struct Args {
     json: Option<String>,
@@ -31,6 +42,9 @@ struct Args {
     topk: usize,
     experts: usize,
     iters: usize,
+    transport_iters: usize,
+    transport_handler: HandlerChoice,
+    transport: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -42,6 +56,9 @@ fn parse() -> Result<Args> {
         topk: 8,
         experts: 288,
         iters: 50,
+        transport_iters: 10,
+        transport_handler: HandlerChoice::Gpu,
+        transport: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -54,28 +71,17 @@ fn parse() -> Result<Args> {
             "--topk" => a.topk = v()?.parse()?,
             "--experts" => a.experts = v()?.parse()?,
             "--iters" => a.iters = v()?.parse()?,
+            "--transport-iters" => a.transport_iters = v()?.parse()?,
+            "--transport-handler" => a.transport_handler = v()?.parse()?,
+            "--no-transport" => a.transport = false,
             other => bail!("unknown argument {other}"),
         }
     }
+    // An even count: a graph's dispatches (and combines) then start and end on the same half, so
+    // back-to-back replays keep alternating halves.
+    a.iters = a.iters.max(2).div_ceil(2) * 2;
+    a.transport_iters = a.transport_iters.max(2).div_ceil(2) * 2;
     Ok(a)
-}
-
-fn date_utc() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = (secs / 86400) as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
 }
 
 /// Median microseconds per timed phase of one rank.
@@ -100,7 +106,10 @@ fn us(a: &Event, b: &Event) -> Result<f64, EpError> {
     Ok(f64::from(a.elapsed_ms(b)?) * 1000.0)
 }
 
-/// Microseconds per operation of `iters` calls of `op` captured into one graph.
+/// Microseconds per operation of `iters` calls of `op` captured into one graph: the graph is
+/// instantiated once, replayed once to warm up, then [`REPLAYS`] times between two events
+/// recorded on the buffer's stream outside the capture (a graph replays on the stream it was
+/// captured from). Every rank replays the same number of times: the operations are collectives.
 fn time_graph(
     b: &mut LowLatencyBuffer,
     stream: &Arc<ibgda_device::cuda::CudaStream>,
@@ -111,14 +120,16 @@ fn time_graph(
     g.replay()?;
     b.synchronize()?;
     let e0 = Event::timed(stream)?;
-    g.replay()?;
+    for _ in 0..REPLAYS {
+        g.replay()?;
+    }
     let e1 = Event::timed(stream)?;
     b.synchronize()?;
-    Ok(us(&e0, &e1)? / iters.max(1) as f64)
+    Ok(us(&e0, &e1)? / (iters * REPLAYS).max(1) as f64)
 }
 
 /// One rank's whole benchmark.
-fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpError> {
+fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Result<Times, EpError> {
     let ctx = b.context().clone();
     let stream = b.stream().clone();
     let mut rng = Rng::new(seed);
@@ -169,15 +180,15 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpEr
 
     // Whole-graph timings: `iters` operations captured into one graph, replayed once to warm up
     // and once between two events (events inside a graph carry no timestamps).
-    let d16 = time_graph(b, &stream, a.iters, |b| {
+    let d16 = time_graph(b, &stream, iters, |b| {
         b.dispatch(&LlDispatchArgs::new(&x, &idx)).map(drop)
     })?;
-    let d8 = time_graph(b, &stream, a.iters, |b| {
+    let d8 = time_graph(b, &stream, iters, |b| {
         let mut d = LlDispatchArgs::new(&x, &idx);
         d.fp8 = fp8;
         b.dispatch(&d).map(drop)
     })?;
-    let pair = time_graph(b, &stream, a.iters, |b| {
+    let pair = time_graph(b, &stream, iters, |b| {
         let o = b.dispatch(&LlDispatchArgs::new(&x, &idx))?;
         let c = b.combine(&LlCombineArgs::new(
             LlCombineX::Tensor(&comb_in),
@@ -190,11 +201,12 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, seed: u64) -> Result<Times, EpEr
     })?;
 
     // Hook mode: send and receive halves timed separately with events queued by the host
-    // (behind a sleep kernel); where the host queues slower than the GPU runs, these include
-    // launch gaps and are upper bounds.
+    // (behind a sleep kernel long enough for the host to queue them all: about 1 ms per
+    // iteration, with ranks as threads sharing the driver); where the host still queues slower
+    // than the GPU runs, these include launch gaps and are upper bounds.
     let mut hooks = Vec::new();
-    b.sleep_on_stream(Duration::from_millis(30))?;
-    for _ in 0..a.iters {
+    b.sleep_on_stream(Duration::from_millis(20 + iters as u64))?;
+    for _ in 0..iters {
         let mut d = LlDispatchArgs::new(&x, &idx);
         d.return_recv_hook = true;
         let e0 = Event::timed(&stream)?;
@@ -256,15 +268,51 @@ fn main() -> Result<()> {
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
     let machine = format!("{}x {}", n, ctxs[0].name().unwrap_or_default());
-    let opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
-    let mut bufs = LowLatencyBuffer::create_group(&ctxs, &opts)?;
+    let mut records = Vec::new();
+    records.extend(run_config(&ctxs, &a, None, &machine)?);
+    if a.transport {
+        records.extend(run_config(&ctxs, &a, Some(a.transport_handler), &machine)?);
+    }
+    let json = format!("[\n{}\n]\n", records.join(",\n"));
+    if let Some(p) = &a.json {
+        std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
+        println!("wrote {p}");
+    }
+    Ok(())
+}
+
+/// Builds the buffers (NVLink allowed, or disabled with the transport in mode `transport`), runs
+/// every rank, tears down, prints; returns the JSON records.
+fn run_config(
+    ctxs: &[Arc<CudaContext>],
+    a: &Args,
+    transport: Option<HandlerChoice>,
+    machine: &str,
+) -> Result<Vec<String>> {
+    let ranks = ctxs.len();
+    let mut opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let iters = match transport {
+        None => a.iters,
+        Some(h) => {
+            opts.allow_nvlink = false;
+            opts.nic_handler = h;
+            a.transport_iters
+        }
+    };
+    let mut bufs = LowLatencyBuffer::create_group(ctxs, &opts)?;
     let sms = bufs[0].num_sms();
+    let path = match bufs[0].nic_handler() {
+        None => "NVLink".to_string(),
+        Some(m) => format!(
+            "NVLink disabled, IBGDA on the emulated NIC, mode {}",
+            m.name()
+        ),
+    };
     let results: Vec<Result<Times, EpError>> = std::thread::scope(|s| {
-        let a = &a;
         let joins: Vec<_> = bufs
             .iter_mut()
             .enumerate()
-            .map(|(r, b)| s.spawn(move || run_rank(b, a, 0x5eed + r as u64)))
+            .map(|(r, b)| s.spawn(move || run_rank(b, a, iters, 0x5eed + r as u64)))
             .collect();
         joins
             .into_iter()
@@ -290,8 +338,8 @@ fn main() -> Result<()> {
     let c = mean(|t| t.combine);
     let gbps = |bytes_per: f64, us: f64| rows * h * bytes_per / us / 1000.0;
     println!(
-        "low-latency EP{ranks}, {} tokens x {} hidden, top-{} of {} experts, {sms} SMs, NVLink ({machine}); \
-         {rows:.0} rows received per rank",
+        "low-latency EP{ranks}, {} tokens x {} hidden, top-{} of {} experts, {sms} SMs, {path} ({machine}); \
+         {rows:.0} rows received per rank; {iters} ops per graph x {REPLAYS} replays",
         a.tokens, a.hidden, a.topk, a.experts
     );
     println!(
@@ -304,7 +352,7 @@ fn main() -> Result<()> {
     );
     println!("  combine  BF16   {c:8.1} us  {:7.1} GB/s", gbps(2.0, c));
     println!(
-        "  hook: dispatch send {:.1} us, recv {:.1} us; combine send {:.1} us, recv {:.1} us",
+        "  hook (host-queued, upper bounds): dispatch send {:.1} us, recv {:.1} us; combine send {:.1} us, recv {:.1} us",
         mean(|t| t.dispatch_send),
         mean(|t| t.dispatch_recv),
         mean(|t| t.combine_send),
@@ -317,21 +365,17 @@ fn main() -> Result<()> {
         );
     }
     let date = date_utc();
+    let nvlink = transport.is_none();
+    let handler = transport.map_or("none", HandlerChoice::name);
     let rec = |bench: &str, dtype: &str, g: f64, u: f64| {
         format!(
-            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": true, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
             a.tokens, a.hidden, a.topk, a.experts
         )
     };
-    let json = format!(
-        "[\n{},\n{},\n{}\n]\n",
+    Ok(vec![
         rec("ll_dispatch", "bf16", gbps(2.0, d16), d16),
         rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8),
-        rec("ll_combine", "bf16", gbps(2.0, c), c)
-    );
-    if let Some(p) = &a.json {
-        std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
-        println!("wrote {p}");
-    }
-    Ok(())
+        rec("ll_combine", "bf16", gbps(2.0, c), c),
+    ])
 }

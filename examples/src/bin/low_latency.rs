@@ -5,7 +5,11 @@
 //! the program checks that, checks the routing against `ep::low_latency::reference`, and prints
 //! one line per rank. Exits 2 where there is no GPU (or only one).
 //!
-//! `low_latency [--tokens N] [--hidden H] [--topk K] [--experts-per-rank E] [--hook]`
+//! `--no-nvlink` sends every byte between ranks through the IBGDA transport on the emulated NIC
+//! (`--handler gpu|cpu_host_memory|cpu|auto` picks who rings the doorbells).
+//!
+//! `low_latency [--tokens N] [--hidden H] [--topk K] [--experts-per-rank E] [--hook]
+//!  [--no-nvlink] [--handler MODE]`
 
 use std::sync::Arc;
 
@@ -17,6 +21,7 @@ use ep::low_latency::{
 use ep::{Bf16, Tensor};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
+use ibgda_device::protocol::HandlerChoice;
 
 struct Args {
     tokens: usize,
@@ -24,6 +29,8 @@ struct Args {
     topk: usize,
     experts_per_rank: usize,
     hook: bool,
+    nvlink: bool,
+    handler: HandlerChoice,
 }
 
 fn parse() -> Result<Args> {
@@ -33,6 +40,8 @@ fn parse() -> Result<Args> {
         topk: 8,
         experts_per_rank: 16,
         hook: false,
+        nvlink: true,
+        handler: HandlerChoice::Auto,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -43,6 +52,8 @@ fn parse() -> Result<Args> {
             "--topk" => a.topk = v()?.parse()?,
             "--experts-per-rank" => a.experts_per_rank = v()?.parse()?,
             "--hook" => a.hook = true,
+            "--no-nvlink" => a.nvlink = false,
+            "--handler" => a.handler = v()?.parse()?,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -165,7 +176,9 @@ fn main() -> Result<()> {
     let ctxs: Vec<Arc<CudaContext>> = (0..n)
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
-    let opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, experts);
+    let mut opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, experts);
+    opts.allow_nvlink = a.nvlink;
+    opts.nic_handler = a.handler;
     let mut bufs = LowLatencyBuffer::create_group(&ctxs, &opts)?;
 
     let mut rng = Rng::new(42);
