@@ -61,6 +61,16 @@ constexpr int kFp8Block = 128;
 constexpr int kMaxMsg16 = 1 + kMaxHidden * 2 / 16;
 // 16-byte loads in flight per lane before the stores of a copy.
 constexpr int kUnroll = 4;
+// Most warps that share one row when an expert has fewer rows than the block has warps: a 14 KB
+// row copied by one warp takes seven dependent load/store rounds; eight warps take one.
+constexpr int kMaxWarpsPerRow = 8;
+// Expert rows loaded at once per combine thread before they are summed (registers: 4 per row).
+constexpr int kCombineBatch = 4;
+
+// Warps per row for `rows` rows spread over a block's warps.
+__device__ __forceinline__ int warps_per_row(int rows) {
+    return rows <= 0 ? 1 : max(1, min(kMaxWarpsPerRow, kWarps / rows));
+}
 
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
@@ -178,7 +188,11 @@ __device__ __forceinline__ int* finish_of(uint64_t state, int num_experts) {
 
 // ---- The send interface ----------------------------------------------------------------------
 
+// kTransport = false: NVLink only (ep_ll_dispatch / ep_ll_combine), no protocol code at all, so
+// the NVLink kernels keep their registers; true: the transport kernels (ep_*_net).
+template <bool kTransport>
 struct Net {
+    static constexpr bool kOn = kTransport;
     const uint64_t* base;
     const LlTransport* tp;  // nullptr: NVLink only
     uint64_t error;
@@ -204,7 +218,10 @@ struct Net {
     // same bytes (visible to the NIC: the caller fenced them). False (error recorded) on failure.
     __device__ __forceinline__ bool put_warp(int dst, uint64_t remote_off, const int4* src, uint64_t laddr, int n16,
                                              int lane, int key) const {
-        if (peer(dst) != 0) {
+        if constexpr (kTransport) {
+            if (peer(dst) == 0) return put_net(dst, remote_off, laddr, n16, lane, key);
+        }
+        {
             int4* dst_p = reinterpret_cast<int4*>(peer(dst) + remote_off);
             for (int i = lane; i < n16; i += 32 * kUnroll) {
                 int4 v[kUnroll];
@@ -217,6 +234,10 @@ struct Net {
             }
             return true;
         }
+    }
+
+    __device__ __forceinline__ bool put_net(int dst, uint64_t remote_off, uint64_t laddr, int n16, int lane,
+                                            int key) const {
         // No doorbell: the signal that follows on the same QP (or the quiet) rings for this put.
         const int st = ibgda_put_warp(qp(dst, key), tp->rbase[dst] + remote_off, static_cast<uint32_t>(tp->rkey[dst]),
                                       laddr, static_cast<uint64_t>(n16) * 16u, 0u, false);
@@ -233,11 +254,15 @@ struct Net {
     // fenced atomic, after the puts on the same QP). False (error recorded) on failure.
     __device__ __forceinline__ bool signal(int dst, uint64_t remote_off, uint64_t value, uint64_t delta,
                                            int key) const {
-        if (peer(dst) != 0) {
-            __threadfence_system();
-            st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
-            return true;
+        if constexpr (kTransport) {
+            if (peer(dst) == 0) return signal_net(dst, remote_off, delta, key);
         }
+        __threadfence_system();
+        st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
+        return true;
+    }
+
+    __device__ __forceinline__ bool signal_net(int dst, uint64_t remote_off, uint64_t delta, int key) const {
         const int st = ibgda_signal_add(qp(dst, key), tp->rbase[dst] + remote_off, static_cast<uint32_t>(tp->rkey[dst]),
                                         delta, true, true);
         if (st != IBGDA_STATUS_OK) {
@@ -251,17 +276,19 @@ struct Net {
     // completed everything posted to every peer (the send staging may be rewritten by the next
     // kernel). NVLink stores need nothing.
     __device__ __forceinline__ void quiet() const {
-        if (tp == nullptr) return;
-        __syncthreads();
-        const int n = ranks * static_cast<int>(tp->nqps);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const int dst = i / static_cast<int>(tp->nqps);
-            if (peer(dst) != 0 || tp->descs[dst] == 0) continue;
-            ibgda_qp_desc* d = reinterpret_cast<ibgda_qp_desc*>(tp->descs[dst]) + i % static_cast<int>(tp->nqps);
-            const int st = ibgda_quiet(d);
-            if (st != IBGDA_STATUS_OK) fail(dst, kTransportQuiet, st, i);
+        if constexpr (kTransport) {
+            if (tp == nullptr) return;
+            __syncthreads();
+            const int n = ranks * static_cast<int>(tp->nqps);
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const int dst = i / static_cast<int>(tp->nqps);
+                if (peer(dst) != 0 || tp->descs[dst] == 0) continue;
+                ibgda_qp_desc* d = reinterpret_cast<ibgda_qp_desc*>(tp->descs[dst]) + i % static_cast<int>(tp->nqps);
+                const int st = ibgda_quiet(d);
+                if (st != IBGDA_STATUS_OK) fail(dst, kTransportQuiet, st, i);
+            }
+            __syncthreads();
         }
-        __syncthreads();
     }
 };
 
@@ -329,6 +356,7 @@ __device__ __forceinline__ bool wait_sys(const uint64_t* p, Ok ok, uint64_t* see
 
 // ---- Dispatch ----------------------------------------------------------------------------------
 
+template <class Net>
 __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const Net& net, uint64_t seq) {
     __shared__ int4 s_msg[kMaxMsg16];
     __shared__ int s_expert[kMaxTopk];
@@ -410,7 +438,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
         // Transport: the message also goes to this token's row of the registered send staging,
         // where the NIC reads it (fenced to system scope: the NIC is not an SM).
         uint64_t stage = 0;
-        if (net.tp != nullptr) {
+        if (Net::kOn && net.tp != nullptr) {
             stage = mine + net.tp->stage_off + static_cast<uint64_t>(t) * p.msg_bytes;
             for (int c = threadIdx.x; c < msg16; c += kThreads) reinterpret_cast<int4*>(stage)[c] = s_msg[c];
             __threadfence_system();
@@ -426,7 +454,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             const int dst = e / L, le = e % L;
             int lo = part * per;
             int n = min(per, msg16 - lo);
-            if (net.peer(dst) == 0) {
+            if (Net::kOn && net.peer(dst) == 0) {
                 if (part != 0) continue;
                 lo = 0;
                 n = msg16;
@@ -518,7 +546,11 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_
         }
         __syncthreads();
         const int total = s_off[R];
-        for (int j = warp; j < total; j += kWarps) {
+        // (row, slice) jobs: with few rows, several warps share each row.
+        const int wpr = warps_per_row(total);
+        const int slice = (data16 + wpr - 1) / wpr;
+        for (int job = warp; job < total * wpr; job += kWarps) {
+            const int j = job / wpr, part = job % wpr;
             int r = 0;
             while (r + 1 < R && s_off[r + 1] <= j) ++r;
             const int i = j - s_off[r];
@@ -527,15 +559,17 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_
             const int64_t row = static_cast<int64_t>(le) * cap + j;
             const int4* src = reinterpret_cast<const int4*>(m) + 1;
             int4* dst = reinterpret_cast<int4*>(p.out_x + row * data_bytes);
-            for (int c = lane; c < data16; c += 32 * kUnroll) {
+            const int hi = min(data16, (part + 1) * slice);
+            for (int c = part * slice + lane; c < hi; c += 32 * kUnroll) {
                 int4 v[kUnroll];
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u)
-                    if (c + u * 32 < data16) v[u] = ld_na_v4(src + c + u * 32);
+                    if (c + u * 32 < hi) v[u] = ld_na_v4(src + c + u * 32);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u)
-                    if (c + u * 32 < data16) dst[c + u * 32] = v[u];
+                    if (c + u * 32 < hi) dst[c + u * 32] = v[u];
             }
+            if (part != 0) continue;
             if (lane == 0) reinterpret_cast<int*>(p.out_src_info)[row] = reinterpret_cast<const volatile int*>(m)[0];
             if (p.fp8) {
                 const float* sc = reinterpret_cast<const float*>(m + 16 + H);
@@ -560,8 +594,9 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_
 
 // ---- Combine -----------------------------------------------------------------------------------
 
+template <class Net>
 __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net& net, uint64_t seq) {
-    __shared__ int s_off[kMaxRanks], s_cnt[kMaxRanks];
+    __shared__ int s_off[kMaxRanks], s_cnt[kMaxRanks], s_pre[kMaxRanks + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int H = p.hidden, L = p.num_local, R = p.ranks;
     const int cap = R * p.max_tokens;
@@ -569,35 +604,54 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
     // Transport: rows go out from the registered zero-copy input; rows given elsewhere are
     // copied there first.
     const uint64_t mine = p.peer_base[p.rank];
-    const uint64_t stage = net.tp != nullptr ? mine + net.tp->comb_send_off : 0;
+    const uint64_t stage = Net::kOn && net.tp != nullptr ? mine + net.tp->comb_send_off : 0;
     for (int le = blockIdx.x; le < L; le += gridDim.x) {
         const int e = p.rank * L + le;
         if (threadIdx.x < R) {
             const int* layout = reinterpret_cast<const int*>(p.layout) + (static_cast<int64_t>(le) * R + threadIdx.x) * 2;
             s_off[threadIdx.x] = layout[0];
-            s_cnt[threadIdx.x] = layout[1];
+            s_cnt[threadIdx.x] = max(0, min(layout[1], p.max_tokens));
         }
         __syncthreads();
-        // Rows of each source rank are contiguous: warp w takes rows w, w + 32, ... of each.
-        for (int r = 0; r < R; ++r) {
-            for (int i = warp; i < s_cnt[r]; i += kWarps) {
-                const int64_t row = static_cast<int64_t>(le) * cap + s_off[r] + i;
-                const int src_token = reinterpret_cast<const int*>(p.src_info)[row];
-                const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
-                const uint64_t off =
-                    p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
-                uint64_t laddr = 0;
-                if (net.peer(r) == 0) {
-                    laddr = stage + static_cast<uint64_t>(row) * H * 2;
-                    if (laddr != reinterpret_cast<uint64_t>(src)) {
-                        int4* st = reinterpret_cast<int4*>(laddr);
-                        for (int c = lane; c < row16; c += 32) st[c] = ld_stream_v4(src + c);
-                        __threadfence_system();
-                    }
-                    __syncwarp();
-                }
-                net.put_warp(r, off, src, laddr, row16, lane, e);
+        if (threadIdx.x == 0) {
+            int n = 0;
+            for (int r = 0; r < R; ++r) {
+                s_pre[r] = n;
+                n += s_cnt[r];
             }
+            s_pre[R] = n;
+        }
+        __syncthreads();
+        // All the expert's rows (every source rank's, contiguous per rank) as (row, slice) jobs
+        // over the block's warps, several warps per row when there are few rows. A transport
+        // destination gets each row as one RDMA write (slice 0's job).
+        const int total = s_pre[R];
+        const int wpr = warps_per_row(total);
+        const int slice = (row16 + wpr - 1) / wpr;
+        for (int job = warp; job < total * wpr; job += kWarps) {
+            const int j = job / wpr, part = job % wpr;
+            int r = 0;
+            while (r + 1 < R && s_pre[r + 1] <= j) ++r;
+            const int64_t row = static_cast<int64_t>(le) * cap + s_off[r] + (j - s_pre[r]);
+            const int src_token = reinterpret_cast<const int*>(p.src_info)[row];
+            const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
+            const uint64_t off =
+                p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
+            if (!Net::kOn || net.peer(r) != 0) {
+                const int lo = part * slice;
+                const int n = min(slice, row16 - lo);
+                if (n > 0) net.put_warp(r, off + static_cast<uint64_t>(lo) * 16, src + lo, 0, n, lane, e);
+                continue;
+            }
+            if (part != 0) continue;
+            const uint64_t laddr = stage + static_cast<uint64_t>(row) * H * 2;
+            if (laddr != reinterpret_cast<uint64_t>(src)) {
+                int4* st = reinterpret_cast<int4*>(laddr);
+                for (int c = lane; c < row16; c += 32) st[c] = ld_stream_v4(src + c);
+                __threadfence_system();
+            }
+            __syncwarp();
+            net.put_warp(r, off, src, laddr, row16, lane, e);
         }
         __syncthreads();
         if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
@@ -633,19 +687,29 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
             float acc[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-            for (int k = 0; k < K; ++k) {
-                const int e = s_e[k];
-                if (e < 0) continue;
-                const float w = s_w[k];
-                const int4 v = ld_na_v4(reinterpret_cast<const int4*>(
-                                            mine + p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + t) * H * 2) +
-                                        c);
-                const uint32_t u[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
-                                       static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+            // kCombineBatch rows' loads in flight before the sums, which keep the reference's
+            // order (k ascending, one fused multiply-add per value).
+            const int4* rows = reinterpret_cast<const int4*>(mine + p.recv_off) + c;
+            for (int k0 = 0; k0 < K; k0 += kCombineBatch) {
+                int4 v[kCombineBatch];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] & 0xffffu)), acc[2 * j]);
-                    acc[2 * j + 1] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] >> 16)), acc[2 * j + 1]);
+                for (int b = 0; b < kCombineBatch; ++b) {
+                    const int e = k0 + b < K ? s_e[k0 + b] : -1;
+                    v[b] = e >= 0 ? ld_na_v4(rows + (static_cast<uint64_t>(e) * p.max_tokens + t) * (H / 8))
+                                  : make_int4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int b = 0; b < kCombineBatch; ++b) {
+                    const int e = k0 + b < K ? s_e[k0 + b] : -1;
+                    if (e < 0) continue;
+                    const float w = s_w[k0 + b];
+                    const uint32_t u[4] = {static_cast<uint32_t>(v[b].x), static_cast<uint32_t>(v[b].y),
+                                           static_cast<uint32_t>(v[b].z), static_cast<uint32_t>(v[b].w)};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[2 * j] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] & 0xffffu)), acc[2 * j]);
+                        acc[2 * j + 1] = fmaf(w, bf16_to_f32(static_cast<uint16_t>(u[j] >> 16)), acc[2 * j + 1]);
+                    }
                 }
             }
             int4 o;
@@ -661,7 +725,8 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const LlDispatchParams p) {
+template <bool kTransport>
+__device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
     __shared__ int abort;
     __shared__ uint64_t seq;
     LlState* state = reinterpret_cast<LlState*>(p.state);
@@ -671,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const L
     }
     __syncthreads();
     if (abort) return;
-    const Net net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
+    const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) dispatch_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
         dispatch_recv(p, seq);
@@ -689,7 +754,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const L
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const LlCombineParams p) {
+template <bool kTransport>
+__device__ __forceinline__ void combine_kernel(const LlCombineParams& p) {
     __shared__ int abort;
     __shared__ uint64_t seq;
     LlState* state = reinterpret_cast<LlState*>(p.state);
@@ -699,7 +765,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const Ll
     }
     __syncthreads();
     if (abort) return;
-    const Net net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
+    const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) combine_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
         combine_recv(p, seq);
@@ -715,6 +781,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const Ll
             }
         }
     }
+}
+
+// NVLink only (every peer mapped).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch(const LlDispatchParams p) {
+    dispatch_kernel<false>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine(const LlCombineParams p) {
+    combine_kernel<false>(p);
+}
+// NVLink disabled: peers through the transport (`p.transport`).
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_dispatch_net(const LlDispatchParams p) {
+    dispatch_kernel<true>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads, 1) ep_ll_combine_net(const LlCombineParams p) {
+    combine_kernel<true>(p);
 }
 
 // Keeps the stream busy for `ns` nanoseconds: benchmarks queue their timed work behind it so

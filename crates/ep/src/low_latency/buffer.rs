@@ -556,8 +556,12 @@ impl LowLatencyBuffer {
             ep_kernels::load_function(ctx, k::MODULE, name)
                 .map_err(|source| EpError::Kernel { rank, source })
         };
-        let dispatch_fn = f("ep_ll_dispatch")?;
-        let combine_fn = f("ep_ll_combine")?;
+        // The transport kernels carry the protocol code; the NVLink ones have none of it.
+        let (dispatch_fn, combine_fn) = if nics.is_some() {
+            (f("ep_ll_dispatch_net")?, f("ep_ll_combine_net")?)
+        } else {
+            (f("ep_ll_dispatch")?, f("ep_ll_combine")?)
+        };
         let sleep_fn = f("ep_ll_sleep")?;
         let stream = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
         let sms = ctx
