@@ -178,6 +178,8 @@ struct LlState {
     // completed by this rank's warps in the current dispatch; the expert's count warp resets it.
 };
 static_assert(sizeof(LlState) == 64, "LlState layout");
+static_assert(offsetof(LlState, dispatch_seq) == 16 && offsetof(LlState, dispatch_blocks_done) == 36, "LlState layout");
+static_assert(offsetof(LlTransport, nqps) == 192, "LlTransport layout");
 
 __device__ __forceinline__ uint64_t* last_signal_of(uint64_t state) {
     return reinterpret_cast<uint64_t*>(state + sizeof(LlState));

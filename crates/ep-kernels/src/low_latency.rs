@@ -251,9 +251,43 @@ const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<LlState>() == 64);
     assert!(size_of::<LlTransport>() == 256);
+    assert!(offset_of!(LlState, dispatch_seq) == 16);
+    assert!(offset_of!(LlState, dispatch_blocks_done) == 36);
+    assert!(offset_of!(LlTransport, nqps) == 192);
     assert!(size_of::<LlDispatchParams>() == 224);
     assert!(offset_of!(LlDispatchParams, rank) == 168);
     assert!(size_of::<LlCombineParams>() == 200);
     assert!(offset_of!(LlCombineParams, rank) == 160);
     assert!(size_of::<LlSleepParams>() == 8);
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_words_follow_the_struct_layout() {
+        let t = LlTransport {
+            descs: [1, 2, 3, 4, 5, 6, 7, 8],
+            rbase: [11, 12, 13, 14, 15, 16, 17, 18],
+            rkey: [21, 22, 23, 24, 25, 26, 27, 28],
+            nqps: 4,
+            stage_off: 40,
+            comb_send_off: 50,
+            pad: [0; 5],
+        };
+        let w = t.to_words();
+        assert_eq!(w.len() * 8, std::mem::size_of::<LlTransport>());
+        assert_eq!(w[std::mem::offset_of!(LlTransport, rbase) / 8], 11);
+        assert_eq!(w[std::mem::offset_of!(LlTransport, rkey) / 8 + 7], 28);
+        assert_eq!(w[std::mem::offset_of!(LlTransport, nqps) / 8], 4);
+        assert_eq!(w[std::mem::offset_of!(LlTransport, stage_off) / 8], 40);
+        assert_eq!(w[std::mem::offset_of!(LlTransport, comb_send_off) / 8], 50);
+    }
+
+    #[test]
+    fn state_arrays_follow_the_header() {
+        // u64 last_signal[2][experts] then i32 finish[experts], as finish_of() in the .cu.
+        assert_eq!(state_bytes(288), 64 + 16 * 288 + 4 * 288);
+    }
+}
