@@ -318,11 +318,21 @@ __device__ __forceinline__ int warp_sum(int v) {
     return v;
 }
 
-// Whether expert `e` appears among token `t`'s ids (each (token, expert) pair is sent once).
-__device__ __forceinline__ bool token_has(const int* idx, int t, int k, int e) {
-    for (int j = 0; j < k; ++j)
-        if (idx[t * k + j] == e) return true;
-    return false;
+// Warp-collective: how many of the first `tokens` tokens have expert `e` among their ids (a token
+// that repeats an id counts once: each (token, expert) pair is sent once). The ids are scanned
+// flat, 32 independent loads per step, not token by token with an early exit (a chain of
+// dependent loads on the send's critical path).
+__device__ __forceinline__ int count_tokens_with(const int* idx, int tokens, int k, int e, int lane) {
+    int n = 0;
+    const int total = tokens * k;
+    for (int i = lane; i < total; i += 32) {
+        if (__ldg(idx + i) != e) continue;
+        // Count only the token's first occurrence of e.
+        bool first = true;
+        for (int j = i - i % k; j < i; ++j) first &= __ldg(idx + j) != e;
+        n += first ? 1 : 0;
+    }
+    return warp_sum(n);
 }
 
 __device__ __forceinline__ uint16_t fp8x2(float lo, float hi) {
@@ -427,9 +437,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             for (int j = 0; j < warp; ++j) dup |= idx[t * K + j] == e;
             int slot = -1;
             if (e >= 0 && !dup) {
-                int n = 0;
-                for (int u = lane; u < t; u += 32) n += token_has(idx, u, K, e) ? 1 : 0;
-                slot = warp_sum(n);
+                slot = count_tokens_with(idx, t, K, e, lane);
             }
             if (lane == 0) {
                 s_expert[warp] = slot >= 0 ? e : -1;
@@ -479,9 +487,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
     // 5. One warp per expert: once every token for it has been sent, signal
     //    (seq + 1) << 32 | (count + 1) (see the top of the file).
     for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
-        int n = 0;
-        for (int u = lane; u < T; u += 32) n += token_has(idx, u, K, e) ? 1 : 0;
-        n = warp_sum(n);
+        const int n = count_tokens_with(idx, T, K, e, lane);
         if (lane == 0) {
             const uint64_t start = globaltimer_ns();
             uint32_t polls = 0;
