@@ -270,15 +270,20 @@ fn main() -> Result<()> {
     let machine = format!("{}x {}", n, ctxs[0].name().unwrap_or_default());
     let mut records = Vec::new();
     records.extend(run_config(&ctxs, &a, None, &machine)?);
-    if a.transport {
-        records.extend(run_config(&ctxs, &a, Some(a.transport_handler), &machine)?);
-    }
+    // A failing transport run still leaves the NVLink records written, then fails the run.
+    let transport = if a.transport {
+        run_config(&ctxs, &a, Some(a.transport_handler), &machine)
+            .map(|r| records.extend(r))
+            .context("the transport run (NVLink disabled)")
+    } else {
+        Ok(())
+    };
     let json = format!("[\n{}\n]\n", records.join(",\n"));
     if let Some(p) = &a.json {
         std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
         println!("wrote {p}");
     }
-    Ok(())
+    transport
 }
 
 /// Builds the buffers (NVLink allowed, or disabled with the transport in mode `transport`), runs
