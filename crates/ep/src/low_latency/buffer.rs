@@ -663,6 +663,10 @@ impl LowLatencyBuffer {
             }
             _ => None,
         };
+        // The memsets and uploads above ran on the legacy stream (cuMemsetD8 and pageable
+        // uploads may return before the device has finished them); the kernels run on a
+        // non-blocking stream and peers (or their NICs) write here: all of it must have landed.
+        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
         // Nobody signals a peer before every rank has zeroed its own signals and connected its
         // QPs.
         group.all_gather(&[])?;
