@@ -41,6 +41,23 @@ __device__ __forceinline__ int ld_volatile_i32(const int* p) {
     return static_cast<int>(ld_volatile_u32(reinterpret_cast<const uint32_t*>(p)));
 }
 
+// This kernel's barrier epoch: one past the last one this rank used, kept in its own signal
+// region and advanced here, on the GPU. Kernel parameters carry no epoch the barriers rely on, so
+// a replayed CUDA graph takes fresh epochs; every rank runs the same epoch-taking kernels in the
+// same order (notify, dispatch; barrier, combine or pull), so the ranks' counters agree. Only this
+// rank's kernels, ordered on its one stream, touch the counter. Every thread of the block calls
+// this; thread 0 advances it.
+__device__ __forceinline__ uint64_t next_epoch(const uint64_t* signals, int rank) {
+    __shared__ uint64_t epoch;
+    if (threadIdx.x == 0) {
+        SignalHead* mine = signal_of(signals, rank);
+        epoch = mine->epoch + 1;
+        mine->epoch = epoch;
+    }
+    __syncthreads();
+    return epoch;
+}
+
 extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify(const NotifyParams p) {
     __shared__ int abort;
     if (threadIdx.x == 0) abort = error_recorded(p.error);
@@ -63,9 +80,9 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
             experts_of(signal_of(p.signal, d))[p.rank * L + l] = per_expert != nullptr ? per_expert[d * L + l] : 0;
         }
     }
-    __syncthreads();
-    release_to_peers(p.signal, p.rank, p.ranks, p.epoch);
-    if (!wait_for_peers(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitDispatchCounts)) return;
+    const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
+    release_to_peers(p.signal, p.rank, p.ranks, epoch);
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts)) return;
 
     // 2. This dispatch's Meta, at the start of the receive region.
     SignalHead* mine = signal_of(p.signal, p.rank);
@@ -117,11 +134,11 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
 }
 
 // The last block of a push kernel to finish: every block fences its peer stores and counts
-// itself done; the last one then releases `epoch` to every peer (cumulatively covering all
-// blocks' stores) and waits for every peer's release. Returns true on that block only, after a
-// successful wait.
-__device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
-                                            uint64_t timeout_ns, uint64_t error, uint32_t what) {
+// itself done; the last one then takes the kernel's epoch (next_epoch), releases it to every peer
+// (cumulatively covering all blocks' stores) and waits for every peer's release. Returns true on
+// that block only, after a successful wait.
+__device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t timeout_ns,
+                                            uint64_t error, uint32_t what) {
     __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -136,6 +153,7 @@ __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, i
     }
     __syncthreads();
     if (!last) return false;
+    const uint64_t epoch = next_epoch(signals, rank);
     release_to_peers(signals, rank, ranks, epoch);
     return wait_for_peers(signals, rank, ranks, epoch, timeout_ns, error, what);
 }
@@ -211,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
         }
     }
 
-    if (!finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitDispatchData)) return;
+    if (!finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitDispatchData)) return;
     // Fixed-size output: rows past the received ones carry no expert.
     if (p.num_worst_tokens > 0 && p.topk > 0) {
         const Meta* my_meta = reinterpret_cast<const Meta*>(dst_base[p.rank]);
@@ -235,9 +253,9 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_barrie
         signal_of(p.signal, threadIdx.x)->comb_src[p.rank] = p.publish_x;
         signal_of(p.signal, threadIdx.x)->comb_w_src[p.rank] = p.publish_w;
     }
-    __syncthreads();
-    release_to_peers(p.signal, p.rank, p.ranks, p.epoch);
-    wait_for_peers(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
+    const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
+    release_to_peers(p.signal, p.rank, p.ranks, epoch);
+    wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
 }
 
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine(const CombinePushParams p) {
@@ -278,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
                     reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(i) * p.topk + k];
         }
     }
-    finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitCombineData);
+    finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitCombineData);
 }
 
 // 4 x 8 f32 accumulators and 4 loads per lane: the most that fits 64 registers unspilled.
@@ -451,5 +469,5 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
         }
     }
     // Peers may reuse their inputs once every rank has finished reading them.
-    finish_push(p.signal, p.rank, p.ranks, p.epoch, p.timeout_ns, p.error, kWaitCombineData);
+    finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitCombineData);
 }

@@ -80,7 +80,12 @@ pub struct SignalHead {
     /// Blocks of the owner's push kernel that have finished.
     pub blocks_done: u32,
     /// Padding.
-    pub pad: [u32; 15],
+    pub pad0: u32,
+    /// The last barrier epoch the owner's kernels used; each epoch-taking kernel advances it by
+    /// one on the GPU (so replays of a captured graph take fresh epochs).
+    pub epoch: u64,
+    /// Padding.
+    pub pad: [u32; 12],
 }
 
 /// Per-dispatch facts at the start of a receive region (`Meta`); expert counts follow it.
@@ -155,7 +160,8 @@ pub struct NotifyParams {
     pub host_info: u64,
     /// [`ErrorWord`] in mapped memory.
     pub error: u64,
-    /// Barrier epoch.
+    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
+    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
     pub epoch: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,
@@ -212,7 +218,8 @@ pub struct DispatchParams {
     pub send_pos: u64,
     /// [`ErrorWord`].
     pub error: u64,
-    /// Barrier epoch.
+    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
+    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
     pub epoch: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,
@@ -246,7 +253,8 @@ pub struct BarrierParams {
     pub publish_w: u64,
     /// [`ErrorWord`].
     pub error: u64,
-    /// Barrier epoch.
+    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
+    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
     pub epoch: u64,
     /// Bound of the wait, ns.
     pub timeout_ns: u64,
@@ -278,7 +286,8 @@ pub struct CombinePushParams {
     pub topk_weights: u64,
     /// [`ErrorWord`].
     pub error: u64,
-    /// Barrier epoch.
+    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
+    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
     pub epoch: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,
@@ -316,7 +325,8 @@ pub struct CombinePullParams {
     pub out_weights: u64,
     /// [`ErrorWord`].
     pub error: u64,
-    /// Barrier epoch.
+    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
+    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
     pub epoch: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,
@@ -391,6 +401,7 @@ const _: () = {
     assert!(size_of::<SignalHead>() == 576);
     assert!(offset_of!(SignalHead, tokens) == 256);
     assert!(offset_of!(SignalHead, blocks_done) == 512);
+    assert!(offset_of!(SignalHead, epoch) == 520);
     assert!(size_of::<Meta>() == 128);
     assert!(offset_of!(Meta, num_recv) == 68);
     assert!(size_of::<HostInfo>() == 16);

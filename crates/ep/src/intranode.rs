@@ -17,6 +17,9 @@
 //! stream; every wait, on the GPU and on the host, is bounded.
 //!
 //! Every rank of a group must call the same operations in the same order (they are collectives).
+//! With `num_worst_tokens` the operations can be captured in a CUDA graph and replayed (see
+//! [`Buffer::dispatch`]): barrier epochs are counted on the GPU, outputs are the tensors the
+//! capture returned.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -269,8 +272,9 @@ pub struct DispatchArgs<'a> {
     pub layout: &'a DispatchLayout,
     /// Top-k ids and weights to send along (returned as local expert ids), or none.
     pub topk: Option<TopK<'a>>,
-    /// Return exactly this many rows with no host wait (CUDA-graph capturable); rows past the
-    /// received ones have top-k id -1. `None`: as many rows as received, after a bounded host wait.
+    /// Return exactly this many rows with no host wait (CUDA-graph capturable: see
+    /// [`Buffer::dispatch`]); rows past the received ones have top-k id -1. `None`: as many rows
+    /// as received, after a bounded host wait.
     pub num_worst_tokens: Option<usize>,
     /// Per-expert counts are rounded up to a multiple of this (at least 1).
     pub expert_alignment: usize,
@@ -816,18 +820,46 @@ impl Buffer {
         Ok(())
     }
 
+    /// Whether the communication stream is being captured into a CUDA graph (see
+    /// [`dispatch`](Self::dispatch), "CUDA graphs").
+    pub fn is_capturing(&self) -> Result<bool, EpError> {
+        let status = self
+            .comm
+            .capture_status()
+            .map_err(self.cuda("cuStreamIsCapturing"))?;
+        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Refuses an operation that waits on the host while the communication stream is captured.
+    fn not_capturing(&self, what: &str) -> Result<(), EpError> {
+        if self.is_capturing()? {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{what} waits on the host, which a CUDA-graph capture of the communication \
+                     stream cannot hold: call it before or after the capture"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Makes the communication stream wait for `order.previous_event`, or for the compute
-    /// stream's work so far.
-    fn start(&self, order: &StreamOrder<'_>) -> Result<(), EpError> {
+    /// stream's work so far. Under capture only for `previous_event` (an event recorded in the
+    /// same capture): the graph's work is ordered by the stream it is launched on.
+    fn start(&self, order: &StreamOrder<'_>, capturing: bool) -> Result<(), EpError> {
         match order.previous_event {
             Some(e) => e.wait_on(&self.comm),
+            None if capturing => Ok(()),
             None => Event::record(&self.compute, self.rank)?.wait_on(&self.comm),
         }
     }
 
-    fn finish(&self, order: &StreamOrder<'_>) -> Result<Event, EpError> {
+    /// Records the end of the operation; makes the compute stream wait for it unless
+    /// `async_finish` or under capture (the compute stream is not part of the graph).
+    fn finish(&self, order: &StreamOrder<'_>, capturing: bool) -> Result<Event, EpError> {
         let e = Event::record(&self.comm, self.rank)?;
-        if !order.async_finish {
+        if !order.async_finish && !capturing {
             e.wait_on(&self.compute)?;
         }
         Ok(e)
@@ -915,6 +947,7 @@ impl Buffer {
     /// Waits (bounded) until everything queued on the communication stream has run, then reports
     /// any error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
+        self.not_capturing("synchronize")?;
         let e = Event::record(&self.comm, self.rank)?;
         let r = e.wait_host(self.opts.timeout * 2, "the communication stream");
         self.check_device_error()?;
@@ -929,6 +962,7 @@ impl Buffer {
         topk_idx: &Tensor<i32>,
     ) -> Result<DispatchLayout, EpError> {
         self.usable()?;
+        self.not_capturing("get_dispatch_layout")?;
         self.on_this_gpu(topk_idx, "topk_idx")?;
         if topk_idx.shape().len() != 2 {
             return Err(invalid(
@@ -969,7 +1003,7 @@ impl Buffer {
                     source,
                 })?,
             );
-        self.start(&StreamOrder::default())?;
+        self.start(&StreamOrder::default(), false)?;
         let p = k::LayoutParams {
             topk_idx: topk_idx.device_address(),
             tokens_per_rank: buf.ptr() + per_rank_at as u64,
@@ -990,7 +1024,7 @@ impl Buffer {
             &p,
             "cuLaunchKernel(ep_dispatch_layout)",
         )?;
-        let done = self.finish(&StreamOrder::default())?;
+        let done = self.finish(&StreamOrder::default(), false)?;
         done.wait_host(self.opts.timeout, "the dispatch layout")?;
         let bad: Vec<i32> = buf
             .download(invalid_at, 1)
@@ -1104,6 +1138,9 @@ impl Buffer {
         }
     }
 
+    /// The host's sequence numbers of an operation's two kernels: the first tags the dispatch's
+    /// [`k::HostInfo`]. The barrier epochs themselves are counted on the GPU
+    /// ([`k::SignalHead::epoch`]), so that captured graphs replay with fresh ones.
     fn next_epochs(&mut self) -> (u64, u64) {
         self.epoch += 2;
         (self.epoch - 1, self.epoch)
@@ -1142,6 +1179,33 @@ impl Buffer {
 
     /// Sends each token to every rank that holds one of its experts. Rows arrive ordered by
     /// source rank, then by token. All ranks call this together.
+    ///
+    /// # CUDA graphs
+    ///
+    /// With [`num_worst_tokens`](DispatchArgs::num_worst_tokens), dispatch, [`combine`](Self::combine)
+    /// and [`dispatch_cached`](Self::dispatch_cached) make no host wait, so they can be captured
+    /// on the [communication stream](Self::comm_stream) (`begin_capture` .. `end_capture`, in
+    /// thread-local mode when ranks are threads of one process). Under capture:
+    ///
+    /// - *Fixed outputs.* The receive region and the combine output are picked from their pools
+    ///   at capture, so every replay writes the very tensors the captured calls returned. Read
+    ///   (or copy) a replay's outputs before the next replay, and keep the returned outputs (or
+    ///   their handle) alive while the graph is replayed: they reserve those regions, which the
+    ///   pools would otherwise hand to other calls. Inputs are read at replay time from the
+    ///   tensors given at capture: write fresh inputs into those same tensors between replays.
+    /// - *Fresh barriers.* Barrier epochs are counted on the GPU, so replays and eager calls may
+    ///   interleave, as long as every rank runs the same operations (replays included) in the same
+    ///   order.
+    /// - *Ordering.* The communication stream neither waits for the compute stream nor makes it
+    ///   wait (the compute stream is not in the graph): the replay is ordered on the stream it is
+    ///   launched on. `previous_event` must be an event recorded in the same capture. The returned
+    ///   events belong to the capture: waiting on them or querying them outside it is a CUDA
+    ///   error.
+    /// - Dispatch without `num_worst_tokens`, [`get_dispatch_layout`](Self::get_dispatch_layout)
+    ///   and [`synchronize`](Self::synchronize) are refused (they wait on the host): compute the
+    ///   layout before capturing (the graph's routing is the layout's tensors' contents at replay
+    ///   time), and call [`synchronize`](Self::synchronize) after a replay to wait for it and
+    ///   report device errors.
     pub fn dispatch(&mut self, args: &DispatchArgs<'_>) -> Result<DispatchOutput, EpError> {
         self.usable()?;
         let layout = args.layout;
@@ -1175,9 +1239,17 @@ impl Buffer {
                 ));
             }
         }
+        let capturing = self.is_capturing()?;
+        if capturing && args.num_worst_tokens.is_none() {
+            return Err(invalid(
+                self.rank,
+                "dispatch under CUDA-graph capture needs num_worst_tokens (without it the host \
+                 waits for the received-token count)",
+            ));
+        }
         let region = self.recv_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
-        self.start(&args.order)?;
+        self.start(&args.order, capturing)?;
         self.poison(&region)?;
         let worst = args.num_worst_tokens.unwrap_or(0);
         let notify = k::NotifyParams {
@@ -1227,7 +1299,7 @@ impl Buffer {
             e2,
             &args.config,
         )?;
-        let event = self.finish(&args.order)?;
+        let event = self.finish(&args.order, capturing)?;
 
         let (rows, num_recv, per_expert) = if worst == 0 {
             let (n, c) = self.wait_counts(e1)?;
@@ -1333,9 +1405,10 @@ impl Buffer {
         }
         let (t, hidden, row_bytes, scale_words) = self.check_x(&x, Some(handle.num_tokens))?;
         self.check_config(config)?;
+        let capturing = self.is_capturing()?;
         let region = self.recv_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
-        self.start(order)?;
+        self.start(order, capturing)?;
         self.poison(&region)?;
         let worst = if handle.worst { handle.rows } else { 0 };
         let notify = k::NotifyParams {
@@ -1377,7 +1450,7 @@ impl Buffer {
             e2,
             config,
         )?;
-        let event = self.finish(order)?;
+        let event = self.finish(order, capturing)?;
         Ok(DispatchOutput {
             x: self.recv_views(&region, &x, handle.rows, hidden, scale_words),
             topk_idx: None,
@@ -1441,9 +1514,10 @@ impl Buffer {
                 )?;
             }
         }
+        let capturing = self.is_capturing()?;
         let out = self.out_pool.acquire(self.rank)?;
         let (e1, e2) = self.next_epochs();
-        self.start(&args.order)?;
+        self.start(&args.order, capturing)?;
         self.poison(&out)?;
         let error = self.mapped.device_addr(ERROR_OFFSET);
         // Pull combine (ranks as threads: every rank can read every other rank's tensors): the
@@ -1508,7 +1582,7 @@ impl Buffer {
                 &p,
                 "cuLaunchKernel(ep_intranode_combine_pull)",
             )?;
-            let event = self.finish(&args.order)?;
+            let event = self.finish(&args.order, capturing)?;
             return Ok(CombineOutput {
                 x: Tensor::view(out.clone(), 0, vec![h.num_tokens, hidden]),
                 topk_weights: (topk > 0)
@@ -1565,7 +1639,7 @@ impl Buffer {
             &reduce,
             "cuLaunchKernel(ep_intranode_combine_reduce)",
         )?;
-        let event = self.finish(&args.order)?;
+        let event = self.finish(&args.order, capturing)?;
         Ok(CombineOutput {
             x: Tensor::view(out.clone(), 0, vec![h.num_tokens, hidden]),
             topk_weights: (topk > 0)

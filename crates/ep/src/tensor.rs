@@ -163,6 +163,35 @@ impl<T: Element> Tensor<T> {
             })
     }
 
+    /// Overwrites the tensor with `data` (row-major, exactly [`numel`](Self::numel) elements),
+    /// keeping its storage: e.g. fresh inputs for a replay of a captured CUDA graph, which reads
+    /// the tensors it was captured with. The copy runs on the legacy default stream and may still
+    /// be in flight when this returns (pageable source): synchronize the context before work on
+    /// another stream reads the tensor.
+    pub fn copy_from_host(&self, data: &[T]) -> Result<(), EpError> {
+        if data.len() != self.numel() {
+            return Err(crate::error::invalid(
+                usize::MAX,
+                format!(
+                    "tensor of shape {:?} holds {} elements, data has {}",
+                    self.shape,
+                    self.numel(),
+                    data.len()
+                ),
+            ));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.storage
+            .buf
+            .upload(self.storage.offset + self.offset, data)
+            .map_err(|source| EpError::Device {
+                rank: usize::MAX,
+                source,
+            })
+    }
+
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape

@@ -335,3 +335,246 @@ fn gpu_intranode_bad_inputs_are_errors_before_launch() {
         EpError::InvalidArgument { .. }
     ));
 }
+
+/// One replay's inputs for every rank and what each must get back.
+struct Replay {
+    inputs: Vec<ep::reference::RankInput>,
+    expected: Vec<ep::reference::Received>,
+    combine_x: Vec<Vec<Bf16>>,
+    bias: Vec<Vec<Bf16>>,
+    want: Vec<(Vec<Bf16>, Vec<f32>)>,
+}
+
+impl Replay {
+    /// Fresh rows, weights, combine inputs and biases over the routing of `first` (the graph's
+    /// layout is computed once, before the capture).
+    fn generate(c: &Case, first: Option<&Replay>, rngs: &mut [Rng]) -> Self {
+        use ep::reference::{self, CombineInput};
+        use gpu_intranode_common::{gen_input, random_f32, replace_x};
+        let ranks = rngs.len();
+        let num_experts = ranks * c.experts_per_rank;
+        let inputs: Vec<_> = (0..ranks)
+            .map(|r| match first {
+                None => gen_input(c, &mut rngs[r], ranks),
+                Some(f) => {
+                    let mut i = replace_x(c, &f.inputs[r], &mut rngs[r]);
+                    i.weights = random_f32(&mut rngs[r], i.tokens * c.topk);
+                    i
+                }
+            })
+            .collect();
+        let expected = reference::dispatch(&inputs, num_experts, 1);
+        let worst_rows = ranks * c.max_tokens;
+        let combine_x: Vec<Vec<Bf16>> = (0..ranks)
+            .map(|r| random_bf16(&mut rngs[r], worst_rows * c.hidden))
+            .collect();
+        let bias: Vec<Vec<Bf16>> = (0..ranks)
+            .map(|r| random_bf16(&mut rngs[r], inputs[r].tokens * c.hidden))
+            .collect();
+        let combine_in: Vec<CombineInput> = (0..ranks)
+            .map(|r| CombineInput {
+                x: combine_x[r][..expected[r].sources.len() * c.hidden].to_vec(),
+                weights: expected[r].weights.clone(),
+            })
+            .collect();
+        let bias_ref: Vec<[Option<Vec<Bf16>>; 2]> =
+            (0..ranks).map(|r| [Some(bias[r].clone()), None]).collect();
+        let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
+        let want = reference::combine(&expected, &combine_in, &tokens, c.hidden, c.topk, &bias_ref);
+        Self {
+            inputs,
+            expected,
+            combine_x,
+            bias,
+            want,
+        }
+    }
+}
+
+/// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too).
+fn poison_host<T: ep::Element>(t: &Tensor<T>) -> Result<(), String> {
+    let bytes = vec![0xABu8; t.numel() * std::mem::size_of::<T>()];
+    t.copy_from_host(bytemuck::cast_slice(&bytes))
+        .map_err(|e| e.to_string())
+}
+
+/// Rank `r` of the graph test: layout before the capture, dispatch (worst tokens, top-k) and
+/// combine (recv weights, one bias) captured on the buffer's stream, then every replay in
+/// `replays` with its inputs written into the captured input tensors and the outputs poisoned
+/// from the host first; `eager` runs as ordinary calls after replay `eager_after`.
+#[allow(clippy::too_many_arguments)]
+fn graph_rank(
+    c: &Case,
+    r: usize,
+    buf: &mut Buffer,
+    ctx: &Arc<CudaContext>,
+    replays: &[Replay],
+    eager: &Round,
+    eager_after: usize,
+) -> Result<(), String> {
+    use cudarc::driver::sys;
+    use ep::{CombineArgs as CArgs, TopK};
+    use gpu_intranode_common::{check_combine, check_dispatch, upload};
+    let e = |e: EpError| e.to_string();
+    let ranks = buf.ranks();
+    let first = &replays[0].inputs[r];
+    let t = first.tokens;
+    let worst = ranks * c.max_tokens;
+    let ids = upload(ctx, &first.topk_idx, &[t, c.topk])?;
+    let layout = buf.get_dispatch_layout(&ids).map_err(e)?;
+    let zero = Bf16::from_f32(0.0);
+    let x = Tensor::filled(ctx, zero, &[t, c.hidden]).map_err(e)?;
+    let w = Tensor::filled(ctx, 0f32, &[t, c.topk]).map_err(e)?;
+    let y = Tensor::filled(ctx, zero, &[worst, c.hidden]).map_err(e)?;
+    let bias = Tensor::filled(ctx, zero, &[t, c.hidden]).map_err(e)?;
+
+    // Host waits are refused under capture (checked before anything is captured).
+    let stream = buf.comm_stream().clone();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| format!("cuStreamBeginCapture: {e:?}"))?;
+    let captured = (|| -> Result<_, EpError> {
+        if !buf.is_capturing()? {
+            return Err(EpError::InvalidArgument {
+                rank: r,
+                what: "the buffer does not see its stream capturing".into(),
+            });
+        }
+        let refused = buf.get_dispatch_layout(&ids).is_err() && buf.synchronize().is_err();
+        let mut args = DispatchArgs::new(DispatchX::Bf16(&x), &layout, ranks);
+        args.topk = Some(TopK {
+            idx: &ids,
+            weights: &w,
+        });
+        let no_worst = buf.dispatch(&args).is_err();
+        args.num_worst_tokens = Some(worst);
+        args.config = gpu_intranode_common::CONFIG;
+        let d = buf.dispatch(&args)?;
+        let recv_w = d.topk_weights.clone();
+        let mut cargs = CArgs::new(&y, &d.handle, ranks);
+        cargs.topk_weights = recv_w.as_ref();
+        cargs.bias = [Some(&bias), None];
+        cargs.config = gpu_intranode_common::CONFIG;
+        let comb = buf.combine(&cargs)?;
+        Ok((d, comb, refused && no_worst))
+    })();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    let (dout, cout, refused) = captured.map_err(|e| format!("capture: {e}"))?;
+    let graph = graph
+        .map_err(|e| format!("cuStreamEndCapture: {e:?}"))?
+        .ok_or("the capture recorded no work")?;
+    if !refused {
+        return Err(
+            "layout, synchronize or dispatch without worst tokens accepted under capture".into(),
+        );
+    }
+    let ep::RecvX::Bf16(recv_x) = &dout.x else {
+        return Err("BF16 dispatch returned FP8 rows".into());
+    };
+    let (recv_idx, recv_w) = (
+        dout.topk_idx.as_ref().ok_or("no topk_idx")?,
+        dout.topk_weights.as_ref().ok_or("no topk_weights")?,
+    );
+    let out_w = cout.topk_weights.as_ref().ok_or("no combined weights")?;
+
+    for (k, rp) in replays.iter().enumerate() {
+        let what = format!("graph replay {k} rank {r}/{ranks}");
+        let inp = &rp.inputs[r];
+        x.copy_from_host(bytemuck::cast_slice(&inp.x)).map_err(e)?;
+        w.copy_from_host(&inp.weights).map_err(e)?;
+        y.copy_from_host(&rp.combine_x[r]).map_err(e)?;
+        bias.copy_from_host(&rp.bias[r]).map_err(e)?;
+        poison_host(recv_x)?;
+        poison_host(recv_idx)?;
+        poison_host(recv_w)?;
+        poison_host(&dout.recv_tokens_per_expert)?;
+        poison_host(&cout.x)?;
+        poison_host(out_w)?;
+        // The uploads ran on the legacy stream; the graph runs on the buffer's stream.
+        ctx.synchronize()
+            .map_err(|e| format!("cuCtxSynchronize: {e:?}"))?;
+        graph
+            .launch()
+            .map_err(|e| format!("{what}: cuGraphLaunch: {e:?}"))?;
+        buf.synchronize().map_err(|e| format!("{what}: {e}"))?;
+        check_dispatch(
+            &dout,
+            &rp.expected[r],
+            inp.row_bytes,
+            Some(c.topk),
+            &format!("{what} dispatch"),
+        )?;
+        let gx = cout.x.to_host().map_err(e)?;
+        let gw = out_w.to_host().map_err(e)?;
+        check_combine(
+            &gx,
+            &rp.want[r].0,
+            Some(&gw),
+            &rp.want[r].1,
+            &format!("{what} combine"),
+        )?;
+        if k == eager_after {
+            // Eager calls between replays: the GPU-side epochs keep every rank's barriers paired.
+            eager.check_rank(
+                c,
+                r,
+                buf,
+                ctx,
+                &format!("eager after replay {k} rank {r}/{ranks}"),
+            )?;
+        }
+    }
+    drop(graph);
+    Ok(())
+}
+
+/// Dispatch (num_worst_tokens) + combine captured in a CUDA graph on each rank's communication
+/// stream, replayed with fresh inputs written into the captured tensors between replays, outputs
+/// poisoned before each; every replay checked against the CPU reference, and an eager round
+/// between replays (epochs are counted on the GPU, so both kinds interleave). EP2 with two GPUs,
+/// EP1 with one.
+#[test]
+fn gpu_intranode_graph_capture_worst_tokens() {
+    let have = ibgda_device::cuda::device_count().unwrap_or(0);
+    let ranks = if have >= 2 { 2 } else { 1 };
+    let Some(ctxs) = gpus(ranks) else { return };
+    let c = Case {
+        worst: true,
+        max_tokens: 128,
+        tokens: Some(100),
+        hidden: 2048,
+        ..Case::new("graph_worst")
+    };
+    let s = seed();
+    let mut rngs = rank_rngs(s, ranks);
+    let mut replays = vec![Replay::generate(&c, None, &mut rngs)];
+    for _ in 1..5 {
+        let next = Replay::generate(&c, Some(&replays[0]), &mut rngs);
+        replays.push(next);
+    }
+    let eager = Round::generate(&c, ranks, &mut rngs);
+    let mut bufs = Buffer::create_group(&ctxs, &case_options(&c, ranks)).expect("create buffers");
+    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
+        let joins: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, buf)| {
+                let (c, ctx, replays, eager) = (&c, ctxs[r].clone(), &replays, &eager);
+                sc.spawn(move || graph_rank(c, r, buf, &ctx, replays, eager, 1))
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
+            })
+            .collect()
+    });
+    let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+    eprintln!(
+        "graph_worst on {ranks} rank(s): {} replays and an eager round match the reference",
+        replays.len()
+    );
+}

@@ -59,12 +59,19 @@ struct SignalHead {
     int32_t tokens[kMaxRanks][kMaxRanks];
     // Blocks of the owner's current push kernel that have finished (the last one resets it).
     uint32_t blocks_done;
-    uint32_t pad[15];
+    uint32_t pad0;
+    // The last barrier epoch the owner used. Only the owner's kernels touch it, each advancing it
+    // by one (see next_epoch in intranode.cu): epochs come from the GPU, not from kernel
+    // parameters, so a replayed CUDA graph takes fresh epochs, and replays and eager calls
+    // interleave as long as every rank runs the same operations in the same order.
+    uint64_t epoch;
+    uint32_t pad[12];
     // Followed by int32 experts[kMaxRanks][num_local_experts]: tokens src sends to each of this
     // rank's local experts.
 };
 static_assert(sizeof(SignalHead) == 576, "SignalHead layout");
 static_assert(offsetof(SignalHead, recv_offset) == 64, "SignalHead layout");
+static_assert(offsetof(SignalHead, epoch) == 520, "SignalHead layout");
 
 // Per-dispatch facts a rank computed, stored at the start of its receive region (so a handle
 // that keeps the region keeps them too).
