@@ -578,3 +578,109 @@ fn gpu_intranode_graph_capture_worst_tokens() {
         replays.len()
     );
 }
+
+/// Ranks as threads of this process that meet over TCP (`TcpCommunicator`, as processes would):
+/// the communicator does not claim one process, so the buffer combines by push-then-reduce, while
+/// the bootstrap tells per peer that the others are threads here and maps their windows through
+/// peer access instead of CUDA IPC. Each case on a fresh buffer per rank (ended with
+/// `Buffer::shutdown`), every rank deriving the group's inputs and reference from the seed.
+#[test]
+fn gpu_intranode_tcp_threads() {
+    use ep::bootstrap::{Communicator, JobToken, RankConfig, TcpCommunicator};
+    let ranks = 2;
+    let Some(ctxs) = gpus(ranks) else { return };
+    let s = seed();
+    let cases = [
+        Case {
+            alignment: 4,
+            biases: 2,
+            ..Case::new("tcp_bf16_topk")
+        },
+        Case {
+            worst: true,
+            fp8: true,
+            cached: true,
+            max_tokens: 128,
+            hidden: 2048,
+            ..Case::new("tcp_fp8_worst_cached")
+        },
+        Case {
+            routing: Routing::OnlyRank0,
+            max_tokens: 64,
+            hidden: 512,
+            ..Case::new("tcp_only_rank0")
+        },
+        Case {
+            async_chain: true,
+            iterations: 3,
+            max_tokens: 256,
+            hidden: 4096,
+            biases: 1,
+            ..Case::new("tcp_async_chain")
+        },
+    ];
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a local port");
+    let port = listener.local_addr().expect("local address").port();
+    let token = JobToken::generate().expect("job token");
+    let mut listener = Some(listener);
+    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
+        let joins: Vec<_> = ctxs
+            .iter()
+            .enumerate()
+            .map(|(r, ctx)| {
+                let l = listener.take().filter(|_| r == 0);
+                let cases = &cases;
+                sc.spawn(move || -> Result<(), String> {
+                    let cfg = RankConfig::new(r, ranks, port)
+                        .map_err(|e| e.to_string())?
+                        .with_token(token)
+                        .with_timeout(Duration::from_secs(60));
+                    let comm = match l {
+                        Some(l) => TcpCommunicator::with_listener(&cfg, l),
+                        None => TcpCommunicator::connect(&cfg),
+                    }
+                    .map_err(|e| format!("rank {r}: rendezvous: {e}"))?;
+                    if comm.same_process() {
+                        return Err("a TCP group of 2 claims to be one process".into());
+                    }
+                    for c in cases {
+                        let mut buf = Buffer::new(ctx, &comm, &case_options(c, ranks))
+                            .map_err(|e| format!("{} rank {r}: create: {e}", c.name))?;
+                        let debug = format!("{buf:?}");
+                        if !debug.contains("pull_combine: false") {
+                            return Err(format!("rank {r}: expected push combine: {debug}"));
+                        }
+                        let mut rngs = rank_rngs(s, ranks);
+                        let mut res = Ok(());
+                        for it in 0..c.iterations {
+                            let round = Round::generate(c, ranks, &mut rngs);
+                            res = round.check_rank(
+                                c,
+                                r,
+                                &mut buf,
+                                ctx,
+                                &format!("{} it {it} rank {r}/{ranks} (tcp threads)", c.name),
+                            );
+                            if res.is_err() {
+                                break;
+                            }
+                        }
+                        let shut = buf.shutdown(&comm).map_err(|e| e.to_string());
+                        res.and(shut)?;
+                        eprintln!("{} rank {r}: matches the reference", c.name);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
+            })
+            .collect()
+    });
+    let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+}
