@@ -496,6 +496,10 @@ fn main() -> Result<()> {
         Mode::Procs => run_processes(&a, n, a.json.as_deref())?,
         Mode::Both => {
             let mut records = run_threads(&a, n)?;
+            // The threads' records stay written if the processes fail.
+            if let Some(p) = &a.json {
+                write_json(p, &records)?;
+            }
             // Rank 0 writes the processes' records next to the final file; merged below.
             let part = a.json.as_ref().map(|p| format!("{p}.procs.part"));
             run_processes(&a, n, part.as_deref())?;
