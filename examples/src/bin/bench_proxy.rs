@@ -16,11 +16,12 @@
 //!    the offset without assuming equal legs; drift between the two calibrations is interpolated).
 //!    Per publish the kernel keeps t0 (`%globaltimer` just before the publish sequence) and the
 //!    watcher stamps the host clock: one-way = host stamp − (t0 − offset), ± the offset bound.
-//!    Rows, per publish-sequence variant ([`VARIANTS`]; `current` is what `protocol.cuh` does):
-//!    "seen" = a bare CPU thread polling the slot saw it, "rung" = the real [`Proxy`] runner rang
-//!    (doorbell-record store + doorbell atomic, then the stamp); and `current, transport`: the
-//!    publish on a real QP of the emulated NIC, stamped by the transport's doorbell hook after
-//!    the emulator's doorbell (the issue's figure). Target: p50 ≤ 2 µs.
+//!    Rows, per publish-sequence variant ([`VARIANTS`]; `current` is what `protocol.cuh` does)
+//!    and path: `echo` = a bare CPU thread polling the slot saw it, `proxy` = the real [`Proxy`]
+//!    runner rang (doorbell-record store + doorbell atomic, then the stamp), `transport` = the
+//!    publish of a NOP on a real QP of the emulated NIC, stamped by the transport's doorbell hook
+//!    after the emulator's doorbell (`current`/`transport` is the issue's figure). Target:
+//!    p50 ≤ 2 µs.
 //! 3. `proxy_doorbell_rate`, sink `counter`: the proxy alone. Kernel threads raise 1…64 producer
 //!    slots in pinned host memory as fast as they can; the proxy sweeps them and rings a doorbell
 //!    that only counts. Doorbells per second over `--ms`, with the GPU's raise rate beside it: a
@@ -837,11 +838,12 @@ fn one_way_us(run: &PublishRun, before: &Calib, after: &Calib, skip: usize, ntp:
     v
 }
 
-/// The `current` publish on a real QP of the emulated NIC (proxy, EmuDoorbell, the transport's
-/// doorbell hook): for `i = 1..=iters` one thread reserves (`red.add` on resv_head), copies the
-/// NOP WQE of index `i-1` (built on the host by `ibgda_device::wire`) into its ring slot, reads
-/// `%globaltimer` (t0), publishes exactly as `ibgda_publish` + `ibgda_ring_to` (value `i`), and
-/// spins until the hook has written `*ack >= i`. The ring is never reused (`iters < nwqes`), so no
+/// A publish on a real QP of the emulated NIC (proxy, EmuDoorbell, the transport's doorbell
+/// hook): for `i = 1..=iters` one thread reserves (`red.add` on resv_head), copies the NOP WQE of
+/// index `i-1` (built on the host by `ibgda_device::wire`) into its ring slot, reads
+/// `%globaltimer` (t0), publishes value `i` with a [`VARIANTS`] sequence (`{PUBLISH}`, same
+/// registers as [`PUBLISH_PINGPONG_PTX`]; `current` is exactly `ibgda_publish` +
+/// `ibgda_ring_to`), and spins until the hook has written `*ack >= i`. The ring is never reused (`iters < nwqes`), so no
 /// completion is consumed and no reservation waits.
 const GROUP_PUBLISH_PTX: &str = r#"
 .version 7.8
@@ -902,10 +904,7 @@ LOOP:
     st.v4.u32 [%rd9+32], {%r18, %r19, %r20, %r21};
     st.v4.u32 [%rd9+48], {%r22, %r23, %r24, %r25};
     mov.u64 %rd11, %globaltimer;
-    membar.gl;
-    ld.acquire.gpu.u64 %rd12, [%rd2];
-    st.release.gpu.u64 [%rd2], %rd10;
-    red.release.sys.max.u64 [%rd3], %rd10;
+{PUBLISH}
 POLL:
     ld.relaxed.sys.u64 %rd13, [%rd4];
     setp.ge.u64 %p2, %rd13, %rd10;
@@ -932,15 +931,22 @@ DONE:
 }
 "#;
 
+/// The transport publish kernel with `v`'s publish sequence.
+fn group_ptx(v: &Variant) -> String {
+    GROUP_PUBLISH_PTX.replace("{PUBLISH}", v.ptx)
+}
+
 /// Ring size of the transport-path run: the largest, so `iters` publishes never wrap it.
 const GROUP_NWQES: u32 = 32768;
 
-/// [`GROUP_PUBLISH_PTX`] on QP 0 of a fresh `cpu_host_memory` group of the emulated NIC; the
-/// doorbell hook stamps the host clock and writes the ack. At most `GROUP_NWQES - 1` publishes.
+/// [`GROUP_PUBLISH_PTX`] with `v`'s publish on QP 0 of a fresh `cpu_host_memory` group of the
+/// emulated NIC; the doorbell hook stamps the host clock and writes the ack. At most
+/// `GROUP_NWQES - 1` publishes.
 fn run_group_publish(
     ctx: &Arc<CudaContext>,
     stream: &Arc<cudarc::driver::CudaStream>,
     placement: RingPlacement,
+    v: &Variant,
     iters: u32,
     base: Instant,
 ) -> Result<PublishRun> {
@@ -1000,8 +1006,8 @@ fn run_group_publish(
     let status = DeviceBuffer::new(ctx, 4)?;
     status.fill_bytes(0)?;
     let module = ctx
-        .load_module(cudarc::nvrtc::Ptx::from_src(GROUP_PUBLISH_PTX))
-        .context("JIT-compiling the transport publish kernel")?;
+        .load_module(cudarc::nvrtc::Ptx::from_src(group_ptx(v)))
+        .with_context(|| format!("JIT-compiling the transport publish kernel ({})", v.name))?;
     let f = module
         .load_function("group_publish")
         .context("group_publish")?;
@@ -1036,7 +1042,10 @@ fn run_group_publish(
     unsafe { l.launch(ONE_THREAD) }.context("launch group_publish")?;
     group.wait(stream, Some(Duration::from_secs(60)))?;
     if status.download::<i32>(0, 1)?[0] != 0 {
-        bail!("transport publish kernel timed out waiting for the doorbell hook");
+        bail!(
+            "transport publish kernel ({}) timed out waiting for the doorbell hook",
+            v.name
+        );
     }
     let run = PublishRun {
         rtt_ns: rtt.download(0, n)?,
@@ -1047,11 +1056,10 @@ fn run_group_publish(
     Ok(run)
 }
 
-/// Per variant: the echo run and the proxy run.
+/// Per variant: its runs, by path (`echo`, `proxy`, `transport`).
 struct VariantRuns {
     variant: &'static Variant,
-    echo: std::result::Result<PublishRun, String>,
-    proxy: std::result::Result<PublishRun, String>,
+    runs: Vec<(&'static str, std::result::Result<PublishRun, String>)>,
 }
 
 /// What the direct one-way measurement found for one ring placement.
@@ -1059,11 +1067,11 @@ struct Direct {
     before: Calib,
     after: Calib,
     variants: Vec<VariantRuns>,
-    /// `current` through the transport (emulated NIC, real doorbell, hook).
-    group: std::result::Result<PublishRun, String>,
 }
 
-/// Calibration, every variant (echo then proxy), calibration again.
+/// Calibration; every variant through a bare CPU poller (`echo`), the bare proxy (`proxy`) and a
+/// real QP of the emulated NIC (`transport`; not for a variant that does not order the WQEs, which
+/// the emulator could read stale); calibration again.
 fn measure_variants(
     ctx: &Arc<CudaContext>,
     iters: u32,
@@ -1072,24 +1080,36 @@ fn measure_variants(
     let stream = ctx.new_stream()?;
     let base = Instant::now();
     let before = calibrate(ctx, &stream, CLOCK_EXCHANGES, base)?;
-    let runs = VARIANTS
+    let err = |e: anyhow::Error| format!("{e:#}");
+    let variants = VARIANTS
         .iter()
-        .map(|v| VariantRuns {
-            variant: v,
-            echo: run_publish(ctx, &stream, placement, v, iters, Watcher::Echo, base)
-                .map_err(|e| format!("{e:#}")),
-            proxy: run_publish(ctx, &stream, placement, v, iters, Watcher::Proxy, base)
-                .map_err(|e| format!("{e:#}")),
+        .map(|v| {
+            let mut runs = vec![
+                (
+                    "echo",
+                    run_publish(ctx, &stream, placement, v, iters, Watcher::Echo, base)
+                        .map_err(err),
+                ),
+                (
+                    "proxy",
+                    run_publish(ctx, &stream, placement, v, iters, Watcher::Proxy, base)
+                        .map_err(err),
+                ),
+            ];
+            if !v.verdict.starts_with("NOT") {
+                runs.push((
+                    "transport",
+                    run_group_publish(ctx, &stream, placement, v, iters, base).map_err(err),
+                ));
+            }
+            VariantRuns { variant: v, runs }
         })
         .collect();
-    let group =
-        run_group_publish(ctx, &stream, placement, iters, base).map_err(|e| format!("{e:#}"));
     let after = calibrate(ctx, &stream, CLOCK_EXCHANGES, base)?;
     Ok(Direct {
         before,
         after,
-        variants: runs,
-        group,
+        variants,
     })
 }
 
@@ -1217,8 +1237,9 @@ fn main() -> Result<()> {
     let a = parse()?;
     if let Some(dir) = &a.dump_ptx {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
-        std::fs::write(format!("{dir}/group_publish.ptx"), GROUP_PUBLISH_PTX)?;
         for v in VARIANTS {
+            let p = format!("{dir}/group_{}.ptx", v.name);
+            std::fs::write(&p, group_ptx(v)).with_context(|| format!("writing {p}"))?;
             let p = format!("{dir}/publish_{}.ptx", v.name);
             std::fs::write(&p, publish_ptx(v)).with_context(|| format!("writing {p}"))?;
         }
@@ -1338,7 +1359,6 @@ fn main() -> Result<()> {
             before,
             after,
             variants: runs,
-            group,
         } = match measure_variants(&ctx, a.iters, placement) {
             Ok(r) => r,
             Err(e) => {
@@ -1378,108 +1398,71 @@ fn main() -> Result<()> {
             (before.ntp_offset - before.offset) as f64 / 1e3,
         );
         println!(
-            "  one-way = host clock when seen/rung - (GPU t0 + offset); every one-way figure is +/-{err_us:.2} us (the offset bound)"
+            "  one-way = host clock when seen/rung - GPU t0 on the host clock; every one-way figure is +/-{err_us:.2} us (the offset bound)"
         );
         println!(
-            "  {:<18} {:>10} {:>10} {:>10} | {:>10} {:>10} {:>10} {:>10}",
+            "  {:<18} {:<10} {:>8} {:>8} {:>12} {:>8} {:>8} {:>7}",
             "publish variant",
-            "echoRT p50",
-            "seen p50",
-            "seen p99",
-            "proxyRT p50",
-            "rung p50",
-            "rung p99",
-            "rung NTP50"
+            "path",
+            "RT p50",
+            "RT p99",
+            "one-way p50",
+            "p99",
+            "NTP p50",
+            "unseen"
         );
         let skip = (a.iters as usize / 20).min(500);
         for r in &runs {
-            let mut cols = String::new();
-            let mut rec = format!(
-                "{{\"bench\": \"proxy_publish_one_way\", \"mode\": \"cpu_host_memory\", \"rings\": \"{name}\", \"qps\": 1, \"variant\": \"{}\", \"safe\": {}",
-                r.variant.name,
-                !r.variant.verdict.starts_with("NOT") && !r.variant.verdict.starts_with("needs")
-            );
-            for (who, run) in [("echo", &r.echo), ("proxy", &r.proxy)] {
+            let safe =
+                !r.variant.verdict.starts_with("NOT") && !r.variant.verdict.starts_with("needs");
+            for (path, run) in &r.runs {
                 match run {
                     Ok(run) => {
-                        let rt = sorted_us(&run.rtt_ns[skip..]);
+                        let rt = sorted_us(&run.rtt_ns[skip.min(run.rtt_ns.len())..]);
                         let ow = one_way_us(run, &before, &after, skip, false);
                         let ntp = one_way_us(run, &before, &after, skip, true);
-                        let missed = run.seen[skip..].iter().filter(|&&t| t == 0).count();
-                        let (rt50, ow50, ow99, ntp50) = (
+                        let missed = run.seen.len().saturating_sub(skip) - ow.len();
+                        let (rt50, rt99, ow50, ow99, ntp50) = (
                             percentile(&rt, 0.5),
+                            percentile(&rt, 0.99),
                             percentile(&ow, 0.5),
                             percentile(&ow, 0.99),
                             percentile(&ntp, 0.5),
                         );
-                        if who == "echo" {
-                            cols += &format!(" {rt50:>10.2} {ow50:>10.2} {ow99:>10.2} |");
-                        } else {
-                            cols +=
-                                &format!(" {rt50:>10.2} {ow50:>10.2} {ow99:>10.2} {ntp50:>10.2}");
-                        }
-                        rec += &format!(
-                            ", \"{who}_rtt_p50_us\": {}, \"{who}_rtt_p99_us\": {}, \"{who}_one_way_p50_us\": {}, \"{who}_one_way_p99_us\": {}, \"{who}_one_way_ntp_p50_us\": {}, \"{who}_unseen\": {missed}",
+                        println!(
+                            "  {:<18} {path:<10} {rt50:>8.2} {rt99:>8.2} {ow50:>12.2} {ow99:>8.2} {ntp50:>8.2} {missed:>7}",
+                            r.variant.name
+                        );
+                        records.push(format!(
+                            "{{\"bench\": \"proxy_publish_one_way\", \"mode\": \"cpu_host_memory\", \"rings\": \"{name}\", \"qps\": 1, \"variant\": \"{}\", \"path\": \"{path}\", \"safe\": {safe}, \"rtt_p50_us\": {}, \"rtt_p99_us\": {}, \"p50_us\": {}, \"p99_us\": {}, \"ntp_p50_us\": {}, \"offset_err_us\": {}, \"globaltimer_step_ns\": {}, \"drift_ppm\": {}, \"samples\": {}, \"unseen\": {missed}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                            r.variant.name,
                             json_num(rt50),
-                            json_num(percentile(&rt, 0.99)),
+                            json_num(rt99),
                             json_num(ow50),
                             json_num(ow99),
-                            json_num(ntp50)
-                        );
+                            json_num(ntp50),
+                            json_num(err_us),
+                            before.step_ns,
+                            json_num(drift_ppm),
+                            ow.len()
+                        ));
                     }
                     Err(e) => {
-                        cols += &format!(" {who} FAILED |");
+                        println!("  {:<18} {path:<10} FAILED: {e}", r.variant.name);
                         failures.push(format!(
-                            "variant {} {who}, rings {name}: {e}",
+                            "variant {} {path}, rings {name}: {e}",
                             r.variant.name
                         ));
                     }
                 }
             }
-            println!("  {:<18}{cols}", r.variant.name);
-            records.push(format!(
-                "{rec}, \"offset_err_us\": {}, \"globaltimer_step_ns\": {}, \"drift_ppm\": {}, \"samples\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
-                json_num(err_us),
-                before.step_ns,
-                json_num(drift_ppm),
-                a.iters as usize - skip
-            ));
-        }
-        match &group {
-            Ok(run) => {
-                let rt = sorted_us(&run.rtt_ns[skip.min(run.rtt_ns.len())..]);
-                let ow = one_way_us(run, &before, &after, skip, false);
-                let ntp = one_way_us(run, &before, &after, skip, true);
-                let (rt50, ow50, ow99, ntp50) = (
-                    percentile(&rt, 0.5),
-                    percentile(&ow, 0.5),
-                    percentile(&ow, 0.99),
-                    percentile(&ntp, 0.5),
-                );
-                println!(
-                    "  {:<18} {:>10} {:>10} {:>10} | {rt50:>10.2} {ow50:>10.2} {ow99:>10.2} {ntp50:>10.2}",
-                    "current, transport", "-", "-", "-"
-                );
-                records.push(format!(
-                    "{{\"bench\": \"proxy_publish_one_way\", \"mode\": \"cpu_host_memory\", \"rings\": \"{name}\", \"qps\": 1, \"variant\": \"current\", \"path\": \"transport\", \"safe\": true, \"proxy_rtt_p50_us\": {}, \"proxy_rtt_p99_us\": {}, \"proxy_one_way_p50_us\": {}, \"proxy_one_way_p99_us\": {}, \"proxy_one_way_ntp_p50_us\": {}, \"offset_err_us\": {}, \"globaltimer_step_ns\": {}, \"drift_ppm\": {}, \"samples\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
-                    json_num(rt50),
-                    json_num(percentile(&rt, 0.99)),
-                    json_num(ow50),
-                    json_num(ow99),
-                    json_num(ntp50),
-                    json_num(err_us),
-                    before.step_ns,
-                    json_num(drift_ppm),
-                    ow.len()
-                ));
-            }
-            Err(e) => {
-                println!("  current, transport FAILED: {e}");
-                failures.push(format!("transport one-way, rings {name}: {e}"));
-            }
         }
         println!(
-            "  seen = a bare CPU thread polling the slot saw it; rung = the proxy's doorbell (record store, doorbell atomic) done. Target: rung p50 <= 2 us."
+            "  paths: echo = a bare CPU thread polling the slot saw it; proxy = the Proxy runner rang (record store + doorbell\n  \
+             atomic, no emulator); transport = a real QP of the emulated NIC, stamped by the transport's doorbell hook after\n  \
+             the emulator's doorbell (wakes its progress thread if parked) -- the issue's figure: target p50 <= 2 us.\n  \
+             RT = GPU-timed round trip to the ack; NTP p50 = one-way with the symmetric-leg offset estimate;\n  \
+             unseen = publishes the watcher never saw on their own (coalesced)."
         );
         println!("  the variants (only `current` is what protocol.cuh does):");
         for v in VARIANTS {
