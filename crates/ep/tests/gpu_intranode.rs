@@ -393,8 +393,11 @@ impl Replay {
 
 /// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too).
 fn poison_host<T: ep::Element>(t: &Tensor<T>) -> Result<(), String> {
-    let bytes = vec![0xABu8; t.numel() * std::mem::size_of::<T>()];
-    t.copy_from_host(bytemuck::cast_slice(&bytes))
+    // Words, so that the bytes are aligned for any element type.
+    let n = t.numel() * std::mem::size_of::<T>();
+    let words = vec![0xABAB_ABABu32; n.div_ceil(4)];
+    let bytes: &[u8] = bytemuck::cast_slice(&words);
+    t.copy_from_host(bytemuck::cast_slice(&bytes[..n]))
         .map_err(|e| e.to_string())
 }
 
