@@ -31,6 +31,13 @@
 // (its source rank), through the transport or, for this rank's own experts, by a local store;
 // nobody else writes it (the emulator's atomics on GPU memory are atomic only among its own ops).
 //
+// Ordering on NVLink (as DeepEP's p2p path): a block's rows, then __syncthreads, then a release
+// (dispatch: a GPU-scope release add on the expert's finish counter, which the expert's count
+// warp acquires before its system-scope release store of the signal; combine: the system-scope
+// release store of the flag itself); receivers acquire at system scope. No fence.sc.sys
+// (__threadfence_system) on these paths: the transport kernels keep theirs (the NIC reads the
+// staging).
+//
 // Dispatch count signals are monotonic: the n-th dispatch on a half stores (n << 32) | (count + 1)
 // (the sender remembers what it stored last, so the transport adds the difference); combine flags
 // count the combines on a half. No receiver ever writes a signal word.
@@ -258,8 +265,13 @@ struct Net {
                                            int key) const {
         if constexpr (kTransport) {
             if (peer(dst) == 0) return signal_net(dst, remote_off, delta, key);
+            __threadfence_system();
         }
-        __threadfence_system();
+        // NVLink: the release store alone (a fence.acq_rel.sys and the store) publishes every
+        // write that happens-before it, this block's rows through the caller's __syncthreads and
+        // other blocks' rows through an acquire of their release (dispatch's finish counters), as
+        // DeepEP's p2p path does. No fence.sc.sys (__threadfence_system): an SC fence at system
+        // scope is the costliest fence there is, and it sat on every signal's critical path.
         st_release_sys(reinterpret_cast<uint64_t*>(peer(dst) + remote_off), value);
         return true;
     }
@@ -306,6 +318,18 @@ __device__ __forceinline__ int4 ld_na_v4(const int4* p) {
     return v;
 }
 
+// Release add at GPU scope (the sender's warps to this GPU's count warps): every write that
+// happens-before it (peer rows included) is visible to whoever acquires the counter.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ int ld_acquire_gpu_i32(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -320,17 +344,26 @@ __device__ __forceinline__ int warp_sum(int v) {
 
 // Warp-collective: how many of the first `tokens` tokens have expert `e` among their ids (a token
 // that repeats an id counts once: each (token, expert) pair is sent once). The ids are scanned
-// flat, 32 independent loads per step, not token by token with an early exit (a chain of
-// dependent loads on the send's critical path).
+// flat, not token by token with an early exit (a chain of dependent loads on the send's critical
+// path), kCountUnroll loads per lane in flight before the first compare: 32 x kCountUnroll ids
+// per round trip, so 128 tokens of top-8 take 4 L2 round trips, not 32.
+constexpr int kCountUnroll = 8;
 __device__ __forceinline__ int count_tokens_with(const int* idx, int tokens, int k, int e, int lane) {
     int n = 0;
     const int total = tokens * k;
-    for (int i = lane; i < total; i += 32) {
-        if (__ldg(idx + i) != e) continue;
-        // Count only the token's first occurrence of e.
-        bool first = true;
-        for (int j = i - i % k; j < i; ++j) first &= __ldg(idx + j) != e;
-        n += first ? 1 : 0;
+    for (int base = lane; base < total; base += 32 * kCountUnroll) {
+        int v[kCountUnroll];
+#pragma unroll
+        for (int u = 0; u < kCountUnroll; ++u) v[u] = base + 32 * u < total ? __ldg(idx + base + 32 * u) : -1;
+#pragma unroll
+        for (int u = 0; u < kCountUnroll; ++u) {
+            if (v[u] != e) continue;
+            // Count only the token's first occurrence of e.
+            const int i = base + 32 * u;
+            bool first = true;
+            for (int j = i - i % k; j < i; ++j) first &= __ldg(idx + j) != e;
+            n += first ? 1 : 0;
+        }
     }
     return warp_sum(n);
 }
@@ -476,17 +509,25 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             net.put_warp(dst, off, s_msg + lo, stage + static_cast<uint64_t>(lo) * 16, n, lane, le);
         }
         __syncthreads();
-        // 4. Count the sends done (after a system fence: the count warp's signal must follow them).
+        // 4. Count the sends done. NVLink: a release add at GPU scope after the barrier (the
+        //    count warp acquires it, then releases its signal at system scope: the rows are in
+        //    that chain, as in DeepEP's p2p path). Transport: a system fence first, as before.
         if (threadIdx.x < K && s_expert[threadIdx.x] >= 0) {
-            __threadfence_system();
-            atomicAdd(&finish[s_expert[threadIdx.x]], 1);
+            if constexpr (Net::kOn) {
+                __threadfence_system();
+                atomicAdd(&finish[s_expert[threadIdx.x]], 1);
+            } else {
+                red_release_gpu_add(&finish[s_expert[threadIdx.x]], 1);
+            }
         }
         __syncthreads();
     }
 
     // 5. One warp per expert: once every token for it has been sent, signal
-    //    (seq + 1) << 32 | (count + 1) (see the top of the file).
-    for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
+    //    (seq + 1) << 32 | (count + 1) (see the top of the file). Experts go round the blocks
+    //    first (expert e to block e % grid), so each block carries two or three count warps, not
+    //    32 on a few blocks whose signals then queued behind one another.
+    for (int e = warp * gridDim.x + blockIdx.x; e < p.num_experts; e += gridDim.x * kWarps) {
         const int n = count_tokens_with(idx, T, K, e, lane);
         if (lane == 0) {
             const uint64_t start = globaltimer_ns();
@@ -662,8 +703,22 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
             net.put_warp(r, off, src, laddr, row16, lane, e);
         }
         __syncthreads();
-        if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
-        __syncthreads();
+        if constexpr (Net::kOn) {
+            // Transport: each expert's flags right after its rows, one QP post per thread.
+            if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
+            __syncthreads();
+        }
+    }
+    if constexpr (!Net::kOn) {
+        // NVLink: the flags of all this block's experts after the barrier that ends the last
+        // one's rows, one thread per (expert, rank), so a block with two experts (more local
+        // experts than blocks) pays one system-scope release on its critical path, not two.
+        const int b = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
+        const int mine_experts = b < L ? (L - b + G - 1) / G : 0;
+        for (int i = threadIdx.x; i < mine_experts * R; i += blockDim.x) {
+            const int e = p.rank * L + b + (i / R) * G;
+            net.signal(i % R, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
+        }
     }
     net.quiet();
 }
@@ -751,8 +806,9 @@ __device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
         // The last block to finish advances the half's sequence number: every block has read it.
         __syncthreads();
         if (threadIdx.x == 0) {
-            __threadfence();
-            const unsigned prev = atomicAdd(&state->dispatch_blocks_done, 1u);
+            // acq_rel: this block's read of the sequence number is ordered before the count,
+            // and the last block's update after every block's count.
+            const unsigned prev = atom_add_acq_rel_gpu(&state->dispatch_blocks_done, 1u);
             if (prev == gridDim.x - 1) {
                 state->dispatch_blocks_done = 0;
                 state->dispatch_seq[p.half] = seq + 1;
@@ -780,8 +836,9 @@ __device__ __forceinline__ void combine_kernel(const LlCombineParams& p) {
         // The last block to finish advances the half's sequence number: every block has read it.
         __syncthreads();
         if (threadIdx.x == 0) {
-            __threadfence();
-            const unsigned prev = atomicAdd(&state->combine_blocks_done, 1u);
+            // acq_rel: this block's read of the sequence number is ordered before the count,
+            // and the last block's update after every block's count.
+            const unsigned prev = atom_add_acq_rel_gpu(&state->combine_blocks_done, 1u);
             if (prev == gridDim.x - 1) {
                 state->combine_blocks_done = 0;
                 state->combine_seq[p.half] = seq + 1;

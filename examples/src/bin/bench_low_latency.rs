@@ -356,12 +356,13 @@ fn run_config(
         gbps(1.0 + 4.0 / 128.0, d8)
     );
     println!("  combine  BF16   {c:8.1} us  {:7.1} GB/s", gbps(2.0, c));
+    let (ds, dr) = (mean(|t| t.dispatch_send), mean(|t| t.dispatch_recv));
+    let (cs, cr) = (mean(|t| t.combine_send), mean(|t| t.combine_recv));
     println!(
-        "  hook (host-queued, upper bounds): dispatch send {:.1} us, recv {:.1} us; combine send {:.1} us, recv {:.1} us",
-        mean(|t| t.dispatch_send),
-        mean(|t| t.dispatch_recv),
-        mean(|t| t.combine_send),
-        mean(|t| t.combine_recv)
+        "  hook mode, BF16 (host-queued events, upper bounds): dispatch send {ds:8.1} us  recv {dr:8.1} us"
+    );
+    println!(
+        "                                                      combine  send {cs:8.1} us  recv {cr:8.1} us"
     );
     for (r, t) in times.iter().enumerate() {
         println!(
@@ -372,15 +373,21 @@ fn run_config(
     let date = date_utc();
     let nvlink = transport.is_none();
     let handler = transport.map_or("none", HandlerChoice::name);
-    let rec = |bench: &str, dtype: &str, g: f64, u: f64| {
+    // Hook-mode halves ride along on the BF16 records (host-queued events: upper bounds).
+    let rec = |bench: &str, dtype: &str, g: f64, u: f64, hook: Option<(f64, f64)>| {
+        let hook = hook.map_or(String::new(), |(s, r)| {
+            format!(
+                ", \"hook_send_us\": {s:.1}, \"hook_recv_us\": {r:.1}, \"hook_timing\": \"host-queued events behind a sleep kernel, median, upper bound\""
+            )
+        });
         format!(
-            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{hook}}}",
             a.tokens, a.hidden, a.topk, a.experts
         )
     };
     Ok(vec![
-        rec("ll_dispatch", "bf16", gbps(2.0, d16), d16),
-        rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8),
-        rec("ll_combine", "bf16", gbps(2.0, c), c),
+        rec("ll_dispatch", "bf16", gbps(2.0, d16), d16, Some((ds, dr))),
+        rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8, None),
+        rec("ll_combine", "bf16", gbps(2.0, c), c, Some((cs, cr))),
     ])
 }
