@@ -134,12 +134,14 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
 }
 
 // The last block of a push kernel to finish: every block fences its peer stores and counts
-// itself done; the last one then takes the kernel's epoch (next_epoch), releases it to every peer
+// itself done; the last one then takes the kernel's epoch (as next_epoch does, inline here: a
+// separate barrier for it costs the pull kernel registers), releases it to every peer
 // (cumulatively covering all blocks' stores) and waits for every peer's release. Returns true on
 // that block only, after a successful wait.
 __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t timeout_ns,
                                             uint64_t error, uint32_t what) {
     __shared__ int last;
+    __shared__ uint64_t epoch;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -148,12 +150,13 @@ __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, i
         last = prev == gridDim.x - 1;
         if (last) {
             mine->blocks_done = 0;  // every block has counted itself: nobody else touches it now
+            epoch = mine->epoch + 1;  // this kernel's epoch (see next_epoch)
+            mine->epoch = epoch;
             __threadfence();
         }
     }
     __syncthreads();
     if (!last) return false;
-    const uint64_t epoch = next_epoch(signals, rank);
     release_to_peers(signals, rank, ranks, epoch);
     return wait_for_peers(signals, rank, ranks, epoch, timeout_ns, error, what);
 }
