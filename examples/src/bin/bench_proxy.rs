@@ -28,6 +28,8 @@
 //!    row where the two are about equal is GPU-bound (one thread's serial system-scope raises
 //!    limit one QP to about 0.4 M/s), and the output says for which QP counts ≥ 5 M/s holds.
 //!    Target: ≥ 5 M/s.
+//!    `proxy_publish_stream_rate`: one QP, one GPU thread publishing back to back (no ack
+//!    awaited) with each publish variant, a bare proxy counting: what bounds the 1-QP row.
 //! 4. `proxy_doorbell_rate`, sink `emulator`: end to end: kernel threads publish NOPs on 1…64 QPs
 //!    of the emulated NIC, the proxy rings the emulator (doorbell record, direct doorbell); bounded
 //!    by what the emulator executes.
@@ -1123,6 +1125,126 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
+/// One thread publishing back to back on one QP, no ack awaited: for `i = 1..=iters` the WQE
+/// stores of [`PUBLISH_PINGPONG_PTX`] then `{PUBLISH}` (a [`VARIANTS`] sequence) for value `i`.
+/// `*out` = the loop's `%globaltimer` duration. What limits one QP's publish (and doorbell) rate.
+const PUBLISH_STREAM_PTX: &str = r#"
+.version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry publish_stream(
+    .param .u64 p_ring,
+    .param .u32 p_nslots,
+    .param .u64 p_head,
+    .param .u64 p_slot,
+    .param .u32 p_iters,
+    .param .u64 p_out
+)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<24>;
+
+    ld.param.u64 %rd1, [p_ring];
+    ld.param.u32 %r1, [p_nslots];
+    ld.param.u64 %rd2, [p_head];
+    ld.param.u64 %rd3, [p_slot];
+    ld.param.u32 %r2, [p_iters];
+    ld.param.u64 %rd5, [p_out];
+    mov.u32 %r3, 1;
+    sub.u32 %r4, %r1, 1;
+    mov.u64 %rd11, %globaltimer;
+LOOP:
+    setp.gt.u32 %p1, %r3, %r2;
+    @%p1 bra DONE;
+    and.b32 %r5, %r3, %r4;
+    mul.wide.u32 %rd8, %r5, 64;
+    add.u64 %rd9, %rd1, %rd8;
+    cvt.u64.u32 %rd10, %r3;
+    st.v4.u32 [%rd9], {%r3, %r3, %r3, %r3};
+    st.v4.u32 [%rd9+16], {%r3, %r3, %r3, %r3};
+    st.v4.u32 [%rd9+32], {%r3, %r3, %r3, %r3};
+    st.v4.u32 [%rd9+48], {%r3, %r3, %r3, %r3};
+{PUBLISH}
+    add.u32 %r3, %r3, 1;
+    bra.uni LOOP;
+DONE:
+    mov.u64 %rd14, %globaltimer;
+    sub.u64 %rd15, %rd14, %rd11;
+    st.u64 [%rd5], %rd15;
+    ret;
+}
+"#;
+
+/// The publish stream kernel with `v`'s publish sequence.
+fn stream_ptx(v: &Variant) -> String {
+    PUBLISH_STREAM_PTX.replace("{PUBLISH}", v.ptx)
+}
+
+/// One QP published back to back with `v`'s sequence (ring in GPU memory), a bare proxy
+/// counting doorbells: (M publishes/s, M doorbells/s, ns per publish), GPU-timed.
+fn measure_stream_rate(ctx: &Arc<CudaContext>, v: &Variant, iters: u32) -> Result<(f64, f64, f64)> {
+    let stream = ctx.new_stream()?;
+    let ring = DeviceBuffer::new(ctx, PINGPONG_SLOTS as usize * 64)?;
+    let head = DeviceBuffer::new(ctx, 8)?;
+    head.fill_bytes(0)?;
+    let out = DeviceBuffer::new(ctx, 8)?;
+    out.fill_bytes(0)?;
+    let slot = pinned(ctx, 64)?;
+    let keep = slot.clone();
+    let qp = ProxyQp {
+        // SAFETY: the slot lies in `slot`, kept alive by the doorbell closure (`keep`) for as
+        // long as the proxy thread holds it; the GPU writes it as whole words.
+        slot: unsafe { ProducerSlot::new(slot.addr() as *const u64) }?,
+        doorbell: Box::new(move |_pi: u64| {
+            let _ = &keep;
+        }),
+        rung_from: 0,
+        rank: 0,
+        qp_index: 0,
+    };
+    let proxy = Proxy::start(vec![qp], ProxyConfig::default())?;
+    let module = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_src(stream_ptx(v)))
+        .with_context(|| format!("JIT-compiling the publish stream kernel ({})", v.name))?;
+    let f = module
+        .load_function("publish_stream")
+        .context("publish_stream")?;
+    let (rp, nslots, hp, sp, op) = (
+        ring.ptr(),
+        PINGPONG_SLOTS,
+        head.ptr(),
+        dev_addr(&slot)?,
+        out.ptr(),
+    );
+    let mut l = stream.launch_builder(&f);
+    l.arg(&rp)
+        .arg(&nslots)
+        .arg(&hp)
+        .arg(&sp)
+        .arg(&iters)
+        .arg(&op);
+    // SAFETY: publish_stream(u64, u32, u64, u64, u32, u64) matches the PTX entry; the ring holds
+    // PINGPONG_SLOTS 64-byte slots, `head` and `out` one u64 of GPU memory each, `slot` a live
+    // pinned word.
+    let launched = unsafe { l.launch(ONE_THREAD) }.context("launch publish_stream");
+    let waited = launched
+        .and_then(|_| wait_stream(&stream, Duration::from_secs(60)).map_err(anyhow::Error::from));
+    let report = proxy.stop();
+    waited?;
+    let report = report?;
+    let ns = out.download::<u64>(0, 1)?[0].max(1) as f64;
+    Ok((
+        f64::from(iters) / ns * 1e3,
+        report.doorbells as f64 / ns * 1e3,
+        ns / f64::from(iters),
+    ))
+}
+
+/// Publishes per variant in the one-QP stream rows.
+const STREAM_PUBLISHES: u32 = 100_000;
+
 /// Doorbells per second of a bare proxy over `nqps` slots raised by the GPU, and the GPU's own
 /// raise rate, both in millions per second.
 fn measure_counter_rate(
@@ -1238,6 +1360,8 @@ fn main() -> Result<()> {
     if let Some(dir) = &a.dump_ptx {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {dir}"))?;
         for v in VARIANTS {
+            let p = format!("{dir}/stream_{}.ptx", v.name);
+            std::fs::write(&p, stream_ptx(v)).with_context(|| format!("writing {p}"))?;
             let p = format!("{dir}/group_{}.ptx", v.name);
             std::fs::write(&p, group_ptx(v)).with_context(|| format!("writing {p}"))?;
             let p = format!("{dir}/publish_{}.ptx", v.name);
@@ -1542,6 +1666,33 @@ fn main() -> Result<()> {
          GPU's raise, not the proxy; the >= 5 M/s target is the proxy's rate and holds only where\n   \
          enough QPs raise concurrently to load it, the rows marked yes above)"
     );
+
+    println!(
+        "\n1 QP, one GPU thread publishing back to back (WQE stores + publish, ring in GPU memory, no ack\n  \
+         awaited), bare proxy counting doorbells; per publish variant (what bounds the 1-QP row above)"
+    );
+    println!(
+        "  {:<18} {:>14} {:>14} {:>12}",
+        "publish variant", "M publishes/s", "M doorbells/s", "ns/publish"
+    );
+    for v in VARIANTS {
+        match measure_stream_rate(&ctx, v, STREAM_PUBLISHES) {
+            Ok((pubs, dbs, ns)) => {
+                println!("  {:<18} {pubs:>14.2} {dbs:>14.2} {ns:>12.0}", v.name);
+                records.push(format!(
+                    "{{\"bench\": \"proxy_publish_stream_rate\", \"mode\": \"cpu_host_memory\", \"rings\": \"device\", \"qps\": 1, \"variant\": \"{}\", \"mpublishes_per_s\": {}, \"mdoorbells_per_s\": {}, \"ns_per_publish\": {}, \"publishes\": {STREAM_PUBLISHES}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                    v.name,
+                    json_num(pubs),
+                    json_num(dbs),
+                    json_num(ns)
+                ));
+            }
+            Err(e) => {
+                println!("  {:<18} FAILED: {e:#}", v.name);
+                failures.push(format!("stream rate, variant {}: {e:#}", v.name));
+            }
+        }
+    }
 
     println!("\nend to end on the emulated NIC: NOP publishes, proxy -> emulator; sink: emulator");
     println!(
