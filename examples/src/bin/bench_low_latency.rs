@@ -11,8 +11,11 @@
 //! synchronize the elapsed time is divided by the operations run (combine = the pair minus the
 //! dispatch). The host's launch rate does not show; the mean over ranks is reported. Hook-mode
 //! send and receive halves are timed with host-queued events behind a sleep kernel (median), an
-//! upper bound (printed, not recorded). GB/s = rows received × hidden × bytes per element ÷ time
-//! (FP8: 1 + 4/128 bytes per element).
+//! upper bound (printed, and recorded as `hook_send_us`/`hook_recv_us` on the BF16 records).
+//! Fixed-cost diagnostics, graph-timed the same way and recorded on the BF16 records: dispatch
+//! and combine with only 8 tokens per rank (`us_8_tokens`; close to the full time means a
+//! per-kernel cost, not a per-byte one) and dispatch on half the SMs (`us_half_sms`).
+//! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
 //!
 //! `bench_low_latency [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
 //!  [--experts E] [--iters N] [--transport-iters N] [--transport-handler MODE] [--no-transport]`;
@@ -94,8 +97,17 @@ struct Times {
     dispatch_recv: f64,
     combine_send: f64,
     combine_recv: f64,
+    /// Diagnostics of the fixed cost: BF16 dispatch and combine with only [`SMALL_TOKENS`]
+    /// tokens per rank, and BF16 dispatch on half the SMs.
+    dispatch_small: f64,
+    combine_small: f64,
+    dispatch_half_sms: f64,
     rows: usize,
 }
+
+/// Tokens per rank of the fixed-cost diagnostic (a time close to the full run's means the cost
+/// is per kernel, not per byte).
+const SMALL_TOKENS: usize = 8;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -134,7 +146,7 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
     let stream = b.stream().clone();
     let mut rng = Rng::new(seed);
     let t = a.tokens;
-    let x: Vec<Bf16> = (0..t * a.hidden)
+    let x_host: Vec<Bf16> = (0..t * a.hidden)
         .map(|_| Bf16::from_f32(rng.below(2000) as f32 / 1000.0 - 1.0))
         .collect();
     let mut ids = Vec::with_capacity(t * a.topk);
@@ -148,10 +160,14 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
         }
         ids.extend(chosen);
     }
-    let w: Vec<f32> = (0..t * a.topk).map(|_| 1.0 / a.topk as f32).collect();
-    let x = Tensor::from_host(&ctx, &x, &[t, a.hidden])?;
+    let w_host: Vec<f32> = (0..t * a.topk).map(|_| 1.0 / a.topk as f32).collect();
+    let x = Tensor::from_host(&ctx, &x_host, &[t, a.hidden])?;
     let idx = Tensor::from_host(&ctx, &ids, &[t, a.topk])?;
-    let w = Tensor::from_host(&ctx, &w, &[t, a.topk])?;
+    let w = Tensor::from_host(&ctx, &w_host, &[t, a.topk])?;
+    let ts = t.min(SMALL_TOKENS);
+    let xs = Tensor::from_host(&ctx, &x_host[..ts * a.hidden], &[ts, a.hidden])?;
+    let idxs = Tensor::from_host(&ctx, &ids[..ts * a.topk], &[ts, a.topk])?;
+    let ws = Tensor::from_host(&ctx, &w_host[..ts * a.topk], &[ts, a.topk])?;
     let (local, cap) = (b.num_local_experts(), b.ranks() * a.tokens);
     let comb_in = Tensor::filled(&ctx, Bf16::from_f32(0.5), &[local, cap, a.hidden])?;
     let fp8 = Some(Fp8Options::default());
@@ -200,6 +216,28 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
         Ok(())
     })?;
 
+    // Fixed-cost diagnostics: a few tokens per rank, and half the SMs.
+    let ds_small = time_graph(b, &stream, iters, |b| {
+        b.dispatch(&LlDispatchArgs::new(&xs, &idxs)).map(drop)
+    })?;
+    let pair_small = time_graph(b, &stream, iters, |b| {
+        let o = b.dispatch(&LlDispatchArgs::new(&xs, &idxs))?;
+        let c = b.combine(&LlCombineArgs::new(
+            LlCombineX::Tensor(&comb_in),
+            &idxs,
+            &ws,
+            &o.handle,
+        ))?;
+        drop((o, c));
+        Ok(())
+    })?;
+    let half_sms = (b.num_sms() / 2).max(1);
+    let d_half = time_graph(b, &stream, iters, |b| {
+        let mut d = LlDispatchArgs::new(&x, &idx);
+        d.num_sms = Some(half_sms);
+        b.dispatch(&d).map(drop)
+    })?;
+
     // Hook mode: send and receive halves timed separately with events queued by the host
     // (behind a sleep kernel long enough for the host to queue them all: about 1 ms per
     // iteration, with ranks as threads sharing the driver); where the host still queues slower
@@ -239,6 +277,9 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
         dispatch_bf16: d16,
         dispatch_fp8: d8,
         combine: pair - d16,
+        dispatch_small: ds_small,
+        combine_small: pair_small - ds_small,
+        dispatch_half_sms: d_half,
         dispatch_send: median(ds),
         dispatch_recv: median(dr),
         combine_send: median(cs),
@@ -364,6 +405,12 @@ fn run_config(
     println!(
         "                                                      combine  send {cs:8.1} us  recv {cr:8.1} us"
     );
+    let (d_small, c_small) = (mean(|t| t.dispatch_small), mean(|t| t.combine_small));
+    let d_half = mean(|t| t.dispatch_half_sms);
+    println!(
+        "  diagnostics (BF16): {SMALL_TOKENS} tokens per rank: dispatch {d_small:8.1} us  combine {c_small:8.1} us; dispatch on {} SMs {d_half:8.1} us",
+        (sms / 2).max(1)
+    );
     for (r, t) in times.iter().enumerate() {
         println!(
             "  rank {r}: dispatch {:.1}/{:.1} us (bf16/fp8), combine {:.1} us",
@@ -374,20 +421,25 @@ fn run_config(
     let nvlink = transport.is_none();
     let handler = transport.map_or("none", HandlerChoice::name);
     // Hook-mode halves ride along on the BF16 records (host-queued events: upper bounds).
-    let rec = |bench: &str, dtype: &str, g: f64, u: f64, hook: Option<(f64, f64)>| {
-        let hook = hook.map_or(String::new(), |(s, r)| {
-            format!(
-                ", \"hook_send_us\": {s:.1}, \"hook_recv_us\": {r:.1}, \"hook_timing\": \"host-queued events behind a sleep kernel, median, upper bound\""
-            )
-        });
+    // Extra fields ride along on the BF16 records: the hook-mode halves (host-queued events:
+    // upper bounds) and the fixed-cost diagnostics.
+    let rec = |bench: &str, dtype: &str, g: f64, u: f64, extra: &str| {
         format!(
-            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{hook}}}",
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{extra}}}",
             a.tokens, a.hidden, a.topk, a.experts
         )
     };
+    let hook_timing =
+        "\"hook_timing\": \"host-queued events behind a sleep kernel, median, upper bound\"";
+    let d_extra = format!(
+        ", \"us_{SMALL_TOKENS}_tokens\": {d_small:.1}, \"us_half_sms\": {d_half:.1}, \"hook_send_us\": {ds:.1}, \"hook_recv_us\": {dr:.1}, {hook_timing}"
+    );
+    let c_extra = format!(
+        ", \"us_{SMALL_TOKENS}_tokens\": {c_small:.1}, \"hook_send_us\": {cs:.1}, \"hook_recv_us\": {cr:.1}, {hook_timing}"
+    );
     Ok(vec![
-        rec("ll_dispatch", "bf16", gbps(2.0, d16), d16, Some((ds, dr))),
-        rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8, None),
-        rec("ll_combine", "bf16", gbps(2.0, c), c, Some((cs, cr))),
+        rec("ll_dispatch", "bf16", gbps(2.0, d16), d16, &d_extra),
+        rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8, ""),
+        rec("ll_combine", "bf16", gbps(2.0, c), c, &c_extra),
     ])
 }
