@@ -790,15 +790,14 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
 
 template <bool kTransport>
 __device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
-    __shared__ int abort;
     __shared__ uint64_t seq;
     LlState* state = reinterpret_cast<LlState*>(p.state);
-    if (threadIdx.x == 0) {
-        abort = error_recorded(p.error);
-        seq = state->dispatch_seq[p.half];
-    }
+    // No check of the host-mapped error word here: one uncached read per block over PCIe costs
+    // about a microsecond each, serialised (132 blocks measured ~170 us against ~112 us on 66).
+    // A kernel after a failure still ends within its bounded waits, which poll the error word,
+    // and the host refuses new work on a buffer that recorded one.
+    if (threadIdx.x == 0) seq = state->dispatch_seq[p.half];
     __syncthreads();
-    if (abort) return;
     const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) dispatch_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
@@ -820,15 +819,14 @@ __device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
 
 template <bool kTransport>
 __device__ __forceinline__ void combine_kernel(const LlCombineParams& p) {
-    __shared__ int abort;
     __shared__ uint64_t seq;
     LlState* state = reinterpret_cast<LlState*>(p.state);
-    if (threadIdx.x == 0) {
-        abort = error_recorded(p.error);
-        seq = state->combine_seq[p.half];
-    }
+    // No check of the host-mapped error word here: one uncached read per block over PCIe costs
+    // about a microsecond each, serialised (132 blocks measured ~170 us against ~112 us on 66).
+    // A kernel after a failure still ends within its bounded waits, which poll the error word,
+    // and the host refuses new work on a buffer that recorded one.
+    if (threadIdx.x == 0) seq = state->combine_seq[p.half];
     __syncthreads();
-    if (abort) return;
     const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) combine_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
