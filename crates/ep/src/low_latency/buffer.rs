@@ -354,10 +354,10 @@ fn launch<P: DeviceRepr>(
         block_dim: (k::THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    // Every address in `P` is a live allocation of this rank (kept alive by the buffer or the
+    // hook) or a peer's window, which stays mapped until the group's teardown barrier.
     // SAFETY: every low-latency kernel takes exactly one by-value parameter struct and `P` is the
-    // #[repr(C)] mirror of that kernel's struct (the callers pair them); every address in it is a
-    // live allocation of this rank (kept alive by the buffer or the hook) or a peer's window,
-    // which stays mapped until the group's teardown barrier.
+    // #[repr(C)] mirror of that kernel's struct (the callers pair them); addresses as above.
     unsafe { b.launch(cfg) }.map_err(|source| EpError::Cuda { rank, call, source })?;
     Ok(())
 }
