@@ -26,7 +26,18 @@ commands:
   device-bundle             build GPU tests + examples (release) into bundle/ for the device machine
 ";
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The chain of causes, without a backtrace: these are user-facing errors.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first() else {
         eprint!("{USAGE}");

@@ -57,20 +57,25 @@ pub fn example(args: &[String]) -> Result<()> {
     step("building CUDA kernels (installs the pinned nvcc if needed)");
     crate::kernels::build_kernels(false)?;
     step(&format!("running example {name}"));
-    util::run(
-        Command::new("cargo")
-            .args([
-                "run",
-                "--release",
-                "--locked",
-                "-p",
-                "ep-examples",
-                "--bin",
-                name,
-                "--",
-            ])
-            .args(rest),
-    )
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "run",
+        "--release",
+        "--locked",
+        "-p",
+        "ep-examples",
+        "--bin",
+        name,
+        "--",
+    ])
+    .args(rest);
+    eprintln!("$ {}", util::show(&cmd));
+    let status = cmd
+        .current_dir(util::root())
+        .status()
+        .context("could not start cargo")?;
+    // The example's own message says what went wrong; pass its exit status through unchanged.
+    std::process::exit(status.code().unwrap_or(1));
 }
 
 fn ensure_apt_packages() -> Result<()> {
