@@ -1037,10 +1037,10 @@ fn run_group_publish(
         .arg(&tp)
         .arg(&limit)
         .arg(&sp);
-    // SAFETY: group_publish(u64, u64, u32, u64, u64, u64, u64, u32, u64, u64, u64, u64) matches
-    // the PTX entry; the table holds `iters` WQEBBs, the ring `nwqes` (> iters), resv/head are
-    // the descriptor's counters, slot its producer slot, ack a live pinned word, rtt/t_pub
-    // `iters` u64s, status one u32.
+    // The table holds `iters` WQEBBs, the ring `nwqes` (> iters), resv/head are the descriptor's
+    // counters, slot its producer slot, ack a live pinned word, rtt/t_pub `iters` u64s, status one
+    // u32. SAFETY: group_publish(u64, u64, u32, u64, u64, u64, u64, u32, u64, u64, u64, u64)
+    // matches the PTX entry, and every pointer is live and sized as above.
     unsafe { l.launch(ONE_THREAD) }.context("launch group_publish")?;
     group.wait(stream, Some(Duration::from_secs(60)))?;
     if status.download::<i32>(0, 1)?[0] != 0 {
