@@ -25,6 +25,15 @@ pub enum EpError {
         #[source]
         source: ibgda_device::cuda::CudaError,
     },
+    /// Pinned host memory mapped into the GPU could not be allocated.
+    #[error("rank {rank}: {source}")]
+    HostMemory {
+        /// The rank.
+        rank: usize,
+        /// What failed.
+        #[source]
+        source: ibgda_gdr::GdrError,
+    },
     /// A kernel could not be loaded.
     #[error("rank {rank}: {source}")]
     Kernel {

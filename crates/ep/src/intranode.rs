@@ -31,7 +31,7 @@ use cudarc::driver::{
 use ep_kernels::intranode as k;
 use ibgda_device::cuda::DeviceBuffer;
 
-use crate::bootstrap::{exchange_buffers, Communicator, PeerBuffer, ThreadGroup};
+use crate::bootstrap::{exchange_buffers, Communicator, PeerBuffer};
 use crate::config::{BufferOptions, Config};
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
@@ -524,22 +524,8 @@ impl Buffer {
         ctxs: &[Arc<CudaContext>],
         opts: &BufferOptions,
     ) -> Result<Vec<Buffer>, EpError> {
-        let comms = ThreadGroup::with_timeout(ctxs.len(), opts.timeout)
-            .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
-        std::thread::scope(|s| {
-            let joins: Vec<_> = ctxs
-                .iter()
-                .zip(comms)
-                .map(|(ctx, comm)| s.spawn(move || Buffer::new(ctx, &comm, opts)))
-                .collect();
-            joins
-                .into_iter()
-                .enumerate()
-                .map(|(r, j)| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
-                })
-                .collect()
+        crate::rendezvous::build_as_threads(ctxs, opts.timeout, |ctx, comm| {
+            Buffer::new(ctx, &comm, opts)
         })
     }
 

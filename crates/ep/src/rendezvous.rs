@@ -4,8 +4,13 @@
 //! threads ([`bootstrap::ThreadGroup`](crate::bootstrap::ThreadGroup)). Buffers themselves are
 //! shared with [`exchange_buffers`](crate::bootstrap::exchange_buffers).
 
-use crate::bootstrap::Communicator;
-use crate::error::EpError;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+
+use crate::bootstrap::{Communicator, ThreadCommunicator, ThreadGroup};
+use crate::error::{invalid, EpError};
 
 /// Word-sized collectives on any [`Communicator`], with errors as [`EpError`]. Implemented for
 /// every communicator (including `dyn Communicator`); bring it into scope and call it.
@@ -55,6 +60,34 @@ pub trait Exchange: Communicator {
 }
 
 impl<C: Communicator + ?Sized> Exchange for C {}
+
+/// Runs `build(ctx, comm)` for every rank as a thread of this process (rank `i` on `ctxs[i]`),
+/// the ranks joined by one [`ThreadGroup`] bounded by `timeout`; returns the results by rank. A
+/// rank whose thread panics gives an error naming it.
+pub(crate) fn build_as_threads<T: Send>(
+    ctxs: &[Arc<CudaContext>],
+    timeout: Duration,
+    build: impl Fn(&Arc<CudaContext>, ThreadCommunicator) -> Result<T, EpError> + Sync,
+) -> Result<Vec<T>, EpError> {
+    let comms = ThreadGroup::with_timeout(ctxs.len(), timeout)
+        .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
+    let build = &build;
+    std::thread::scope(|s| {
+        let joins: Vec<_> = ctxs
+            .iter()
+            .zip(comms)
+            .map(|(ctx, comm)| s.spawn(move || build(ctx, comm)))
+            .collect();
+        joins
+            .into_iter()
+            .enumerate()
+            .map(|(r, j)| {
+                j.join()
+                    .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
+            })
+            .collect()
+    })
+}
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,6 @@ use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::Fabric;
 
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
-use crate::bootstrap::ThreadGroup;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
@@ -455,8 +454,6 @@ impl LowLatencyBuffer {
         ctxs: &[Arc<CudaContext>],
         opts: &LowLatencyOptions,
     ) -> Result<Vec<LowLatencyBuffer>, EpError> {
-        let comms = ThreadGroup::with_timeout(ctxs.len(), opts.timeout)
-            .map_err(|source| EpError::Bootstrap { rank: 0, source })?;
         // NVLink disabled: one emulated NIC per rank on one fabric, so every rank can connect QPs
         // to every other.
         let nics = if opts.allow_nvlink {
@@ -476,24 +473,9 @@ impl LowLatencyBuffer {
                 _fabric: fabric,
             }))
         };
-        std::thread::scope(|s| {
-            let joins: Vec<_> = ctxs
-                .iter()
-                .zip(comms)
-                .map(|(ctx, comm)| {
-                    let m: Arc<dyn Exchange> = Arc::new(comm);
-                    let nics = nics.clone();
-                    s.spawn(move || LowLatencyBuffer::build(ctx, m, opts, nics))
-                })
-                .collect();
-            joins
-                .into_iter()
-                .enumerate()
-                .map(|(r, j)| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
-                })
-                .collect()
+        crate::rendezvous::build_as_threads(ctxs, opts.timeout, |ctx, comm| {
+            let m: Arc<dyn Exchange> = Arc::new(comm);
+            LowLatencyBuffer::build(ctx, m, opts, nics.clone())
         })
     }
 
