@@ -160,8 +160,9 @@ pub struct QpDesc {
     pub dbr: u64,
     /// `[16,24)` the BlueFlame register (UAR + 0x800) mapped for the GPU; mode gpu only, else 0.
     pub db_reg: u64,
-    /// `[24,32)` the 8-byte-aligned `u64` the proxy polls, raised by the GPU with a system-scope
-    /// `atomicMax(base + n)`; CPU modes only, else 0.
+    /// `[24,32)` the 8-byte-aligned `u64` the proxy polls, raised by the GPU to `base + n` (a
+    /// system-scope release store in publish order, or `atomicMax` when flushing); CPU modes
+    /// only, else 0.
     pub producer_slot: u64,
     /// `[32,36)` ring size in WQEBBs, a power of two.
     pub nwqes: u32,

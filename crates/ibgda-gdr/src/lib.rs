@@ -14,7 +14,7 @@
 //! | `cpu_host_memory` | pinned host memory mapped into the GPU | [`HostMapping`] |
 //!
 //! Both implement [`CpuView`]: a CPU pointer, a GPU pointer, a length, and atomic 64-bit reads
-//! and writes (what a proxy polling `atomicMax`'d producer slots needs).
+//! and writes (what a proxy polling GPU-raised producer slots needs).
 //!
 //! GDRCopy is RAII all the way down: [`Gdr`] (the `gdr_t` handle) ← [`PinnedBuffer`]
 //! (`gdr_pin_buffer`) ← [`Mapping`] (`gdr_map`). Dropping a mapping unmaps, then unpins; the

@@ -28,7 +28,7 @@ pub unsafe trait CpuView: Send + Sync {
         self.len() == 0
     }
 
-    /// Reads the u64 at `offset` with acquire ordering (a GPU `atomicMax`'d producer slot, say).
+    /// Reads the u64 at `offset` with acquire ordering (a GPU-raised producer slot, say).
     ///
     /// # Panics
     /// If `offset` is not 8-byte aligned or the u64 lies past the end.

@@ -20,8 +20,9 @@
 //!    and path: `echo` = a bare CPU thread polling the slot saw it, `proxy` = the real [`Proxy`]
 //!    runner rang (doorbell-record store + doorbell atomic, then the stamp), `transport` = the
 //!    publish of a NOP on a real QP of the emulated NIC, stamped by the transport's doorbell hook
-//!    after the emulator's doorbell (`current`/`transport` is the issue's figure). Target:
-//!    p50 ≤ 2 µs.
+//!    after the emulator's doorbell, and for `current` also `header` = the same QP with the
+//!    publish compiled from `protocol.cuh` itself (`protocol_bench_rtt`; `current`/`header` is
+//!    the issue's figure). Target: p50 ≤ 2 µs.
 //! 3. `proxy_doorbell_rate`, sink `counter`: the proxy alone. Kernel threads raise 1…64 producer
 //!    slots in pinned host memory as fast as they can; the proxy sweeps them and rings a doorbell
 //!    that only counts. Doorbells per second over `--ms`, with the GPU's raise rate beside it: a
@@ -216,17 +217,23 @@ struct Variant {
     ptx: &'static str,
 }
 
-/// The publish sequences measured side by side. `current` is `ibgda_publish` + `ibgda_ring_to`
-/// today (`__threadfence()` = `membar.gl`).
+/// The publish sequences measured side by side. `current` is `ibgda_publish` in the CPU modes
+/// today, written out in PTX (the `header` path runs the header itself); `previous` is what it
+/// did before 2026-11-29.
 const VARIANTS: &[Variant] = &[
     Variant {
         name: "current",
-        verdict: "protocol.cuh today: membar.gl; ld.acquire.gpu head; st.release.gpu head; red.release.sys.max slot",
+        verdict: "protocol.cuh today: ld.acquire.gpu head (the turn); st.release.sys slot while holding the turn; st.release.gpu head. Safe: the argument is in ibgda_publish (release orders the WQEs; the ready_head chain orders successive slot stores, and the flushers' atomicMax never lowers the slot)",
+        ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;",
+    },
+    Variant {
+        name: "previous",
+        verdict: "safe; protocol.cuh until 2026-11-29: membar.gl; ld.acquire.gpu head; st.release.gpu head; red.release.sys.max slot after passing the turn on",
         ptx: "    membar.gl;\n    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;",
     },
     Variant {
         name: "no_membar",
-        verdict: "safe: drops the leading __threadfence(); the release store of ready_head already orders this thread's (and __syncwarp'ed lanes') WQE stores before it, and red.release.sys orders them before the slot",
+        verdict: "safe: `previous` without the leading __threadfence(); the release store of ready_head already orders this thread's (and __syncwarp'ed lanes') WQE stores before it, and red.release.sys orders them before the slot",
         ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;",
     },
     Variant {
@@ -236,17 +243,12 @@ const VARIANTS: &[Variant] = &[
     },
     Variant {
         name: "raise_in_turn_red",
-        verdict: "safe: slot raised (red.release.sys.max) while holding the turn, then ready_head advanced; max keeps the slot monotonic against quiet/ring_to raisers",
+        verdict: "safe: slot raised (red.release.sys.max) while holding the turn, then ready_head advanced",
         ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    red.release.sys.max.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;",
     },
     Variant {
-        name: "raise_in_turn_st",
-        verdict: "needs proof: plain st.release.sys of the slot while holding the turn; publishers are serialised by the ready_head chain, but quiet/ring_to/wait_cons raise with max from their own ready_head reads, and mixing plain stores with PCIe atomics on host memory is not covered by the ordering the protocol relies on",
-        ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;",
-    },
-    Variant {
         name: "fence_st_in_turn",
-        verdict: "needs proof (as raise_in_turn_st): ld.relaxed head (wait); fence.acq_rel.sys; st.relaxed.sys slot while holding the turn; st.relaxed.gpu head -- one sys fence, no PCIe atomic",
+        verdict: "needs proof, not used: ld.relaxed head (wait); fence.acq_rel.sys; st.relaxed.sys slot; st.relaxed.gpu head. The relaxed head store is not a release after the slot store, so a successor's slot store need not follow ours: the slot could go backwards",
         ptx: "    ld.relaxed.gpu.u64 %rd12, [%rd2];\n    fence.acq_rel.sys;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.relaxed.gpu.u64 [%rd2], %rd10;",
     },
     Variant {
@@ -309,6 +311,9 @@ fn echo(
     })
 }
 
+/// `protocol_bench_rtt`'s `t_pub` when the publish times are not wanted (null).
+const NO_T_PUB: u64 = 0;
+
 fn measure_latency(
     ctx: &Arc<CudaContext>,
     iters: u32,
@@ -357,9 +362,11 @@ fn measure_latency(
             .arg(&ping_dev)
             .arg(&ack_dev)
             .arg(&rp)
+            .arg(&NO_T_PUB)
             .arg(&sp);
-        // SAFETY: protocol_bench_rtt(ibgda_qp_desc*, u32, u32, u32, u64*, const u64*, u64*, int*)
-        // matches; `ping` and the ack are live pinned words, `rtt` holds `iters` u64s.
+        // SAFETY: protocol_bench_rtt(ibgda_qp_desc*, u32, u32, u32, u64*, const u64*, u64*, u64*,
+        // int*) matches; `ping` and the ack are live pinned words, `rtt` holds `iters` u64s, and
+        // t_pub is null (not written).
         unsafe { l.launch(ONE_THREAD) }.context("launch protocol_bench_rtt")?;
         Ok(())
     };
@@ -941,9 +948,122 @@ fn group_ptx(v: &Variant) -> String {
 /// Ring size of the transport-path run: the largest, so `iters` publishes never wrap it.
 const GROUP_NWQES: u32 = 32768;
 
-/// [`GROUP_PUBLISH_PTX`] with `v`'s publish on QP 0 of a fresh `cpu_host_memory` group of the
-/// emulated NIC; the doorbell hook stamps the host clock and writes the ack. At most
-/// `GROUP_NWQES - 1` publishes.
+/// QP 0 of a fresh `cpu_host_memory` group of the emulated NIC (`GROUP_NWQES` WQEBBs) whose
+/// doorbell hook stamps the host clock into `seen[pi - 1]` and writes `pi` to the pinned `ack`.
+struct StampingGroup {
+    group: ep::transport::QpGroup,
+    ack: Arc<HostBuffer>,
+    seen: Arc<Vec<AtomicU64>>,
+    _nics: (EmuRank, EmuRank, ep::transport::Arena),
+}
+
+impl StampingGroup {
+    fn new(
+        ctx: &Arc<CudaContext>,
+        placement: RingPlacement,
+        n: usize,
+        base: Instant,
+    ) -> Result<Self> {
+        let fabric = Fabric::new();
+        let me = EmuRank::cuda(&fabric, ctx, 0)?;
+        let peer = EmuRank::cuda(&fabric, ctx, 1)?;
+        let src = me.arena(4096)?;
+        let ack = pinned(ctx, 64)?;
+        let seen: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
+        let (hook_ack, hook_seen) = (ack.clone(), seen.clone());
+        let cfg = QpGroupConfig {
+            handler: NicHandler::CpuHostMemory,
+            nqps: 1,
+            nwqes: GROUP_NWQES,
+            timeout: Duration::from_secs(10),
+            placement,
+            peer_rank: 1,
+            on_doorbell: Some(DoorbellHook(Arc::new(move |_qp, pi| {
+                let t = host_ns(base);
+                if let Some(w) = (pi as usize).checked_sub(1).and_then(|i| hook_seen.get(i)) {
+                    w.store(t, Ordering::Relaxed);
+                }
+                hook_ack.store_u64(0, pi)
+            }))),
+            ..Default::default()
+        };
+        let group = me.connect(&peer, &src, &cfg)?;
+        Ok(Self {
+            group,
+            ack,
+            seen,
+            _nics: (me, peer, src),
+        })
+    }
+
+    /// Downloads the GPU's times, collects the host stamps and shuts the group down.
+    fn finish(self, rtt: &DeviceBuffer, t_pub: &DeviceBuffer, n: usize) -> Result<PublishRun> {
+        let run = PublishRun {
+            rtt_ns: rtt.download(0, n)?,
+            t_pub: t_pub.download(0, n)?,
+            seen: self
+                .seen
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed))
+                .collect(),
+        };
+        self.group.shutdown()?;
+        Ok(run)
+    }
+}
+
+/// `protocol.cuh` itself (`protocol_bench_rtt`: reserve, NOP, `ibgda_publish` with a doorbell,
+/// wait for the ack) on a [`StampingGroup`]: the publish sequence as compiled from the header,
+/// where the `current` variant is its hand-written PTX. At most `GROUP_NWQES - 1` publishes.
+fn run_header_publish(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    placement: RingPlacement,
+    iters: u32,
+    base: Instant,
+) -> Result<PublishRun> {
+    let iters = iters.min(GROUP_NWQES - 1);
+    let n = iters as usize;
+    let sg = StampingGroup::new(ctx, placement, n, base)?;
+    let f = ep_kernels::load_function(ctx, MODULE, "protocol_bench_rtt")?;
+    let rtt = DeviceBuffer::new(ctx, 8 * n.max(1))?;
+    let t_pub = DeviceBuffer::new(ctx, 8 * n.max(1))?;
+    let status = DeviceBuffer::new(ctx, 4)?;
+    status.fill_bytes(0)?;
+    let (descs, qp, pingpong, ping, ackp, rp, tp, sp) = (
+        sg.group.descs().context("descriptors")?,
+        0u32,
+        0u32,
+        0u64,
+        dev_addr(&sg.ack)?,
+        rtt.ptr(),
+        t_pub.ptr(),
+        status.ptr(),
+    );
+    let mut l = stream.launch_builder(&f);
+    l.arg(&descs)
+        .arg(&qp)
+        .arg(&iters)
+        .arg(&pingpong)
+        .arg(&ping)
+        .arg(&ackp)
+        .arg(&rp)
+        .arg(&tp)
+        .arg(&sp);
+    // SAFETY: protocol_bench_rtt(ibgda_qp_desc*, u32, u32, u32, u64*, const u64*, u64*, u64*,
+    // int*) matches; the descriptors are the group's, the ack a live pinned word, rtt and t_pub
+    // hold `iters` u64s, `ping` is unused (pingpong = 0).
+    unsafe { l.launch(ONE_THREAD) }.context("launch protocol_bench_rtt")?;
+    sg.group.wait(stream, Some(Duration::from_secs(60)))?;
+    let st: i32 = status.download(0, 1)?[0];
+    if st != 0 {
+        bail!("protocol.cuh publish kernel stopped with status {st:#x}");
+    }
+    sg.finish(&rtt, &t_pub, n)
+}
+
+/// [`GROUP_PUBLISH_PTX`] with `v`'s publish on a [`StampingGroup`]. At most `GROUP_NWQES - 1`
+/// publishes.
 fn run_group_publish(
     ctx: &Arc<CudaContext>,
     stream: &Arc<cudarc::driver::CudaStream>,
@@ -956,31 +1076,8 @@ fn run_group_publish(
     use ibgda_device::wire::Nop;
     let iters = iters.min(GROUP_NWQES - 1);
     let n = iters as usize;
-    let fabric = Fabric::new();
-    let me = EmuRank::cuda(&fabric, ctx, 0)?;
-    let peer = EmuRank::cuda(&fabric, ctx, 1)?;
-    let src = me.arena(4096)?;
-    let ack = pinned(ctx, 64)?;
-    let seen: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
-    let (hook_ack, hook_seen) = (ack.clone(), seen.clone());
-    let cfg = QpGroupConfig {
-        handler: NicHandler::CpuHostMemory,
-        nqps: 1,
-        nwqes: GROUP_NWQES,
-        timeout: Duration::from_secs(10),
-        placement,
-        peer_rank: 1,
-        on_doorbell: Some(DoorbellHook(Arc::new(move |_qp, pi| {
-            let t = host_ns(base);
-            if let Some(w) = (pi as usize).checked_sub(1).and_then(|i| hook_seen.get(i)) {
-                w.store(t, Ordering::Relaxed);
-            }
-            hook_ack.store_u64(0, pi)
-        }))),
-        ..Default::default()
-    };
-    let group = me.connect(&peer, &src, &cfg)?;
-    let descs = group.descs().context("descriptors")?;
+    let sg = StampingGroup::new(ctx, placement, n, base)?;
+    let descs = sg.group.descs().context("descriptors")?;
     ctx.bind_to_thread()?;
     let mut d = [QpDesc::default()];
     // SAFETY: `descs` is the device address of the group's descriptor array (at least one
@@ -1018,7 +1115,7 @@ fn run_group_publish(
         d.wq_base,
         d.nwqes,
         d.producer_slot,
-        dev_addr(&ack)?,
+        dev_addr(&sg.ack)?,
         rtt.ptr(),
         t_pub.ptr(),
         10_000_000_000u64,
@@ -1042,20 +1139,14 @@ fn run_group_publish(
     // u32. SAFETY: group_publish(u64, u64, u32, u64, u64, u64, u64, u32, u64, u64, u64, u64)
     // matches the PTX entry, and every pointer is live and sized as above.
     unsafe { l.launch(ONE_THREAD) }.context("launch group_publish")?;
-    group.wait(stream, Some(Duration::from_secs(60)))?;
+    sg.group.wait(stream, Some(Duration::from_secs(60)))?;
     if status.download::<i32>(0, 1)?[0] != 0 {
         bail!(
             "transport publish kernel ({}) timed out waiting for the doorbell hook",
             v.name
         );
     }
-    let run = PublishRun {
-        rtt_ns: rtt.download(0, n)?,
-        t_pub: t_pub.download(0, n)?,
-        seen: seen.iter().map(|w| w.load(Ordering::Relaxed)).collect(),
-    };
-    group.shutdown()?;
-    Ok(run)
+    sg.finish(&rtt, &t_pub, n)
 }
 
 /// Per variant: its runs, by path (`echo`, `proxy`, `transport`).
@@ -1102,6 +1193,12 @@ fn measure_variants(
                 runs.push((
                     "transport",
                     run_group_publish(ctx, &stream, placement, v, iters, base).map_err(err),
+                ));
+            }
+            if v.name == "current" {
+                runs.push((
+                    "header",
+                    run_header_publish(ctx, &stream, placement, iters, base).map_err(err),
                 ));
             }
             VariantRuns { variant: v, runs }
@@ -1584,11 +1681,12 @@ fn main() -> Result<()> {
         println!(
             "  paths: echo = a bare CPU thread polling the slot saw it; proxy = the Proxy runner rang (record store + doorbell\n  \
              atomic, no emulator); transport = a real QP of the emulated NIC, stamped by the transport's doorbell hook after\n  \
-             the emulator's doorbell (wakes its progress thread if parked) -- the issue's figure: target p50 <= 2 us.\n  \
+             the emulator's doorbell (wakes its progress thread if parked); header = the same with the publish compiled from\n  \
+             protocol.cuh (protocol_bench_rtt) -- the issue's figure: target p50 <= 2 us.\n  \
              RT = GPU-timed round trip to the ack; NTP p50 = one-way with the symmetric-leg offset estimate;\n  \
              unseen = publishes the watcher never saw on their own (coalesced)."
         );
-        println!("  the variants (only `current` is what protocol.cuh does):");
+        println!("  the variants (`current` is what protocol.cuh does in the CPU modes):");
         for v in VARIANTS {
             println!("    {:<18} {}", v.name, v.verdict);
         }

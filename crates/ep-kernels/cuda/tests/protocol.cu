@@ -118,10 +118,13 @@ extern "C" __global__ void protocol_small_ops(ibgda_qp_desc* descs, uint32_t qp,
 
 // Benchmark: publish -> doorbell seen, as a round trip. For i in 1..=iters the thread publishes a
 // NOP (ring: the producer slot in the CPU modes), then spins until the host's doorbell observer
-// writes `ack` >= the new producer index; rtt[i-1] = the time between. `pingpong` mode (qp ignored)
-// writes i to `ping` instead and waits for the same ack, the plain PCIe round trip to subtract.
+// writes `ack` >= the new producer index; rtt[i-1] = the time between, and (when t_pub is not
+// null) t_pub[i-1] = %globaltimer just before ibgda_publish, for the one-way measurement against
+// the host clock. `pingpong` mode (qp ignored) writes i to `ping` instead and waits for the same
+// ack, the plain PCIe round trip to subtract.
 extern "C" __global__ void protocol_bench_rtt(ibgda_qp_desc* descs, uint32_t qp, uint32_t iters, uint32_t pingpong,
-                                              uint64_t* ping, const uint64_t* ack, uint64_t* rtt, int* status) {
+                                              uint64_t* ping, const uint64_t* ack, uint64_t* rtt, uint64_t* t_pub,
+                                              int* status) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     ibgda_qp_desc* d = &descs[qp];
     const uint64_t limit = d->timeout_ns != 0 ? d->timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
@@ -152,6 +155,7 @@ extern "C" __global__ void protocol_bench_rtt(ibgda_qp_desc* descs, uint32_t qp,
             }
         }
         rtt[i - 1] = ibgda_globaltimer() - t0;
+        if (t_pub != nullptr) t_pub[i - 1] = t0;
         // Keep the ring drained so reservations never wait in the measured section.
         if (!pingpong && (i & 63u) == 0u) {
             int st = ibgda_quiet(d);

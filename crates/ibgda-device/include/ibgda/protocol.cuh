@@ -8,15 +8,21 @@
 //   2. write    the WQEs into slots base .. base+n-1; the last one asks for a CQE (every
 //               submission ends with a CQE-bearing WQEBB, so completions always land on a
 //               submission boundary and quiet can wait for ready_head exactly).
-//   3. publish  fence, wait (bounded) until ready_head == base, store ready_head = base + n.
-//               Every submitter on a QP goes through this queue: ours, a barrier's, anyone's.
+//   3. publish  wait (bounded, acquire) until ready_head == base, then (release) store
+//               ready_head = base + n. Every submitter on a QP goes through this queue: ours, a
+//               barrier's, anyone's.
 //   4. doorbell by handler mode:
-//               gpu             under the QP's doorbell lock: read ready_head, write the doorbell
-//                               record, store the 8-byte doorbell word to db_reg, advance prod_idx.
-//                               The lock keeps doorbell values monotonic across threads.
+//               gpu             after step 3, under the QP's doorbell lock: read ready_head, write
+//                               the doorbell record, store the 8-byte doorbell word to db_reg,
+//                               advance prod_idx. The lock keeps doorbell values monotonic.
 //               cpu, cpu_host_memory
-//                               a system-scope release atomicMax of the new frontier on the QP's
-//                               8-byte producer slot; the CPU proxy polls the slots and rings.
+//                               inside step 3, while holding the turn (ready_head == base): a
+//                               system-scope release store of base + n to the QP's 8-byte
+//                               producer slot, then the ready_head store; the CPU proxy polls the
+//                               slots and rings. Flushes of batched publishes (quiet, the waits,
+//                               ibgda_ring_published) raise the slot with a system-scope release
+//                               atomicMax instead, since they hold no turn. Why the slot never
+//                               goes backwards: see ibgda_publish.
 //   5. quiet    make sure the doorbell covers ready_head, then wait (bounded) until completions
 //               cover it: cons_idx >= ready_head, in every mode (never a counter that only one
 //               mode advances: that was the upstream drain bug).
@@ -124,6 +130,12 @@ __device__ __forceinline__ void ibgda_st_relaxed_sys_u64(uint64_t* p, uint64_t v
 
 __device__ __forceinline__ void ibgda_st_release_sys_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The in-turn producer-slot store of the CPU modes (see ibgda_publish for why a plain store is
+// enough there).
+__device__ __forceinline__ void ibgda_st_release_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // The store to a doorbell register: exactly once, never merged or cached (st.mmio). On the
@@ -389,9 +401,30 @@ __device__ __forceinline__ void* ibgda_slot(const ibgda_qp_desc* d, uint64_t idx
 // Steps 3 and 4: publishes [base, base+n) in order and, with `ring`, makes a doorbell cover it.
 // Every WQE store of the submission (by this thread, or by lanes that synchronised with it since)
 // must precede the call.
+//
+// Ordering. The acquire load that finds ready_head == base synchronises with the predecessor's
+// release store of ready_head, so every WQE store the predecessors made (or saw) happens before
+// what this thread does next. The release store of ready_head passes that on, with this
+// submission's own stores, to the successor and to quiet. In mode gpu, ibgda_ring_gpu fences at
+// system scope before the doorbell record.
+//
+// The CPU modes raise the producer slot while holding the turn, with a plain system-scope release
+// store (st.release.sys: one fence and a posted write, where the atomicMax it replaces waits for
+// an atomic's round trip over PCIe; bench_proxy's `proxy_publish_one_way` rows measure both).
+// - Visibility: the release store orders every WQE below base + n (ours, and the predecessors'
+//   through the acquire above) before the slot value the proxy loads with acquire.
+// - Monotonic slot: the in-turn stores of successive submissions are ordered by the ready_head
+//   chain (slot store, then the release of ready_head, then the successor's acquire, then its
+//   slot store), so coherence keeps them in increasing order. The only other writers are the
+//   flushes' atomicMax of a value v they read (acquire) from ready_head: every in-turn store of a
+//   value <= v precedes that read, so no in-turn store after the flush in coherence order writes
+//   less than v, and a max never lowers the slot. Hence the slot only grows, and the proxy (which
+//   rings up to the latest value it reads) never misses a publish.
 __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, uint32_t n, bool ring) {
     ibgda_qp_counters* c = &d->counters;
-    __threadfence();
+    const uint64_t end = base + n;
+    const bool slot_ok = d->producer_slot != 0 && (d->producer_slot & 7u) == 0;
+    const bool raise = ring && d->handler_mode != IBGDA_HANDLER_GPU;
     if (ibgda_ld_acquire_gpu(&c->ready_head) != base) {
         ibgda_waiter w = ibgda_wait_begin(d);
         do {
@@ -399,8 +432,13 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, ui
             if (st != IBGDA_STATUS_OK) return st;
         } while (ibgda_ld_acquire_gpu(&c->ready_head) != base);
     }
-    ibgda_st_release_gpu(&c->ready_head, base + n);
-    return ring ? ibgda_ring_to(d, base + n) : IBGDA_STATUS_OK;
+    if (raise && slot_ok) ibgda_st_release_sys_u64((uint64_t*)d->producer_slot, end);
+    ibgda_st_release_gpu(&c->ready_head, end);
+    if (!ring) return IBGDA_STATUS_OK;
+    if (d->handler_mode == IBGDA_HANDLER_GPU) return ibgda_ring_gpu(d, end, true);
+    // A descriptor without a usable slot: the turn is passed on (successors are not blocked by
+    // a bad descriptor of ours), and the error is recorded and returned.
+    return slot_ok ? IBGDA_STATUS_OK : ibgda_check_desc(d);
 }
 
 // Step 5: waits until every WQE published on this QP so far has completed.

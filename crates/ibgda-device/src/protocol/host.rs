@@ -416,8 +416,11 @@ impl HostQp {
 
     /// Steps 3 and 4: publishes `[base, base + n)` in order and, with `ring`, makes a doorbell
     /// cover it.
+    ///
+    /// As on the GPU, the CPU modes raise the producer slot with a plain release store while
+    /// holding the turn (`ready_head == base`), before passing the turn on; `protocol.cuh`'s
+    /// `ibgda_publish` says why the slot still only grows.
     pub fn publish(&self, base: u64, n: u32, ring: bool) -> Step {
-        fence(Ordering::Release);
         if self.ready_head().load(Ordering::Acquire) != base {
             let mut w = self.wait_begin();
             while self.ready_head().load(Ordering::Acquire) != base {
@@ -425,9 +428,13 @@ impl HostQp {
             }
         }
         let end = base + u64::from(n);
+        let raise = ring && self.mode().uses_proxy();
+        if raise {
+            self.producer_slot().store(end, Ordering::Release);
+        }
         self.ready_head().store(end, Ordering::Release);
-        if ring {
-            self.ring_to(end)
+        if ring && !raise {
+            self.ring_gpu(end, true)
         } else {
             Ok(())
         }

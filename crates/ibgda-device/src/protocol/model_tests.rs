@@ -254,12 +254,15 @@ fn qp_mem(
 
 /// QPs, their models, the NIC, and in the CPU modes the proxy ringing through the real mlx5
 /// doorbell code into the loopback NIC's "UAR" word.
+///
+/// Fields drop in declaration order: the proxy and the NIC thread stop before the memory they
+/// read through raw pointers is freed (a test that panics drops the rig without `finish`).
 struct Rig {
-    mems: Vec<Arc<Mutex<QpMem>>>,
-    qps: Vec<HostQp>,
-    err: Box<ErrorRecord>,
-    nic: Option<LoopNic>,
     proxy: Option<Proxy>,
+    nic: Option<LoopNic>,
+    qps: Vec<HostQp>,
+    mems: Vec<Arc<Mutex<QpMem>>>,
+    err: Box<ErrorRecord>,
 }
 
 impl Rig {
@@ -556,4 +559,83 @@ fn bad_descriptors_are_refused() {
     g.desc.nwqes = 48;
     // SAFETY: as above.
     assert!(unsafe { HostQp::new(&mut *g.desc) }.is_err());
+}
+
+/// The CPU modes raise the producer slot with a plain store while holding the publish turn, and
+/// flushes (quiet, batched publishes) raise it with a max. Many submitters mixing ringing and
+/// batched publishes with quiets on one QP, while a watcher samples the slot: it must never go
+/// backwards (a publish the proxy could miss), and in the end it equals `ready_head`.
+#[test]
+fn producer_slot_never_goes_backwards() {
+    let (threads, iters) = (6u64, 2000u64);
+    let rig = Rig::new(
+        NicHandler::CpuHostMemory,
+        1,
+        64,
+        Duration::from_secs(20),
+        Faults {
+            cqe_delay: Duration::ZERO,
+            fail_index: None,
+        },
+    );
+    let slot: *const AtomicU64 = {
+        let g = rig.mems[0].lock().unwrap();
+        &*g.slot
+    };
+    struct SlotView(*const AtomicU64);
+    // SAFETY: the slot lives in `rig.mems` until `rig.finish()`, after the scope joins the watcher.
+    unsafe impl Send for SlotView {}
+    let view = SlotView(slot);
+    let done = AtomicBool::new(false);
+    let (samples, backwards) = std::thread::scope(|s| {
+        let watcher = s.spawn(|| {
+            let view = view;
+            // SAFETY: see SlotView; only loaded atomically.
+            let slot = unsafe { &*view.0 };
+            let (mut last, mut n, mut back) = (0u64, 0u64, Vec::new());
+            while !done.load(Ordering::Acquire) {
+                let v = slot.load(Ordering::Acquire);
+                if v < last && back.len() < 8 {
+                    back.push((last, v));
+                }
+                last = last.max(v);
+                n += 1;
+            }
+            (n, back)
+        });
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let q = &rig.qps[0];
+                s.spawn(move || -> Step {
+                    for i in 0..iters {
+                        // Every third publish is batched; every 97th iteration quiets.
+                        q.nop((t + i) % 3 != 0)?;
+                        if i % 97 == t {
+                            q.quiet()?;
+                        }
+                    }
+                    q.quiet()
+                })
+            })
+            .collect();
+        // Every worker ends (a failed wait is bounded) before the watcher is stopped.
+        let results: Vec<Step> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        done.store(true, Ordering::Release);
+        let watched = watcher.join().unwrap();
+        for r in results {
+            r.unwrap_or_else(|e| panic!("submitter stopped ({e:?}): {:?}", rig.failure()));
+        }
+        watched
+    });
+    assert!(
+        backwards.is_empty(),
+        "the slot went backwards (seen max, then read): {backwards:?}"
+    );
+    assert!(samples > 0);
+    let c = rig.qps[0].counters();
+    assert_eq!(c.ready_head, threads * iters);
+    // SAFETY: as for the watcher; every submitter has finished.
+    assert_eq!(unsafe { &*slot }.load(Ordering::Acquire), c.ready_head);
+    rig.failure().unwrap();
+    rig.finish();
 }

@@ -1,7 +1,8 @@
 //! The CPU proxy: threads that poll the producer slots of their QPs and ring each QP's doorbell
 //! when its slot advances.
 //!
-//! Why it cannot lose a publish: slots only grow (the GPU raises them with `atomicMax`), and every
+//! Why it cannot lose a publish: slots only grow (the GPU raises them in publish order, or with
+//! `atomicMax`; see `protocol.cuh`'s `ibgda_publish`), and every
 //! sweep reads every slot of the thread and rings up to the value read, so the latest value covers
 //! every earlier one. At shutdown each thread sweeps once more after it has seen the stop request,
 //! so everything published before [`Proxy::stop`] was called is rung. The proxy starts from
