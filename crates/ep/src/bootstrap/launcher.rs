@@ -5,6 +5,7 @@ use std::ffi::OsString;
 use std::io::{BufRead as _, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -128,6 +129,33 @@ impl Launcher {
         F: FnOnce(&TcpCommunicator) -> Result<(), E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
+        self.run_shared(|comm| f(&comm))
+    }
+
+    /// As [`run`](Self::run), but a rank gets its communicator shared, for objects that keep
+    /// it: a [`LowLatencyBuffer`](crate::low_latency::LowLatencyBuffer) holds its group for the
+    /// teardown barrier.
+    ///
+    /// ```no_run
+    /// use ep::bootstrap::{Communicator, Launcher};
+    /// use ep::low_latency::{LowLatencyBuffer, LowLatencyOptions};
+    ///
+    /// Launcher::new(2)
+    ///     .run_shared(|comm| {
+    ///         let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    ///         let opts = LowLatencyOptions::new(128, 7168, 8, 288);
+    ///         let buf = LowLatencyBuffer::new(&ctx, comm, &opts)?;
+    ///         // dispatch, combine: every rank, in the same order.
+    ///         buf.shutdown()?;
+    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    ///     })
+    ///     .unwrap();
+    /// ```
+    pub fn run_shared<F, E>(self, f: F) -> Result<(), BootstrapError>
+    where
+        F: FnOnce(Arc<TcpCommunicator>) -> Result<(), E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         if Self::is_rank_process() {
             // A second launch in a rank would rejoin the first job's (closed) rendezvous.
             static RAN: AtomicBool = AtomicBool::new(false);
@@ -144,8 +172,8 @@ impl Launcher {
                     reason: format!("this program runs {} ranks", self.world_size),
                 });
             }
-            let comm = TcpCommunicator::connect(&cfg)?;
-            return f(&comm).map_err(|e| BootstrapError::Rank {
+            let comm = Arc::new(TcpCommunicator::connect(&cfg)?);
+            return f(comm).map_err(|e| BootstrapError::Rank {
                 rank: cfg.rank,
                 source: e.into(),
             });

@@ -15,6 +15,7 @@ use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::Fabric;
 
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
+use crate::bootstrap::{exchange_buffers, PeerBuffer};
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
@@ -52,7 +53,9 @@ pub struct LowLatencyOptions {
     /// Move data by NVLink stores between ranks whose GPUs can map each other. `false` sends every
     /// byte to another rank through the IBGDA transport (RDMA writes and remote adds on the
     /// emulated NIC, QPs to every peer, in the [`nic_handler`](Self::nic_handler) mode); this
-    /// needs the ranks as threads ([`LowLatencyBuffer::create_group`]).
+    /// needs the ranks as threads ([`LowLatencyBuffer::create_group`]). Ranks as processes
+    /// ([`LowLatencyBuffer::new`] over a [`TcpCommunicator`](crate::bootstrap::TcpCommunicator))
+    /// need `true`: with `false` creation fails.
     pub allow_nvlink: bool,
     /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
     /// (GDRCopy; creation fails cleanly without it) or `Auto`.
@@ -389,6 +392,10 @@ pub struct LowLatencyBuffer {
     poisoned: Option<String>,
     shut_down: bool,
     transport: Option<LlNet>,
+    /// Ranks as processes: the peers' net buffers mapped here (CUDA IPC), this rank's own entry
+    /// included; empty for ranks as threads. Released after the teardown barrier (or leaked
+    /// when this rank's stream did not finish, since a kernel may still write through them).
+    windows: Vec<PeerBuffer>,
 }
 
 /// The emulated NICs of a group whose ranks are threads of this process (NVLink disabled).
@@ -479,9 +486,22 @@ impl LowLatencyBuffer {
         })
     }
 
-    /// Builds this rank's buffer; every rank of `group` calls this at the same time. The group
-    /// is kept for the teardown barrier. NVLink only: a buffer with `allow_nvlink = false` needs
-    /// every rank's emulated NIC, which [`create_group`](Self::create_group) builds.
+    /// Builds this rank's buffer on `ctx` (this rank's GPU); every rank of `group` calls this at
+    /// the same time, with the same options. The group is kept for the teardown barrier
+    /// ([`shutdown`](Self::shutdown), or drop).
+    ///
+    /// The ranks may be threads of this process or processes (a
+    /// [`TcpCommunicator`](crate::bootstrap::TcpCommunicator), for example from
+    /// [`Launcher::run_shared`](crate::bootstrap::Launcher::run_shared)), one GPU each, the GPUs
+    /// able to access each other. Processes share their buffers through CUDA IPC
+    /// ([`exchange_buffers`]: each rank maps every peer's buffer once) and the kernels store
+    /// into the mapped buffers over NVLink, as threads do.
+    ///
+    /// NVLink only: a buffer with `allow_nvlink = false` needs every rank's emulated NIC in one
+    /// process, which only [`create_group`](Self::create_group) builds; here it fails at once,
+    /// before any collective, on every rank alike (ranks as threads or as processes). A rank
+    /// whose options differ from the others' makes every rank fail with
+    /// [`EpError::Rendezvous`] naming it.
     pub fn new(
         ctx: &Arc<CudaContext>,
         group: Arc<dyn Exchange>,
@@ -499,16 +519,24 @@ impl LowLatencyBuffer {
         let rank = group.rank();
         let ranks = group.ranks();
         check_options(rank, ranks, opts)?;
-        let nics =
-            match (opts.allow_nvlink, nics) {
-                (true, _) => None,
-                (false, Some(n)) if n.ranks.len() == ranks => Some(n),
-                (false, _) => return Err(invalid(
-                    rank,
+        // Ranks as processes reach each other's net buffers through CUDA IPC mappings.
+        let procs = !group.same_process();
+        // Before any collective, so every rank refuses the same way at once.
+        let nics = match (opts.allow_nvlink, nics) {
+            (true, _) => None,
+            (false, Some(n)) if n.ranks.len() == ranks => Some(n),
+            (false, _) => {
+                let why = if procs {
+                    "allow_nvlink = false (every byte through the transport) is not supported \
+                     with ranks as processes: it needs the ranks as threads of one process \
+                     (LowLatencyBuffer::create_group); with ranks as processes, allow NVLink"
+                } else {
                     "allow_nvlink = false (every byte through the transport) needs the ranks as \
-                     threads of one process: build the buffers with LowLatencyBuffer::create_group",
-                )),
-            };
+                     threads of one process: build the buffers with LowLatencyBuffer::create_group"
+                };
+                return Err(invalid(rank, why));
+            }
+        };
         // Before any collective, so a mode this machine cannot run fails the same way on every
         // rank (mode cpu without GDRCopy).
         let handler = match &nics {
@@ -526,12 +554,6 @@ impl LowLatencyBuffer {
             })?),
             None => None,
         };
-        if !group.same_process() {
-            return Err(invalid(
-                rank,
-                "ranks as processes (CUDA IPC windows) are not wired into the low-latency buffer yet",
-            ));
-        }
         let dev = |source| EpError::Device { rank, source };
         let cuda = |call, source| EpError::Cuda { rank, call, source };
         let f = |name| {
@@ -583,24 +605,79 @@ impl LowLatencyBuffer {
         let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
 
         let rkey = arena.as_ref().map_or(0, |a| u64::from(a.mr().rkey));
-        let all = group.all_gather(&[ctx.ordinal() as u64, net.ptr(), rkey])?;
-        let mut peer_base = [0u64; k::MAX_RANKS];
-        let mut table = k::LlTransport::default();
+        // What every rank must agree on: the net buffer's layout follows from the options, and
+        // peers write into it at offsets computed from their own.
+        let agree = [
+            u64::from(procs),
+            u64::from(opts.allow_nvlink),
+            opts.max_tokens_per_rank as u64,
+            opts.max_hidden as u64,
+            opts.max_topk as u64,
+            opts.num_experts as u64,
+            net_plan.bytes as u64,
+        ];
+        let mine: Vec<u64> = [ctx.ordinal() as u64, net.ptr(), rkey]
+            .into_iter()
+            .chain(agree)
+            .collect();
+        let all = group.all_gather(&mine)?;
         for (r, v) in all.iter().enumerate() {
-            if v.len() != 3 {
+            if v.len() != mine.len() {
                 return Err(EpError::Rendezvous {
                     rank,
-                    what: format!("rank {r} sent {} words, expected 3", v.len()),
+                    what: format!("rank {r} sent {} words, expected {}", v.len(), mine.len()),
                 });
             }
-            // Also with NVLink disabled: the emulated NIC's copies between GPUs go peer to peer.
-            let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
-            ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
-            // Transport: the kernels reach only their own buffer by stores.
-            peer_base[r] = if nics.is_none() || r == rank { v[1] } else { 0 };
-            table.rbase[r] = v[1];
-            table.rkey[r] = v[2];
+            if v[3..] != agree {
+                return Err(EpError::Rendezvous {
+                    rank,
+                    what: format!(
+                        "rank {r} builds a different low-latency buffer ([processes, \
+                         allow_nvlink, max_tokens, max_hidden, max_topk, experts, net bytes] \
+                         {:?}, this rank {agree:?}): every rank must pass the same options",
+                        &v[3..]
+                    ),
+                });
+            }
         }
+        let mut peer_base = [0u64; k::MAX_RANKS];
+        let mut table = k::LlTransport::default();
+        // Ranks as processes: every rank exports its net buffer and maps the others' (CUDA IPC;
+        // ranks of this process are reached by peer access there). A collective, after which
+        // peers may write into `net` only once the final barrier below has passed.
+        let windows = if procs {
+            let windows = exchange_buffers(&*group, ctx, &net)
+                .map_err(|source| EpError::Bootstrap { rank, source })?;
+            for w in &windows {
+                if w.rank() >= ranks || w.len() != net_plan.bytes {
+                    return Err(EpError::Rendezvous {
+                        rank,
+                        what: format!(
+                            "rank {}'s net buffer is {} bytes, expected {}",
+                            w.rank(),
+                            w.len(),
+                            net_plan.bytes
+                        ),
+                    });
+                }
+                peer_base[w.rank()] = w.ptr();
+            }
+            windows
+        } else {
+            // Ranks as threads: the peers' own addresses, once this context may access theirs.
+            // (A GPU ordinal means nothing in another process, so only here.)
+            for (r, v) in all.iter().enumerate() {
+                // Also with NVLink disabled: the emulated NIC's copies between GPUs go peer to
+                // peer.
+                let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
+                ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(dev)?;
+                // Transport: the kernels reach only their own buffer by stores.
+                peer_base[r] = if nics.is_none() || r == rank { v[1] } else { 0 };
+                table.rbase[r] = v[1];
+                table.rkey[r] = v[2];
+            }
+            Vec::new()
+        };
         let transport = match (&nics, handler, arena) {
             (Some(n), Some(handler), Some(arena)) => {
                 let me = &n.ranks[rank];
@@ -679,6 +756,7 @@ impl LowLatencyBuffer {
             poisoned: None,
             shut_down: false,
             transport,
+            windows,
         })
     }
 
@@ -1228,16 +1306,32 @@ impl LowLatencyBuffer {
     }
 
     /// Tears the buffer down in order: waits (bounded) for this rank's work, meets every other
-    /// rank (so nobody frees memory a peer may still write), then frees. Returns the first error;
-    /// the memory is freed either way.
+    /// rank (so nobody frees memory a peer may still write), then unmaps the peers' buffers
+    /// (ranks as processes) and frees. Returns the first error; the memory is freed either way.
+    /// Every rank of the group calls this (or drops its buffer) together.
     pub fn shutdown(mut self) -> Result<(), EpError> {
         self.shut_down = true;
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
         let closed = self.close_transport(&synced);
+        self.release_windows(&synced);
         synced?;
         met?;
         closed
+    }
+
+    /// After the teardown barrier: unmaps the peers' net buffers (ranks as processes). When this
+    /// rank's stream did not finish, a kernel may still store through the mappings, so they are
+    /// leaked rather than closed under it.
+    fn release_windows(&mut self, synced: &Result<(), EpError>) {
+        let windows = std::mem::take(&mut self.windows);
+        if matches!(synced, Err(EpError::HostTimeout { .. })) && !windows.is_empty() {
+            tracing::error!(
+                rank = self.rank,
+                "low-latency stream still busy at teardown: leaking its IPC mappings of the peers"
+            );
+            std::mem::forget(windows);
+        }
     }
 
     /// After the teardown barrier: stops the proxies and destroys the QPs. When this rank's
@@ -1269,6 +1363,7 @@ impl Drop for LowLatencyBuffer {
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
         let closed = self.close_transport(&synced);
+        self.release_windows(&synced);
         if let Err(e) = synced.and(met.map(|_| ())).and(closed) {
             tracing::warn!(
                 rank = self.rank,

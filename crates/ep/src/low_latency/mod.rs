@@ -22,8 +22,11 @@
 //! in between guarantees it). All work runs on [`LowLatencyBuffer::stream`]. Every device wait is
 //! bounded; a timeout becomes an `Err` naming the rank, the peer and the expert.
 //!
-//! The ranks are threads of one process. With NVLink allowed the data moves by NVLink stores;
-//! with [`LowLatencyOptions::allow_nvlink`] `= false` every byte to another rank goes through the
+//! The ranks are threads of one process ([`LowLatencyBuffer::create_group`]) or processes
+//! ([`LowLatencyBuffer::new`] over a [`TcpCommunicator`](crate::bootstrap::TcpCommunicator); the
+//! buffers shared through CUDA IPC). With NVLink allowed the data moves by NVLink stores;
+//! with [`LowLatencyOptions::allow_nvlink`] `= false` (ranks as threads only) every byte to
+//! another rank goes through the
 //! IBGDA transport on the emulated NIC (RDMA writes of the rows from registered staging, fenced
 //! remote adds for the counts and flags, a quiet before each send kernel ends), in the NIC-handler
 //! mode [`LowLatencyOptions::nic_handler`] names (`gpu`, `cpu_host_memory`; `cpu` needs GDRCopy).

@@ -1,0 +1,303 @@
+//! Low-latency dispatch/combine with ranks as processes over NVLink: the `Launcher` re-executes
+//! this test once per rank (one GPU each, rendezvous over TCP), every rank maps the others' net
+//! buffers through CUDA IPC and the kernels store into them. Checked against the CPU reference
+//! on fresh random data with the cases and checks of the threads test (`gpu_low_latency.rs`,
+//! shared in `gpu_low_latency_common`): every rank draws every rank's inputs from the seed the
+//! launcher passes on (`EP_TEST_SEED`), runs its own part and checks its own results.
+//!
+//! Each test is one launch, at EP2 and (where the machine has 4 GPUs) EP4: the NVLink matrix
+//! (every hidden size, BF16 / FP8 / power-of-two / UE8M0, top-k up to 11, hook mode, zero-copy
+//! combine) with two results in flight, the refusals (NVLink disabled, mismatched options),
+//! CUDA-graph capture and replay, create / use / teardown 20 times, and (EP2) a rank that never
+//! dispatches: a bounded, named timeout, then a clean teardown everywhere.
+
+mod gpu_low_latency_common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
+use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions};
+use ep::{EpError, Tensor};
+use ep_kernels::testing::{gpus, seed, Rng};
+use gpu_low_latency_common::{
+    cases, check_rank, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
+    two_in_flight, two_in_flight_case, Case, RankResult,
+};
+
+/// Below the device suite's 300 s per test, so a stuck launch is reported by the launcher, with
+/// every rank's state, rather than killed by the suite.
+const LAUNCH_TIMEOUT: Duration = Duration::from_secs(270);
+
+type Res = Result<(), String>;
+
+fn text(e: EpError) -> String {
+    e.to_string()
+}
+
+/// One rank: its communicator (which its buffers keep for their teardown barrier), its GPU and
+/// the job's seed.
+struct Rank {
+    comm: Arc<TcpCommunicator>,
+    ctx: Arc<CudaContext>,
+    seed: u64,
+}
+
+impl Rank {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn ranks(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn buffer(&self, opts: &LowLatencyOptions) -> Result<LowLatencyBuffer, EpError> {
+        LowLatencyBuffer::new(&self.ctx, self.comm.clone(), opts)
+    }
+
+    /// The same generator on every rank, one per `part` of a test.
+    fn rng(&self, part: u64) -> Rng {
+        Rng::new(self.seed ^ ((part + 1) << 40))
+    }
+
+    /// "`what` rank r/n (processes)", for messages.
+    fn name(&self, what: impl std::fmt::Display) -> String {
+        format!("EP{} {what} rank {} (processes)", self.ranks(), self.rank())
+    }
+}
+
+/// Runs `body` as `ranks` processes (this test binary re-executed, running only `test`).
+fn launch(ranks: usize, test: &str, body: fn(&Rank) -> Res) {
+    // The launcher checks the machine; a rank opens only its own GPU.
+    if !Launcher::is_rank_process() && gpus(ranks).is_none() {
+        return;
+    }
+    let s = seed();
+    let r = Launcher::new(ranks)
+        .libtest(test)
+        .env("EP_TEST_SEED", s.to_string())
+        .timeout(LAUNCH_TIMEOUT)
+        .run_shared(|comm| -> Res {
+            if comm.same_process() {
+                return Err("a TCP rank claims to share the process with its peers".into());
+            }
+            let ctx = ibgda_device::cuda::context(comm.local_rank()).map_err(|e| e.to_string())?;
+            let t0 = Instant::now();
+            let rank = Rank { comm, ctx, seed: s };
+            body(&rank)?;
+            eprintln!(
+                "{}: passed in {:.1} s",
+                rank.name(test),
+                t0.elapsed().as_secs_f64()
+            );
+            Ok(())
+        });
+    if let Err(e) = r {
+        panic!("seed {s}: {e}");
+    }
+}
+
+/// The refusals, then every case of the matrix on one buffer, then two results in flight.
+fn matrix_rank(me: &Rank) -> Res {
+    transport_is_refused(me)?;
+    options_must_agree(me)?;
+    let (r, ranks) = (me.rank(), me.ranks());
+    let mut rng = me.rng(0);
+    let mut buf = me.buffer(&options(ranks)).map_err(text)?;
+    for c in cases() {
+        let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+        let what = me.name(format_args!("{c:?}"));
+        let res = run_case(&mut buf, &data[r], &c).map_err(|e| format!("{what}: {e}"))?;
+        check_rank(ranks, &c, &data, r, &res, &what);
+    }
+    let c = two_in_flight_case();
+    let d1 = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+    let d2 = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+    let (r1, r2) = two_in_flight(&mut buf, &d1[r], &d2[r], &c).map_err(text)?;
+    check_rank(ranks, &c, &d1, r, &r1, &me.name("two in flight, first"));
+    check_rank(ranks, &c, &d2, r, &r2, &me.name("two in flight, second"));
+    buf.shutdown().map_err(text)?;
+    eprintln!("{}: {} cases passed", me.name("matrix"), cases().len() + 1);
+    Ok(())
+}
+
+/// NVLink disabled needs the ranks as threads: every rank is refused at once, before any
+/// collective, with an error that says so.
+fn transport_is_refused(me: &Rank) -> Res {
+    let mut o = options(me.ranks());
+    o.allow_nvlink = false;
+    let t0 = Instant::now();
+    let e = match me.buffer(&o) {
+        Ok(_) => return Err("a buffer with NVLink disabled was built across processes".into()),
+        Err(e) => e.to_string(),
+    };
+    if !(e.contains("create_group") && e.contains("processes")) || t0.elapsed().as_secs() > 5 {
+        return Err(format!(
+            "NVLink disabled across processes: {e} after {:?}",
+            t0.elapsed()
+        ));
+    }
+    eprintln!("NVLink disabled refused: {e}");
+    Ok(())
+}
+
+/// A rank built with other options makes every rank's creation fail at once, naming it.
+fn options_must_agree(me: &Rank) -> Res {
+    let last = me.ranks() - 1;
+    let tokens = if me.rank() == last { 32 } else { 16 };
+    let t0 = Instant::now();
+    let o = LowLatencyOptions::new(tokens, 512, 2, 2 * me.ranks());
+    let e = match me.buffer(&o) {
+        Ok(_) => return Err("buffers with different options were built".into()),
+        Err(e) => e,
+    };
+    let msg = e.to_string();
+    if !matches!(e, EpError::Rendezvous { .. }) || t0.elapsed() > Duration::from_secs(10) {
+        return Err(format!(
+            "mismatched options: {msg} after {:?}",
+            t0.elapsed()
+        ));
+    }
+    let names = if me.rank() == last {
+        "rank 0".to_string()
+    } else {
+        format!("rank {last}")
+    };
+    if !msg.contains(&names) {
+        return Err(format!("mismatched options: {msg} does not name {names}"));
+    }
+    eprintln!("mismatched options: {msg}");
+    Ok(())
+}
+
+/// Dispatch + combine captured into one graph per rank (one plain, one in hook mode), replayed
+/// with fresh data written into the captured inputs before each replay.
+fn graph_rank_main(me: &Rank) -> Res {
+    let (r, ranks) = (me.rank(), me.ranks());
+    let mut rng = me.rng(1);
+    let mut buf = me.buffer(&options(ranks)).map_err(text)?;
+    for hook in [false, true] {
+        let c = graph_case(hook);
+        let rounds = graph_rounds(&mut rng, ranks, &c);
+        let mine: Vec<_> = rounds.iter().map(|v| v[r].clone()).collect();
+        let res = graph_rank(&mut buf, &mine, &c).map_err(text)?;
+        for (i, (data, got)) in rounds.iter().zip(&res).enumerate() {
+            let what = me.name(format_args!("graph hook={hook} replay {i}"));
+            check_rank(ranks, &c, data, r, got, &what);
+        }
+    }
+    buf.shutdown().map_err(text)
+}
+
+/// Create, dispatch, combine, tear down 20 times in a row; every teardown must succeed (one in
+/// four by dropping the buffer, which meets the other ranks the same way).
+fn repeat_rank(me: &Rank) -> Res {
+    let (r, ranks) = (me.rank(), me.ranks());
+    let mut rng = me.rng(2);
+    for round in 0..20 {
+        let what = me.name(format_args!("round {round}"));
+        let mut buf = me
+            .buffer(&options(ranks))
+            .map_err(|e| format!("{what}: {e}"))?;
+        let c = Case {
+            hidden: 2048,
+            topk: 8,
+            fp8: (round % 2 == 1).then(Fp8Options::default),
+            hook: round % 3 == 2,
+            zero_copy: round % 4 == 1,
+        };
+        let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+        let res: RankResult =
+            run_case(&mut buf, &data[r], &c).map_err(|e| format!("{what}: {e}"))?;
+        check_rank(ranks, &c, &data, r, &res, &what);
+        if round % 4 == 3 {
+            drop(buf);
+        } else {
+            buf.shutdown()
+                .map_err(|e| format!("{what}: teardown: {e}"))?;
+        }
+    }
+    eprintln!("{}: 20 rounds passed", me.name("create/use/teardown"));
+    Ok(())
+}
+
+/// Only rank 0 dispatches: its receive wait runs out within the bound and the `Err` names the
+/// rank, a peer and the expert; the buffer is unusable after; every rank still tears down
+/// together (rank 0 reporting its recorded error again).
+fn missing_rank_main(me: &Rank) -> Res {
+    let mut o = options(me.ranks());
+    o.timeout = Duration::from_secs(2);
+    let mut buf = me.buffer(&o).map_err(text)?;
+    if me.rank() != 0 {
+        return buf
+            .shutdown()
+            .map_err(|e| format!("a rank that sent nothing: {e}"));
+    }
+    let mut rng = me.rng(3);
+    let data = random_data(&mut rng, me.ranks(), 2048, 4, Some(16));
+    let d = &data[0];
+    let x = Tensor::from_host(&me.ctx, &d.x, &[16, 2048]).map_err(text)?;
+    let idx = Tensor::from_host(&me.ctx, &d.idx, &[16, 4]).map_err(text)?;
+    let t0 = Instant::now();
+    let out = buf.dispatch(&LlDispatchArgs::new(&x, &idx)).map_err(text)?;
+    let msg = match buf.synchronize() {
+        Ok(()) => return Err("the other ranks never sent, yet the receive finished".into()),
+        Err(e) => e.to_string(),
+    };
+    drop(out);
+    eprintln!("rank 0 after {:?}: {msg}", t0.elapsed());
+    if t0.elapsed() > Duration::from_secs(10) {
+        return Err(format!("not bounded: {:?}", t0.elapsed()));
+    }
+    let names_peer = (1..me.ranks()).any(|p| msg.contains(&format!("rank {p}")));
+    if !(msg.contains("rank 0") && names_peer && msg.contains("local expert")) {
+        return Err(format!(
+            "the timeout should name rank, peer and expert: {msg}"
+        ));
+    }
+    match buf.dispatch(&LlDispatchArgs::new(&x, &idx)) {
+        Err(EpError::Poisoned { .. }) => {}
+        other => return Err(format!("after a timeout: {other:?}")),
+    }
+    match buf.shutdown() {
+        Err(_) => Ok(()),
+        Ok(()) => Err("the teardown after a timeout reported nothing".into()),
+    }
+}
+
+#[test]
+fn nvlink_matrix_ep2() {
+    launch(2, "nvlink_matrix_ep2", matrix_rank);
+}
+
+#[test]
+fn nvlink_matrix_ep4() {
+    launch(4, "nvlink_matrix_ep4", matrix_rank);
+}
+
+#[test]
+fn cuda_graph_replays_ep2() {
+    launch(2, "cuda_graph_replays_ep2", graph_rank_main);
+}
+
+#[test]
+fn cuda_graph_replays_ep4() {
+    launch(4, "cuda_graph_replays_ep4", graph_rank_main);
+}
+
+#[test]
+fn create_use_teardown_20_times_ep2() {
+    launch(2, "create_use_teardown_20_times_ep2", repeat_rank);
+}
+
+#[test]
+fn create_use_teardown_20_times_ep4() {
+    launch(4, "create_use_teardown_20_times_ep4", repeat_rank);
+}
+
+#[test]
+fn a_missing_rank_times_out_ep2() {
+    launch(2, "a_missing_rank_times_out_ep2", missing_rank_main);
+}
