@@ -62,6 +62,30 @@ pub struct ErrorWord {
     pub detail: u64,
 }
 
+/// Where kernels report errors (`ErrorSlot` in the header), in device memory: the first error's
+/// code, which every block can check cheaply, and the device address of the host-mapped
+/// [`ErrorWord`] the host reads. The `error` field of every params struct points at one.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ErrorSlot {
+    /// 0 until the first error, then its [`error_code`]; never cleared.
+    pub code: u32,
+    /// Padding.
+    pub pad: u32,
+    /// Device address of the [`ErrorWord`] (host-mapped memory).
+    pub host: u64,
+}
+
+impl ErrorSlot {
+    /// The slot as the two 8-byte words it occupies (little-endian, as the GPU reads it).
+    pub fn to_words(&self) -> [u64; 2] {
+        [
+            u64::from(self.code) | (u64::from(self.pad) << 32),
+            self.host,
+        ]
+    }
+}
+
 /// The start of each rank's signal region (`SignalHead`), at the start of its window; per-expert
 /// counts follow it.
 #[repr(C)]
@@ -158,7 +182,7 @@ pub struct NotifyParams {
     pub tokens_per_expert: u64,
     /// [`HostInfo`] in mapped memory, or 0.
     pub host_info: u64,
-    /// [`ErrorWord`] in mapped memory.
+    /// [`ErrorSlot`] (device memory; points at the host-mapped [`ErrorWord`]).
     pub error: u64,
     /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
     /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
@@ -216,7 +240,7 @@ pub struct DispatchParams {
     pub topk_weights: u64,
     /// `i32 [tokens][ranks]`.
     pub send_pos: u64,
-    /// [`ErrorWord`].
+    /// [`ErrorSlot`].
     pub error: u64,
     /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
     /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
@@ -251,7 +275,7 @@ pub struct BarrierParams {
     pub publish_x: u64,
     /// Combine input weights to publish to every peer, or 0.
     pub publish_w: u64,
-    /// [`ErrorWord`].
+    /// [`ErrorSlot`].
     pub error: u64,
     /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
     /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
@@ -284,7 +308,7 @@ pub struct CombinePushParams {
     pub x: u64,
     /// `f32 [num_recv][topk]`, or 0.
     pub topk_weights: u64,
-    /// [`ErrorWord`].
+    /// [`ErrorSlot`].
     pub error: u64,
     /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
     /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
@@ -323,7 +347,7 @@ pub struct CombinePullParams {
     pub out: u64,
     /// `f32 [tokens][topk]`, or 0.
     pub out_weights: u64,
-    /// [`ErrorWord`].
+    /// [`ErrorSlot`].
     pub error: u64,
     /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
     /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
@@ -362,7 +386,7 @@ pub struct CombineReduceParams {
     pub out: u64,
     /// `f32 [tokens][topk]`, or 0.
     pub out_weights: u64,
-    /// [`ErrorWord`].
+    /// [`ErrorSlot`].
     pub error: u64,
     /// Ranks.
     pub ranks: i32,
@@ -398,6 +422,8 @@ unsafe impl DeviceRepr for CombinePullParams {}
 const _: () = {
     use std::mem::{offset_of, size_of};
     assert!(size_of::<ErrorWord>() == 32);
+    assert!(size_of::<ErrorSlot>() == 16);
+    assert!(offset_of!(ErrorSlot, host) == 8);
     assert!(size_of::<SignalHead>() == 576);
     assert!(offset_of!(SignalHead, tokens) == 256);
     assert!(offset_of!(SignalHead, blocks_done) == 512);

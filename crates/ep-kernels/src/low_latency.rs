@@ -138,7 +138,8 @@ pub struct LlDispatchParams {
     pub out_layout: u64,
     /// `i32 [local]`: rows per local expert.
     pub out_count: u64,
-    /// The host-mapped error word.
+    /// Where errors are reported (`ep_kernels::intranode::ErrorSlot`, pointing at the host-mapped
+    /// error word).
     pub error: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,
@@ -198,7 +199,8 @@ pub struct LlCombineParams {
     pub out: u64,
     /// [`LlState`].
     pub state: u64,
-    /// The host-mapped error word.
+    /// Where errors are reported (`ep_kernels::intranode::ErrorSlot`, pointing at the host-mapped
+    /// error word).
     pub error: u64,
     /// Bound of every wait, ns.
     pub timeout_ns: u64,

@@ -23,7 +23,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -452,6 +452,8 @@ pub struct Buffer {
     out_pool: Pool,
     out_w_offset: usize,
     mapped: crate::mapped::MappedHost,
+    /// What the kernels get as `error` (points at the error word in `mapped`).
+    errors: crate::mapped::ErrorReport,
     epoch: u64,
     poisoned: Option<String>,
 }
@@ -475,6 +477,7 @@ struct Parts {
     window: Arc<DeviceBuffer>,
     out: Arc<DeviceBuffer>,
     mapped: crate::mapped::MappedHost,
+    errors: crate::mapped::ErrorReport,
 }
 
 impl Parts {
@@ -507,12 +510,14 @@ impl Parts {
             HOST_INFO_OFFSET + std::mem::size_of::<k::HostInfo>() + 4 * num_local_experts,
             rank,
         )?;
+        let errors = crate::mapped::ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?;
         Ok(Self {
             kernels,
             comm,
             window: Arc::new(window),
             out: Arc::new(out),
             mapped,
+            errors,
         })
     }
 }
@@ -635,6 +640,7 @@ impl Buffer {
             plan,
             out_w_offset,
             mapped: parts.mapped,
+            errors: parts.errors,
             epoch: 0,
             poisoned: None,
         })
@@ -890,21 +896,18 @@ impl Buffer {
 
     /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
     fn check_device_error(&mut self) -> Result<(), EpError> {
-        let code = self.mapped.read_u32(ERROR_OFFSET);
-        if code == k::error_code::NONE {
+        let Some(k::ErrorWord {
+            code,
+            peer,
+            what,
+            epoch,
+            detail,
+            ..
+        }) = self.mapped.read_error(ERROR_OFFSET)
+        else {
             return Ok(());
-        }
-        let start = Instant::now();
-        let mut code = code;
-        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
-            std::hint::spin_loop();
-            code = self.mapped.read_u32(ERROR_OFFSET);
-        }
-        std::sync::atomic::fence(Ordering::Acquire);
-        let peer = self.mapped.read_u32(ERROR_OFFSET + 8) as usize;
-        let what = self.mapped.read_u32(ERROR_OFFSET + 12);
-        let epoch = self.mapped.read_u64(ERROR_OFFSET + 16);
-        let detail = self.mapped.read_u64(ERROR_OFFSET + 24);
+        };
+        let peer = peer as usize;
         let err = match code {
             k::error_code::WORST_TOKENS_EXCEEDED => EpError::WorstTokensExceeded {
                 rank: self.rank,
@@ -1254,7 +1257,7 @@ impl Buffer {
             } else {
                 0
             },
-            error: self.mapped.device_addr(ERROR_OFFSET),
+            error: self.errors.kernel_addr(),
             epoch: e1,
             timeout_ns: self.timeout_ns(),
             rank: self.rank as i32,
@@ -1351,7 +1354,7 @@ impl Buffer {
             topk_idx: topk.map_or(0, |t| t.idx.device_address()),
             topk_weights: topk.map_or(0, |t| t.weights.device_address()),
             send_pos: send_pos.device_address(),
-            error: self.mapped.device_addr(ERROR_OFFSET),
+            error: self.errors.kernel_addr(),
             epoch,
             timeout_ns: self.timeout_ns(),
             rank: self.rank as i32,
@@ -1405,7 +1408,7 @@ impl Buffer {
             tokens_per_rank: 0,
             tokens_per_expert: 0,
             host_info: 0,
-            error: self.mapped.device_addr(ERROR_OFFSET),
+            error: self.errors.kernel_addr(),
             epoch: e1,
             timeout_ns: self.timeout_ns(),
             rank: self.rank as i32,
@@ -1505,7 +1508,7 @@ impl Buffer {
         let (e1, e2) = self.next_epochs();
         self.start(&args.order, capturing)?;
         self.poison(&out)?;
-        let error = self.mapped.device_addr(ERROR_OFFSET);
+        let error = self.errors.kernel_addr();
         // Pull combine (ranks as threads: every rank can read every other rank's tensors): the
         // start barrier publishes this rank's input, each rank reads and sums its tokens' copies
         // in one pass. Push combine (ranks as processes, which map only each other's windows):

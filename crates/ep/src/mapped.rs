@@ -3,7 +3,12 @@
 
 use std::sync::Arc;
 
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
 use cudarc::driver::CudaContext;
+use ep_kernels::intranode::{ErrorSlot, ErrorWord};
+use ibgda_device::cuda::DeviceBuffer;
 use ibgda_gdr::{CpuView, HostMapping};
 
 use crate::error::EpError;
@@ -47,5 +52,63 @@ impl MappedHost {
 
     pub(crate) fn read_i32(&self, offset: usize) -> i32 {
         self.read_u32(offset) as i32
+    }
+
+    /// The error a kernel recorded in the [`ErrorWord`] at `offset`, if any (its code is stored
+    /// last, after a system fence, so the other fields are complete once it reads non-zero).
+    pub(crate) fn read_error(&self, offset: usize) -> Option<ErrorWord> {
+        let mut code = self.read_u32(offset);
+        if code == 0 {
+            return None;
+        }
+        // Older kernels claimed the word with u32::MAX before filling it in; a bounded wait
+        // keeps reports from any such writer whole.
+        let start = Instant::now();
+        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
+            std::hint::spin_loop();
+            code = self.read_u32(offset);
+        }
+        fence(Ordering::Acquire);
+        Some(ErrorWord {
+            code,
+            rank: self.read_u32(offset + 4),
+            peer: self.read_u32(offset + 8),
+            what: self.read_u32(offset + 12),
+            epoch: self.read_u64(offset + 16),
+            detail: self.read_u64(offset + 24),
+        })
+    }
+}
+
+/// Where a buffer's kernels report errors: an [`ErrorSlot`] in device memory that points at the
+/// [`ErrorWord`] of a [`MappedHost`]. Kernels claim the slot and check it (an L2 read, cheap in
+/// every block, where a read of host-mapped memory is an uncached PCIe round trip that serialises
+/// across blocks); the host reads the word ([`MappedHost::read_error`]).
+#[derive(Debug)]
+pub(crate) struct ErrorReport {
+    slot: DeviceBuffer,
+}
+
+impl ErrorReport {
+    /// A zeroed slot pointing at the [`ErrorWord`] at `offset` of `mapped`.
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        mapped: &MappedHost,
+        offset: usize,
+        rank: usize,
+    ) -> Result<Self, EpError> {
+        assert!(offset + std::mem::size_of::<ErrorWord>() <= mapped.mapping.len());
+        let slot = ErrorSlot {
+            host: mapped.device_addr(offset),
+            ..Default::default()
+        };
+        let slot = DeviceBuffer::from_slice(ctx, &slot.to_words())
+            .map_err(|source| EpError::Device { rank, source })?;
+        Ok(Self { slot })
+    }
+
+    /// The address kernels get as their `error` parameter.
+    pub(crate) fn kernel_addr(&self) -> u64 {
+        self.slot.ptr()
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaGraph, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -19,7 +19,7 @@ use crate::bootstrap::{exchange_buffers, PeerBuffer};
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
-use crate::mapped::MappedHost;
+use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
 use crate::tensor::Tensor;
 use crate::transport::{Arena, EmuRank, QpGroup, QpGroupConfig, TransportError};
@@ -281,6 +281,7 @@ pub struct RecvHook {
     _keep: Vec<Arc<DeviceBuffer>>,
     _keep_routing: Option<(Tensor<i32>, Tensor<f32>)>,
     _mapped: Arc<MappedHost>,
+    _errors: Arc<ErrorReport>,
 }
 
 impl std::fmt::Debug for RecvHook {
@@ -386,6 +387,8 @@ pub struct LowLatencyBuffer {
     dispatch_half: usize,
     combine_half: usize,
     mapped: Arc<MappedHost>,
+    /// What the kernels get as `error` (points at the error word in `mapped`).
+    errors: Arc<ErrorReport>,
     group: Arc<dyn Exchange>,
     sms: u32,
     calls: u64,
@@ -603,6 +606,7 @@ impl LowLatencyBuffer {
         let dispatch_out = [region(out_plan.bytes)?, region(out_plan.bytes)?];
         let combine_out = [region(comb_bytes)?, region(comb_bytes)?];
         let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
+        let errors = Arc::new(ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?);
 
         let rkey = arena.as_ref().map_or(0, |a| u64::from(a.mr().rkey));
         // What every rank must agree on: the net buffer's layout follows from the options, and
@@ -750,6 +754,7 @@ impl LowLatencyBuffer {
             dispatch_half: 0,
             combine_half: 0,
             mapped,
+            errors,
             group,
             sms,
             calls: 0,
@@ -971,7 +976,7 @@ impl LowLatencyBuffer {
             out_src_info: base + o.src_info as u64,
             out_layout: base + o.layout as u64,
             out_count: base + o.count as u64,
-            error: self.mapped.device_addr(ERROR_OFFSET),
+            error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
             signal_off: self.net_plan.signal[half] as u64,
             recv_off: self.net_plan.recv[half] as u64,
@@ -1038,6 +1043,7 @@ impl LowLatencyBuffer {
             _keep: vec![region.clone(), self.net.clone(), self.state.clone()],
             _keep_routing: None,
             _mapped: self.mapped.clone(),
+            _errors: self.errors.clone(),
         });
         Ok(LlDispatchOutput {
             x,
@@ -1102,7 +1108,7 @@ impl LowLatencyBuffer {
             topk_weights: args.topk_weights.device_address(),
             out: out.ptr(),
             state: self.state.ptr(),
-            error: self.mapped.device_addr(ERROR_OFFSET),
+            error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
             flag_off: self.net_plan.flag[half] as u64,
             recv_off: self.net_plan.comb_recv[half] as u64,
@@ -1144,6 +1150,7 @@ impl LowLatencyBuffer {
             _keep: vec![out.clone(), self.net.clone(), self.state.clone()],
             _keep_routing: Some((args.topk_idx.clone(), args.topk_weights.clone())),
             _mapped: self.mapped.clone(),
+            _errors: self.errors.clone(),
         });
         Ok(LlCombineOutput {
             x: Tensor::view(out, 0, vec![t, h]),
@@ -1204,8 +1211,7 @@ impl LowLatencyBuffer {
 
     /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
     fn check_device_error(&mut self) -> Result<(), EpError> {
-        let mut code = self.mapped.read_u32(ERROR_OFFSET);
-        if code == 0 {
+        let Some(word) = self.mapped.read_error(ERROR_OFFSET) else {
             // Every protocol status is checked in the kernels, so a QP failure comes with a code;
             // the records are read anyway (host memory, cheap).
             if let Some((peer, e)) = self.transport.as_ref().and_then(|t| t.first_failure(None)) {
@@ -1214,17 +1220,10 @@ impl LowLatencyBuffer {
                 return Err(err);
             }
             return Ok(());
-        }
-        let start = Instant::now();
-        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
-            std::hint::spin_loop();
-            code = self.mapped.read_u32(ERROR_OFFSET);
-        }
-        std::sync::atomic::fence(Ordering::Acquire);
-        let peer = self.mapped.read_u32(ERROR_OFFSET + 8) as usize;
-        let what = self.mapped.read_u32(ERROR_OFFSET + 12);
-        let expert = self.mapped.read_u64(ERROR_OFFSET + 16);
-        let detail = self.mapped.read_u64(ERROR_OFFSET + 24);
+        };
+        let (code, peer, what) = (word.code, word.peer as usize, word.what);
+        // The LL kernels put the expert (or a transport status) where intranode puts the epoch.
+        let (expert, detail) = (word.epoch, word.detail);
         let err = match code {
             k::error_code::BAD_EXPERT => EpError::ExpertIdOutOfRange {
                 rank: self.rank,

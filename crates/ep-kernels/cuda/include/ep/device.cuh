@@ -61,11 +61,13 @@ __device__ __forceinline__ void st_stream_v4(int4* p, const int4& v) {
                  : "memory");
 }
 
-// Records the first error of this rank in host-mapped memory; later errors are dropped.
-__device__ __forceinline__ void record_error(uint64_t error_addr, uint32_t code, int rank, int peer,
+// Records the first error of this rank: claimed in the device slot (first writer wins, later
+// errors are dropped), then reported in the host-mapped ErrorWord, its code stored last.
+__device__ __forceinline__ void record_error(uint64_t error_slot, uint32_t code, int rank, int peer,
                                              uint32_t what, uint64_t epoch, uint64_t detail) {
-    ErrorWord* e = reinterpret_cast<ErrorWord*>(error_addr);
-    if (atomicCAS_system(&e->code, 0u, 0xFFFFFFFFu) == 0u) {
+    ErrorSlot* s = reinterpret_cast<ErrorSlot*>(error_slot);
+    if (atomicCAS(&s->code, 0u, code) == 0u) {
+        ErrorWord* e = reinterpret_cast<ErrorWord*>(s->host);
         e->rank = static_cast<uint32_t>(rank);
         e->peer = static_cast<uint32_t>(peer);
         e->what = what;
@@ -76,9 +78,10 @@ __device__ __forceinline__ void record_error(uint64_t error_addr, uint32_t code,
     }
 }
 
-// Whether this rank has recorded an error (any thread may call; reads host memory).
-__device__ __forceinline__ bool error_recorded(uint64_t error_addr) {
-    return ld_volatile_u32(&reinterpret_cast<const ErrorWord*>(error_addr)->code) != 0u;
+// Whether this rank has recorded an error (any thread may call; one read of device memory, cheap
+// enough for every block at kernel start and in every wait loop).
+__device__ __forceinline__ bool error_recorded(uint64_t error_slot) {
+    return ld_volatile_u32(&reinterpret_cast<const ErrorSlot*>(error_slot)->code) != 0u;
 }
 
 __device__ __forceinline__ SignalHead* signal_of(const uint64_t* signals, int r) {

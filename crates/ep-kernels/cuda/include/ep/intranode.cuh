@@ -40,6 +40,18 @@ struct ErrorWord {
 };
 static_assert(sizeof(ErrorWord) == 32, "ErrorWord layout");
 
+// Where kernels report errors: a slot in device memory holding the first error's code (the cheap
+// "has this rank failed?" every block may read: an L2 hit, where a read of the host-mapped word is
+// an uncached PCIe round trip, and those serialise across blocks) and the device address of the
+// host-mapped ErrorWord the host reads. The `error` field of every params struct points here.
+struct ErrorSlot {
+    uint32_t code;  // 0 until the first error; set by atomicCAS, never cleared
+    uint32_t pad;
+    uint64_t host;  // ErrorWord in host-mapped memory
+};
+static_assert(sizeof(ErrorSlot) == 16, "ErrorSlot layout");
+static_assert(offsetof(ErrorSlot, host) == 8, "ErrorSlot layout");
+
 // Per-rank signal region, at the start of the rank's window (the one device allocation every
 // peer maps, through peer access or CUDA IPC). Peers write flags, counts and where their
 // receive region lies in their own window here; only the owner reads it.
@@ -121,7 +133,7 @@ struct NotifyParams {
     uint64_t tokens_per_rank;     // int32 [ranks] (unused when cached)
     uint64_t tokens_per_expert;   // int32 [experts], or 0 without top-k
     uint64_t host_info;           // HostInfo in mapped memory, or 0 (no host wait)
-    uint64_t error;               // ErrorWord in mapped memory
+    uint64_t error;               // ErrorSlot (device memory; points at the host-mapped ErrorWord)
     uint64_t epoch;
     uint64_t timeout_ns;
     int32_t rank;
