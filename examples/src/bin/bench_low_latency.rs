@@ -17,13 +17,20 @@
 //! per-kernel cost, not a per-byte one) and dispatch on half the SMs (`us_half_sms`).
 //! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
 //!
-//! `bench_low_latency [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
+//! With `--procs` the ranks are processes: the program starts them itself
+//! (`ep::bootstrap::Launcher`: one copy of itself per GPU, rendezvous over TCP on loopback, the
+//! buffers shared through CUDA IPC), rank 0 gathers the timings, prints the table and writes the
+//! JSON (records carry `"mode": "procs"`, else `"threads"`). NVLink only: the transport run needs
+//! the ranks as threads and is skipped.
+//!
+//! `bench_low_latency [--procs] [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
 //!  [--experts E] [--iters N] [--transport-iters N] [--transport-handler MODE] [--no-transport]`;
 //! exits 2 with a message where there is no GPU.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::low_latency::{
     Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions,
 };
@@ -38,6 +45,7 @@ use std::time::Duration;
 const REPLAYS: usize = 5;
 
 struct Args {
+    procs: bool,
     json: Option<String>,
     ranks: Option<usize>,
     tokens: usize,
@@ -52,6 +60,7 @@ struct Args {
 
 fn parse() -> Result<Args> {
     let mut a = Args {
+        procs: false,
         json: None,
         ranks: None,
         tokens: 128,
@@ -67,6 +76,7 @@ fn parse() -> Result<Args> {
     while let Some(f) = it.next() {
         let mut v = || it.next().with_context(|| format!("{f} needs a value"));
         match f.as_str() {
+            "--procs" => a.procs = true,
             "--json" => a.json = Some(v()?),
             "--ranks" => a.ranks = Some(v()?.parse()?),
             "--tokens" => a.tokens = v()?.parse()?,
@@ -103,6 +113,41 @@ struct Times {
     combine_small: f64,
     dispatch_half_sms: f64,
     rows: usize,
+}
+
+impl Times {
+    /// Every field as an f64 (the row count exactly: far below 2^53), for the gather to rank 0.
+    fn to_words(&self) -> [f64; 11] {
+        [
+            self.dispatch_bf16,
+            self.dispatch_fp8,
+            self.combine,
+            self.dispatch_send,
+            self.dispatch_recv,
+            self.combine_send,
+            self.combine_recv,
+            self.dispatch_small,
+            self.combine_small,
+            self.dispatch_half_sms,
+            self.rows as f64,
+        ]
+    }
+
+    fn from_words(w: [f64; 11]) -> Self {
+        Self {
+            dispatch_bf16: w[0],
+            dispatch_fp8: w[1],
+            combine: w[2],
+            dispatch_send: w[3],
+            dispatch_recv: w[4],
+            combine_send: w[5],
+            combine_recv: w[6],
+            dispatch_small: w[7],
+            combine_small: w[8],
+            dispatch_half_sms: w[9],
+            rows: w[10] as usize,
+        }
+    }
 }
 
 /// Tokens per rank of the fixed-cost diagnostic (a time close to the full run's means the cost
@@ -305,6 +350,9 @@ fn main() -> Result<()> {
     if a.experts % ranks != 0 {
         bail!("{} experts do not split over {ranks} ranks", a.experts);
     }
+    if a.procs {
+        return run_processes(&a, n, ranks);
+    }
     let ctxs: Vec<Arc<CudaContext>> = (0..ranks)
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
@@ -375,7 +423,47 @@ fn run_config(
             .into_iter()
             .try_for_each(|j| j.join().expect("teardown panicked"))
     })?;
+    let run = Run {
+        ranks,
+        sms,
+        path,
+        machine,
+        iters,
+        transport,
+        mode: "threads",
+    };
+    Ok(report(a, &run, &times))
+}
 
+/// How a measured run was set up, for the table and the JSON records.
+struct Run<'a> {
+    ranks: usize,
+    sms: u32,
+    /// How the data moved, in words.
+    path: String,
+    machine: &'a str,
+    iters: usize,
+    transport: Option<HandlerChoice>,
+    /// `threads` or `procs`.
+    mode: &'static str,
+}
+
+/// Prints the table of every rank's `times` (means over ranks); returns the JSON records.
+fn report(a: &Args, run: &Run<'_>, times: &[Times]) -> Vec<String> {
+    let Run {
+        ranks,
+        sms,
+        ref path,
+        machine,
+        iters,
+        transport,
+        mode,
+    } = *run;
+    let how = if mode == "procs" {
+        "ranks as processes"
+    } else {
+        "ranks as threads"
+    };
     let mean = |f: fn(&Times) -> f64| times.iter().map(f).sum::<f64>() / times.len() as f64;
     let rows = times.iter().map(|t| t.rows).sum::<usize>() as f64 / times.len() as f64;
     let h = a.hidden as f64;
@@ -384,7 +472,7 @@ fn run_config(
     let c = mean(|t| t.combine);
     let gbps = |bytes_per: f64, us: f64| rows * h * bytes_per / us / 1000.0;
     println!(
-        "low-latency EP{ranks}, {} tokens x {} hidden, top-{} of {} experts, {sms} SMs, {path} ({machine}); \
+        "low-latency EP{ranks}, {} tokens x {} hidden, top-{} of {} experts, {sms} SMs, {path}, {how} ({machine}); \
          {rows:.0} rows received per rank; {iters} ops per graph x {REPLAYS} replays",
         a.tokens, a.hidden, a.topk, a.experts
     );
@@ -425,7 +513,7 @@ fn run_config(
     // upper bounds) and the fixed-cost diagnostics.
     let rec = |bench: &str, dtype: &str, g: f64, u: f64, extra: &str| {
         format!(
-            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{extra}}}",
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"mode\": \"{mode}\", \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{extra}}}",
             a.tokens, a.hidden, a.topk, a.experts
         )
     };
@@ -437,9 +525,89 @@ fn run_config(
     let c_extra = format!(
         ", \"us_{SMALL_TOKENS}_tokens\": {c_small:.1}, \"hook_send_us\": {cs:.1}, \"hook_recv_us\": {cr:.1}, {hook_timing}"
     );
-    Ok(vec![
+    vec![
         rec("ll_dispatch", "bf16", gbps(2.0, d16), d16, &d_extra),
         rec("ll_dispatch", "fp8", gbps(1.0 + 4.0 / 128.0, d8), d8, ""),
         rec("ll_combine", "bf16", gbps(2.0, c), c, &c_extra),
-    ])
+    ]
+}
+
+/// A rank's timings as bytes for the gather to rank 0: `[1, f64 LE words..]` or
+/// `[0, error text]`.
+fn encode(times: &Result<Times, String>) -> Vec<u8> {
+    match times {
+        Ok(t) => [1u8]
+            .into_iter()
+            .chain(t.to_words().iter().flat_map(|w| w.to_le_bytes()))
+            .collect(),
+        Err(e) => [&[0u8][..], e.as_bytes()].concat(),
+    }
+}
+
+fn decode(b: &[u8]) -> Result<Times, String> {
+    match b.first() {
+        Some(1) if b.len() == 1 + 8 * 11 => {
+            let mut w = [0f64; 11];
+            for (i, c) in b[1..].chunks_exact(8).enumerate() {
+                w[i] = f64::from_le_bytes(c.try_into().unwrap_or_default());
+            }
+            Ok(Times::from_words(w))
+        }
+        Some(0) => Err(String::from_utf8_lossy(&b[1..]).into_owned()),
+        _ => Err("malformed report".into()),
+    }
+}
+
+/// One rank as a process: its GPU, its buffer (NVLink through CUDA IPC), the benchmark; rank 0
+/// gathers every rank's timings, prints the table and writes the JSON.
+fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, n: usize) -> Result<()> {
+    let (rank, ranks) = (comm.rank(), comm.world_size());
+    let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    let opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let mut buf = LowLatencyBuffer::new(&ctx, comm.clone(), &opts)?;
+    let sms = buf.num_sms();
+    let mine = run_rank(&mut buf, a, a.iters, 0x5eed + rank as u64)
+        .map_err(|e| format!("rank {rank}: {e}"));
+    // Every rank tears down and reports, also after a failure, so none waits for a peer that
+    // has given up.
+    let shut = buf.shutdown();
+    let all = comm.all_gather_bytes(&encode(&mine))?;
+    shut?;
+    mine.map_err(anyhow::Error::msg)?;
+    let times: Vec<Times> = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| decode(b).map_err(|e| format!("rank {r}: {e}")))
+        .collect::<Result<_, _>>()
+        .map_err(anyhow::Error::msg)?;
+    if rank == 0 {
+        let machine = format!("{}x {}", n, ctx.name().unwrap_or_default());
+        let run = Run {
+            ranks,
+            sms,
+            path: "NVLink".into(),
+            machine: &machine,
+            iters: a.iters,
+            transport: None,
+            mode: "procs",
+        };
+        let records = report(a, &run, &times);
+        if let Some(p) = &a.json {
+            let json = format!("[\n{}\n]\n", records.join(",\n"));
+            std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
+            println!("wrote {p}");
+        }
+    }
+    Ok(())
+}
+
+/// Ranks as processes: this program re-executed once per rank by the launcher (NVLink only).
+fn run_processes(a: &Args, n: usize, ranks: usize) -> Result<()> {
+    if a.transport && !Launcher::is_rank_process() {
+        println!(
+            "--procs: NVLink only (the transport run, NVLink disabled, needs ranks as threads)"
+        );
+    }
+    Launcher::new(ranks).run_shared(|comm| rank_process(comm, a, n))?;
+    Ok(())
 }
