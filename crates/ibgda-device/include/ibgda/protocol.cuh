@@ -423,8 +423,12 @@ __device__ __forceinline__ void* ibgda_slot(const ibgda_qp_desc* d, uint64_t idx
 __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, uint32_t n, bool ring) {
     ibgda_qp_counters* c = &d->counters;
     const uint64_t end = base + n;
-    const bool slot_ok = d->producer_slot != 0 && (d->producer_slot & 7u) == 0;
-    const bool raise = ring && d->handler_mode != IBGDA_HANDLER_GPU;
+    // Read before the wait and kept in registers: after the acquire below a reload would miss L1
+    // and sit between the turn and the slot store (measured: +0.3 us publish -> doorbell).
+    uint64_t* const slot = (uint64_t*)d->producer_slot;
+    const bool slot_ok = slot != nullptr && ((uint64_t)slot & 7u) == 0;
+    const bool gpu_mode = d->handler_mode == IBGDA_HANDLER_GPU;
+    const bool raise = ring && !gpu_mode;
     if (ibgda_ld_acquire_gpu(&c->ready_head) != base) {
         ibgda_waiter w = ibgda_wait_begin(d);
         do {
@@ -432,10 +436,10 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, ui
             if (st != IBGDA_STATUS_OK) return st;
         } while (ibgda_ld_acquire_gpu(&c->ready_head) != base);
     }
-    if (raise && slot_ok) ibgda_st_release_sys_u64((uint64_t*)d->producer_slot, end);
+    if (raise && slot_ok) ibgda_st_release_sys_u64(slot, end);
     ibgda_st_release_gpu(&c->ready_head, end);
     if (!ring) return IBGDA_STATUS_OK;
-    if (d->handler_mode == IBGDA_HANDLER_GPU) return ibgda_ring_gpu(d, end, true);
+    if (gpu_mode) return ibgda_ring_gpu(d, end, true);
     // A descriptor without a usable slot: the turn is passed on (successors are not blocked by
     // a bad descriptor of ours), and the error is recorded and returned.
     return slot_ok ? IBGDA_STATUS_OK : ibgda_check_desc(d);
