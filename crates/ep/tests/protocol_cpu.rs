@@ -387,3 +387,60 @@ fn many_submitters_on_one_qp_keep_order_with_a_tiny_ring() {
         );
     }
 }
+
+/// The two sides of a group built apart, as ranks in two processes build them, with every
+/// `QpInfo` passed as bytes (host NICs of one fabric: nothing is exported, the peer is found
+/// through the fabric): passive QPs for the peer, the group connected to them, the passive QPs
+/// accepting the group. Data and a remote add land, both sides name each other, and the group
+/// and the passive QPs close cleanly, in every mode.
+#[test]
+fn group_built_from_passive_infos_as_across_processes() {
+    let wire = |infos: Vec<ibgda_emu::QpInfo>| -> Vec<ibgda_emu::QpInfo> {
+        infos
+            .iter()
+            .map(|i| ibgda_emu::QpInfo::from_bytes(&i.to_bytes()).expect("info round trip"))
+            .collect()
+    };
+    for mode in MODES {
+        let (p, peer) = setup(4096);
+        let src = fill_src(&p, 9);
+        let (infos, passive) = peer.passive_for(0, 3).expect("passive QPs");
+        assert_eq!((passive.len(), passive.peer_rank()), (3, 0));
+        let cfg = QpGroupConfig {
+            handler: mode,
+            nqps: 3,
+            nwqes: 64,
+            peer_rank: 1,
+            ..Default::default()
+        };
+        // One info short: refused before anything is built.
+        match p.me.connect_remote(&wire(infos.clone())[..2], &p.src, &cfg) {
+            Err(TransportError::Config(m)) => assert!(m.contains("2 peer QP infos"), "{m}"),
+            other => panic!("{mode:?}: a short info list: {other:?}"),
+        }
+        let g =
+            p.me.connect_remote(&wire(infos), &p.src, &cfg)
+                .expect("the group");
+        let back = wire(g.infos_for_ipc().expect("the group's infos"));
+        assert!(passive.accept(&back[..1]).is_err(), "a short accept");
+        passive.accept(&back).expect("accepting the group");
+        for i in 0..3 {
+            let mine = g.emu_status(i).unwrap().peer;
+            let theirs = peer.nic().qp_status(passive.qpn(i)).unwrap().peer;
+            assert_eq!(mine, Some((peer.nic().node(), passive.qpn(i))), "{mode:?}");
+            assert_eq!(theirs, Some((p.me.nic().node(), g.qpn(i))), "{mode:?}");
+        }
+        let qp = &g.host_qps()[2];
+        qp.put(remote(&p, 64), p.src.addr() + 64, 700, false)
+            .expect("put");
+        qp.signal_add(remote(&p, 2048), 5, true, true)
+            .expect("remote add");
+        qp.quiet().expect("quiet");
+        let dst = p.dst.host().unwrap();
+        assert_eq!(dst.read_vec(64, 700), src[64..764], "{mode:?}: data");
+        assert_eq!(dst.load_u64(2048), 5, "{mode:?}: remote add");
+        g.check().expect("no failure recorded");
+        g.shutdown().expect("the group closes");
+        passive.close().expect("the passive QPs close");
+    }
+}

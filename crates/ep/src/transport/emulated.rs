@@ -15,6 +15,15 @@
 //! The emulator is never told where producer slots are: in the CPU modes only the proxy rings, as
 //! on real hardware. On the host backend (CI) the same layout lives in plain host memory and
 //! host threads drive it through [`HostQp`].
+//!
+//! A group has two sides: this rank's QPs, descriptors and proxy ([`QpGroup`]), and the peer's
+//! passive QPs that answer them ([`PassiveQps`]). With the peer in this process,
+//! [`EmuRank::connect`] builds both and connects them both ways. With the peer in another process
+//! (each process its own NIC), the two sides meet through [`QpInfo`]s sent as bytes: each rank
+//! makes passive QPs for the peer ([`EmuRank::passive_for`], exporting its registered GPU memory
+//! as CUDA IPC handles), the peer connects its group to them ([`EmuRank::connect_remote`], opening
+//! the handles), and the passive QPs accept the group's QPs ([`QpGroup::infos_for_ipc`],
+//! [`PassiveQps::accept`]). The same build serves both.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -26,7 +35,8 @@ use ibgda_device::protocol::{check_record, select, HandlerChoice, HandlerProbe, 
 use ibgda_device::proxy::{ProducerSlot, Proxy, ProxyConfig, ProxyQp, ProxyReport};
 use ibgda_device::qp_desc::{ErrorRecord, NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
 use ibgda_emu::{
-    Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostBuffer, Loc, Mr, Nic, NicConfig, QpConfig,
+    Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostBuffer, Loc, Mr, Nic, NicConfig,
+    QpConfig, QpInfo,
 };
 
 use super::doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
@@ -237,15 +247,185 @@ impl EmuRank {
         })
     }
 
-    /// Builds `cfg.nqps` RC QPs from this rank to `peer`, connected both ways, their descriptors
-    /// (local buffers under `local`'s key), and in the CPU modes the proxy.
+    /// Builds `cfg.nqps` RC QPs from this rank to `peer` (a NIC of this process), connected both
+    /// ways, their descriptors (local buffers under `local`'s key), and in the CPU modes the
+    /// proxy. The peer's passive QPs belong to the group (destroyed with it).
     pub fn connect(
         &self,
         peer: &EmuRank,
         local: &Arena,
         cfg: &QpGroupConfig,
     ) -> Result<QpGroup, TransportError> {
-        QpGroup::build(self, peer, local, cfg)
+        let passive = peer.passive(self.rank, cfg.nqps)?;
+        let remote = passive.infos(false)?;
+        let mut group = QpGroup::build(self, &remote, local, cfg)?;
+        passive.accept(&group.infos(false)?)?;
+        group.passive = Some(passive);
+        Ok(group)
+    }
+
+    /// The responder side of the QPs rank `peer_rank`, in another process, will connect to this
+    /// rank with [`connect_remote`](EmuRank::connect_remote): `nqps` passive RC QPs on this NIC
+    /// (they never post), and what the peer needs to connect to each, in QP order. Send the infos
+    /// to the peer ([`QpInfo::to_bytes`]); once its group is built, connect the passive QPs to its
+    /// QPs with [`PassiveQps::accept`].
+    ///
+    /// The infos export every registration of GPU memory on this NIC as a CUDA IPC handle, so
+    /// register the memory peers write into (the [`arena`](EmuRank::arena)) first. Keep the
+    /// returned [`PassiveQps`], this rank and its arena alive until every peer has stopped using
+    /// them (a barrier after every rank's last kernel), then close them. On the host backend
+    /// nothing can be exported: the infos reach only peers of the same fabric (CI).
+    pub fn passive_for(
+        &self,
+        peer_rank: u32,
+        nqps: u32,
+    ) -> Result<(Vec<QpInfo>, PassiveQps), TransportError> {
+        let passive = self.passive(peer_rank, nqps)?;
+        let infos = passive.infos(true)?;
+        Ok((infos, passive))
+    }
+
+    /// Builds `cfg.nqps` RC QPs from this rank to a peer in another process, connected to the
+    /// peer's passive QPs `remote` (what its [`passive_for`](EmuRank::passive_for) returned, one
+    /// per QP, in order): the peer's exported registrations are opened here (CUDA IPC) so this
+    /// NIC writes into them directly. Descriptors and proxy as for
+    /// [`connect`](EmuRank::connect). Send [`QpGroup::infos_for_ipc`] back to the peer, whose
+    /// passive QPs [`accept`](PassiveQps::accept) them. The imported mappings stay open until
+    /// this NIC is dropped (its progress thread stopped first), so drop every clone of this rank
+    /// before the peers free the memory they exported.
+    pub fn connect_remote(
+        &self,
+        remote: &[QpInfo],
+        local: &Arena,
+        cfg: &QpGroupConfig,
+    ) -> Result<QpGroup, TransportError> {
+        QpGroup::build(self, remote, local, cfg)
+    }
+
+    /// `nqps` passive QPs on this NIC for rank `peer_rank`'s QPs, not yet connected.
+    fn passive(&self, peer_rank: u32, nqps: u32) -> Result<PassiveQps, TransportError> {
+        if nqps == 0 {
+            return Err(TransportError::Config(
+                "a QP group needs at least one QP".into(),
+            ));
+        }
+        let mut p = PassiveQps {
+            nic: self.nic.clone(),
+            rank: self.rank,
+            peer_rank,
+            qps: Vec::with_capacity(nqps as usize),
+        };
+        for _ in 0..nqps {
+            // On error, `p` drops and destroys the QPs made so far.
+            p.qps.push(
+                self.nic
+                    .create_host_qp(PEER_RING, CqMode::Ring, PEER_RING)?,
+            );
+        }
+        Ok(p)
+    }
+}
+
+/// The responder side of a peer's [`QpGroup`]: passive RC QPs on this rank's NIC, one per QP of
+/// the peer's group. They never post (a write or atomic from the peer lands in this rank's
+/// registered memory without them), but each is connected to its peer QP, as on hardware.
+///
+/// Made by [`EmuRank::passive_for`] (peer in another process) or inside
+/// [`EmuRank::connect`] (peer in this process; the group keeps them). Dropping them destroys
+/// the QPs (errors are logged); [`close`](PassiveQps::close) reports them.
+pub struct PassiveQps {
+    nic: Arc<Nic>,
+    rank: u32,
+    peer_rank: u32,
+    qps: Vec<ibgda_emu::HostQp>,
+}
+
+impl std::fmt::Debug for PassiveQps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PassiveQps")
+            .field("rank", &self.rank)
+            .field("peer_rank", &self.peer_rank)
+            .field(
+                "qpns",
+                &self.qps.iter().map(|q| q.qpn()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl PassiveQps {
+    /// Number of QPs.
+    pub fn len(&self) -> usize {
+        self.qps.len()
+    }
+
+    /// Whether there are none (never, once made).
+    pub fn is_empty(&self) -> bool {
+        self.qps.is_empty()
+    }
+
+    /// QP `i`'s number on this rank's NIC.
+    pub fn qpn(&self, i: usize) -> u32 {
+        self.qps[i].qpn()
+    }
+
+    /// The rank whose QPs these answer.
+    pub fn peer_rank(&self) -> u32 {
+        self.peer_rank
+    }
+
+    /// What the peer connects its QPs to, in order (`ipc`: with this NIC's registrations
+    /// exported, for a peer in another process).
+    fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
+        let qpns: Vec<u32> = self.qps.iter().map(|q| q.qpn()).collect();
+        qp_infos(&self.nic, &qpns, ipc)
+    }
+
+    /// Connects passive QP `i` to the peer's QP `initiators[i]` (what the peer's
+    /// [`QpGroup::infos_for_ipc`] returned; one per QP). A peer in another process has its
+    /// exported registrations opened here, as for [`EmuRank::connect_remote`].
+    pub fn accept(&self, initiators: &[QpInfo]) -> Result<(), TransportError> {
+        if initiators.len() != self.qps.len() {
+            return Err(TransportError::Config(format!(
+                "rank {}: {} QP infos from rank {} for {} passive QPs",
+                self.rank,
+                initiators.len(),
+                self.peer_rank,
+                self.qps.len()
+            )));
+        }
+        for (q, info) in self.qps.iter().zip(initiators) {
+            self.nic.connect(q.qpn(), info)?;
+        }
+        Ok(())
+    }
+
+    /// Destroys the QPs; the first error.
+    pub fn close(mut self) -> Result<(), TransportError> {
+        self.destroy()
+    }
+
+    fn destroy(&mut self) -> Result<(), TransportError> {
+        let mut first = None;
+        for q in self.qps.drain(..) {
+            if let Err(e) = self.nic.destroy_qp(q.qpn()) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), |e| Err(e.into()))
+    }
+}
+
+impl Drop for PassiveQps {
+    fn drop(&mut self) {
+        if let Err(e) = self.destroy() {
+            tracing::error!(
+                target: "ep",
+                "rank {}: destroying the passive QPs for rank {}: {e}",
+                self.rank,
+                self.peer_rank
+            );
+        }
     }
 }
 
@@ -292,6 +472,21 @@ impl HostLayout {
     }
 }
 
+/// The infos of QPs `qpns` of `nic`; with `ipc` and a CUDA NIC, with every registration of GPU
+/// memory on it exported for a peer in another process.
+fn qp_infos(nic: &Nic, qpns: &[u32], ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
+    let export = ipc && nic.cuda_context().is_some();
+    qpns.iter()
+        .map(|&qpn| {
+            Ok(if export {
+                nic.qp_info_for_ipc(qpn)?
+            } else {
+                nic.qp_info(qpn)?
+            })
+        })
+        .collect()
+}
+
 /// GPU-memory producer slots mapped for the CPU by GDRCopy (mode `cpu`).
 struct GdrSlots {
     mapping: ibgda_gdr::Mapping,
@@ -322,9 +517,9 @@ pub struct QpGroup {
     mode: NicHandler,
     rank: u32,
     nic: Arc<Nic>,
-    peer_nic: Arc<Nic>,
     qpns: Vec<u32>,
-    peer_qpns: Vec<u32>,
+    /// The peer's passive QPs, when the peer is in this process (destroyed after this side's).
+    passive: Option<PassiveQps>,
     host: Arc<HostBuffer>,
     layout: HostLayout,
     descs: Option<Descs>,
@@ -333,7 +528,6 @@ pub struct QpGroup {
     timeout: Duration,
     _rings: Option<Arc<DeviceBuffer>>,
     _gdr: Option<Arc<GdrSlots>>,
-    _peer_keep: Vec<ibgda_emu::HostQp>,
 }
 
 impl std::fmt::Debug for QpGroup {
@@ -347,9 +541,12 @@ impl std::fmt::Debug for QpGroup {
 }
 
 impl QpGroup {
+    /// This rank's side of a group: `cfg.nqps` QPs on `me`'s NIC, QP `i` connected to the
+    /// peer's QP `remote[i]` (in this process or, with exported registrations, in another),
+    /// the descriptors and, in the CPU modes, the proxy. The peer's side is a [`PassiveQps`].
     fn build(
         me: &EmuRank,
-        peer: &EmuRank,
+        remote: &[QpInfo],
         local: &Arena,
         cfg: &QpGroupConfig,
     ) -> Result<Self, TransportError> {
@@ -358,6 +555,13 @@ impl QpGroup {
             return Err(TransportError::Config(
                 "a QP group needs at least one QP".into(),
             ));
+        }
+        if remote.len() != n {
+            return Err(TransportError::Config(format!(
+                "{} peer QP infos for a group of {n} QPs (to rank {})",
+                remote.len(),
+                cfg.peer_rank
+            )));
         }
         if !cfg.nwqes.is_power_of_two()
             || cfg.nwqes > ibgda_device::protocol::MAX_NWQES
@@ -406,9 +610,8 @@ impl QpGroup {
             mode,
             rank: me.rank,
             nic: me.nic.clone(),
-            peer_nic: peer.nic.clone(),
             qpns: Vec::with_capacity(n),
-            peer_qpns: Vec::with_capacity(n),
+            passive: None,
             host: host.clone(),
             layout: layout.clone(),
             descs: None,
@@ -417,13 +620,12 @@ impl QpGroup {
             timeout: cfg.timeout,
             _rings: rings.clone(),
             _gdr: gdr.as_ref().map(|(_, g)| g.clone()),
-            _peer_keep: Vec::with_capacity(n),
         };
 
         let wants_uar = mode == NicHandler::Gpu || cfg.proxy_doorbell == ProxyDoorbell::UarPage;
         let mut descs = Vec::with_capacity(n);
         let mut uars = Vec::with_capacity(n);
-        for i in 0..n {
+        for (i, peer_qp) in remote.iter().enumerate() {
             let (sq, sq_dev, cq, cq_dev) = match &rings {
                 Some(b) => {
                     let r = b.ptr() + (i * (ring_bytes + cq_bytes)) as u64;
@@ -451,15 +653,7 @@ impl QpGroup {
             // keeps until it has destroyed this QP (Drop destroys QPs before fields drop).
             let handle = unsafe { me.nic.create_qp(qcfg) }?;
             group.qpns.push(handle.qpn);
-            let passive = peer
-                .nic
-                .create_host_qp(PEER_RING, CqMode::Ring, PEER_RING)?;
-            group.peer_qpns.push(passive.qpn());
-            group._peer_keep.push(passive.clone());
-            me.nic
-                .connect(handle.qpn, &peer.nic.qp_info(passive.qpn())?)?;
-            peer.nic
-                .connect(passive.qpn(), &me.nic.qp_info(handle.qpn)?)?;
+            me.nic.connect(handle.qpn, peer_qp)?;
 
             let slot_dev = match &gdr {
                 Some((aligned, _)) => aligned + 8 * i as u64,
@@ -576,11 +770,24 @@ impl QpGroup {
             target: "ep",
             "rank {}: {n} emulated QP(s) to rank {}, mode {}, rings in {:?}",
             me.rank,
-            peer.rank,
+            cfg.peer_rank,
             mode.name(),
             if rings_in_host { RingPlacement::HostPinned } else { RingPlacement::Device }
         );
         Ok(group)
+    }
+
+    /// What the peer's passive QPs connect to, in QP order (`ipc`: with this NIC's registrations
+    /// exported).
+    fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
+        qp_infos(&self.nic, &self.qpns, ipc)
+    }
+
+    /// What a peer in another process passes to its [`PassiveQps::accept`]: this group's QPs,
+    /// in order, with this NIC's registrations of GPU memory exported (CUDA IPC). On the host
+    /// backend nothing can be exported: the infos reach only peers of the same fabric (CI).
+    pub fn infos_for_ipc(&self) -> Result<Vec<QpInfo>, TransportError> {
+        self.infos(true)
     }
 
     /// The handler mode.
@@ -715,10 +922,8 @@ impl QpGroup {
                 first.get_or_insert(e.into());
             }
         }
-        for qpn in self.peer_qpns.drain(..) {
-            if let Err(e) = self.peer_nic.destroy_qp(qpn) {
-                first.get_or_insert(e.into());
-            }
+        if let Some(Err(e)) = self.passive.take().map(PassiveQps::close) {
+            first.get_or_insert(e);
         }
         match first {
             Some(e) => Err(e),

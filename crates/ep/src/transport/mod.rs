@@ -1,7 +1,9 @@
 //! The transport layer of one rank: choosing a real or emulated NIC ([`choose_nic`], one log
 //! line), choosing the NIC-handler mode ([`EmuRank::select`], one log line), and building RC QPs
 //! whose protocol memory sits where the mode needs it, with the device descriptors filled and the
-//! CPU proxy running in the CPU modes ([`EmuRank::connect`] → [`QpGroup`]).
+//! CPU proxy running in the CPU modes ([`EmuRank::connect`] → [`QpGroup`]; a peer in another
+//! process: [`EmuRank::passive_for`] and [`EmuRank::connect_remote`], the [`QpInfo`]s sent as
+//! bytes).
 //!
 //! Device code uses the group through its descriptor array ([`QpGroup::descs`]) and the functions
 //! of `ibgda/protocol.cuh`; the host waits for kernels with a bound ([`QpGroup::wait`]) and turns
@@ -31,7 +33,9 @@ mod nic;
 
 pub use doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 pub use emulated::{
-    wait_stream, Arena, EmuRank, QpGroup, QpGroupConfig, RingPlacement, ARENA_SCRATCH_BYTES,
+    wait_stream, Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, RingPlacement,
+    ARENA_SCRATCH_BYTES,
 };
 pub use error::TransportError;
+pub use ibgda_emu::QpInfo;
 pub use nic::{choose_nic, find_real_nic, NicChoice, NicKind, RealNic, NIC_ENV};
