@@ -26,7 +26,8 @@ use ep::{EpError, Tensor};
 use ep_kernels::testing::{gpus, seed, Rng};
 use gpu_low_latency_common::{
     cases, check, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
-    two_in_flight, two_in_flight_case, Case, RankData, RankResult,
+    transport_options, two_in_flight, two_in_flight_case, Case, RankData, RankResult,
+    TRANSPORT_MODES,
 };
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
@@ -226,19 +227,6 @@ fn repeated_create_use_teardown() {
 }
 
 // ---- NVLink disabled: every byte through the transport ------------------------------------------
-
-/// The handler modes every machine runs on the emulated NIC.
-const TRANSPORT_MODES: [(HandlerChoice, NicHandler); 2] = [
-    (HandlerChoice::Gpu, NicHandler::Gpu),
-    (HandlerChoice::CpuHostMemory, NicHandler::CpuHostMemory),
-];
-
-fn transport_options(ranks: usize, handler: HandlerChoice) -> LowLatencyOptions {
-    let mut o = options(ranks);
-    o.allow_nvlink = false;
-    o.nic_handler = handler;
-    o
-}
 
 /// Hidden 2048 and 7168 × BF16 and FP8 × top-1 and top-8 × hook off and on; zero-copy combine
 /// on every other case.

@@ -1,15 +1,23 @@
-//! Low-latency dispatch/combine with ranks as processes over NVLink: the `Launcher` re-executes
-//! this test once per rank (one GPU each, rendezvous over TCP), every rank maps the others' net
-//! buffers through CUDA IPC and the kernels store into them. Checked against the CPU reference
-//! on fresh random data with the cases and checks of the threads test (`gpu_low_latency.rs`,
-//! shared in `gpu_low_latency_common`): every rank draws every rank's inputs from the seed the
-//! launcher passes on (`EP_TEST_SEED`), runs its own part and checks its own results.
+//! Low-latency dispatch/combine with ranks as processes: the `Launcher` re-executes this test
+//! once per rank (one GPU each, rendezvous over TCP). Over NVLink every rank maps the others'
+//! net buffers through CUDA IPC and the kernels store into them; with NVLink disabled every
+//! process runs its own emulated NIC, the ranks connect QPs to each other through the group (the
+//! NICs open each other's registered buffers through CUDA IPC) and every byte to another rank
+//! goes through the IBGDA transport. Checked against the CPU reference on fresh random data
+//! (outputs poisoned before every operation) with the cases and checks of the threads test
+//! (`gpu_low_latency.rs`, shared in `gpu_low_latency_common`): every rank draws every rank's
+//! inputs from the seed the launcher passes on (`EP_TEST_SEED`), runs its own part and checks its
+//! own results.
 //!
 //! Each test is one launch, at EP2 and (where the machine has 4 GPUs) EP4: the NVLink matrix
 //! (every hidden size, BF16 / FP8 / power-of-two / UE8M0, top-k up to 11, hook mode, zero-copy
-//! combine) with two results in flight, the refusals (NVLink disabled, mismatched options),
-//! CUDA-graph capture and replay, create / use / teardown 20 times, and (EP2) a rank that never
-//! dispatches: a bounded, named timeout, then a clean teardown everywhere.
+//! combine) with two results in flight, a transport buffer built and torn down, mismatched
+//! options refused, CUDA-graph capture and replay, create / use / teardown 20 times, and (EP2) a
+//! rank that never dispatches: a bounded, named timeout, then a clean teardown everywhere. With
+//! NVLink disabled, in NIC-handler modes `gpu` and `cpu_host_memory`: a handful of cases (hidden
+//! 2048 and 7168, BF16 and FP8, top-8, hook mode, zero-copy combine), create / use / teardown
+//! 20 times per mode; and mode `cpu` failing at once, the same way on every rank, where GDRCopy
+//! is missing.
 
 mod gpu_low_latency_common;
 
@@ -23,8 +31,10 @@ use ep::{EpError, Tensor};
 use ep_kernels::testing::{gpus, seed, Rng};
 use gpu_low_latency_common::{
     cases, check_rank, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
-    two_in_flight, two_in_flight_case, Case, RankResult,
+    transport_options, two_in_flight, two_in_flight_case, Case, RankResult, TRANSPORT_MODES,
 };
+use ibgda_device::protocol::HandlerChoice;
+use ibgda_device::qp_desc::NicHandler;
 
 /// Below the device suite's 300 s per test, so a stuck launch is reported by the launcher, with
 /// every rank's state, rather than killed by the suite.
@@ -101,7 +111,7 @@ fn launch(ranks: usize, test: &str, body: fn(&Rank) -> Res) {
 
 /// The refusals, then every case of the matrix on one buffer, then two results in flight.
 fn matrix_rank(me: &Rank) -> Res {
-    transport_is_refused(me)?;
+    transport_is_built(me)?;
     options_must_agree(me)?;
     let (r, ranks) = (me.rank(), me.ranks());
     let mut rng = me.rng(0);
@@ -123,23 +133,45 @@ fn matrix_rank(me: &Rank) -> Res {
     Ok(())
 }
 
-/// NVLink disabled needs the ranks as threads: every rank is refused at once, before any
-/// collective, with an error that says so.
-fn transport_is_refused(me: &Rank) -> Res {
+/// NVLink disabled across processes is built (each process its own NIC, QPs connected through
+/// the group), reports its mode and tears down cleanly; a group whose ranks disagree on
+/// `allow_nvlink` fails on every rank at once with [`EpError::Rendezvous`], naming a rank.
+fn transport_is_built(me: &Rank) -> Res {
+    let t0 = Instant::now();
+    let buf = me
+        .buffer(&transport_options(me.ranks(), HandlerChoice::Gpu))
+        .map_err(|e| format!("NVLink disabled across processes: {e}"))?;
+    if buf.nic_handler() != Some(NicHandler::Gpu) {
+        return Err(format!(
+            "NVLink disabled, mode gpu: the buffer reports {:?}",
+            buf.nic_handler()
+        ));
+    }
+    buf.shutdown()
+        .map_err(|e| format!("NVLink disabled across processes: teardown: {e}"))?;
+    eprintln!(
+        "{}: built and torn down in {:?}",
+        me.name("NVLink disabled"),
+        t0.elapsed()
+    );
     let mut o = options(me.ranks());
-    o.allow_nvlink = false;
+    o.allow_nvlink = me.rank() != 0;
     let t0 = Instant::now();
     let e = match me.buffer(&o) {
-        Ok(_) => return Err("a buffer with NVLink disabled was built across processes".into()),
-        Err(e) => e.to_string(),
+        Ok(_) => return Err("buffers disagreeing on allow_nvlink were built".into()),
+        Err(e) => e,
     };
-    if !(e.contains("create_group") && e.contains("processes")) || t0.elapsed().as_secs() > 5 {
+    let msg = e.to_string();
+    if !matches!(e, EpError::Rendezvous { .. })
+        || !msg.contains("allow_nvlink")
+        || t0.elapsed() > Duration::from_secs(10)
+    {
         return Err(format!(
-            "NVLink disabled across processes: {e} after {:?}",
+            "ranks disagreeing on allow_nvlink: {msg} after {:?}",
             t0.elapsed()
         ));
     }
-    eprintln!("NVLink disabled refused: {e}");
+    eprintln!("allow_nvlink mismatch refused: {msg}");
     Ok(())
 }
 
@@ -267,6 +299,177 @@ fn missing_rank_main(me: &Rank) -> Res {
     }
 }
 
+// ---- NVLink disabled: every byte through the transport -----------------------------------------
+
+/// Hidden 2048 and 7168 × BF16 and FP8, top-8; hook mode and zero-copy combine each on half the
+/// cases, both on one.
+fn transport_cases() -> Vec<Case> {
+    let fp8 = Some(Fp8Options::default());
+    let case = |hidden, fp8, hook, zero_copy| Case {
+        hidden,
+        topk: 8,
+        fp8,
+        hook,
+        zero_copy,
+    };
+    vec![
+        case(2048, None, false, false),
+        case(2048, fp8, true, true),
+        case(7168, None, true, false),
+        case(7168, fp8, false, true),
+    ]
+}
+
+/// This rank's buffer with NVLink disabled in `mode`, checked to report the mode.
+fn transport_buffer(
+    me: &Rank,
+    mode: (HandlerChoice, NicHandler),
+) -> Result<LowLatencyBuffer, String> {
+    let buf = me
+        .buffer(&transport_options(me.ranks(), mode.0))
+        .map_err(|e| {
+            format!(
+                "{}: {e}",
+                me.name(format_args!("transport mode {}", mode.1.name()))
+            )
+        })?;
+    if buf.nic_handler() != Some(mode.1) {
+        return Err(format!(
+            "{}: the buffer reports mode {:?}",
+            me.name(format_args!("transport mode {}", mode.1.name())),
+            buf.nic_handler()
+        ));
+    }
+    Ok(buf)
+}
+
+/// Every transport case on one buffer per mode, against the reference.
+fn transport_matrix_rank(me: &Rank) -> Res {
+    let (r, ranks) = (me.rank(), me.ranks());
+    let mut rng = me.rng(4);
+    for mode in TRANSPORT_MODES {
+        let t0 = Instant::now();
+        let mut buf = transport_buffer(me, mode)?;
+        for c in transport_cases() {
+            let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+            let what = me.name(format_args!("transport mode {} {c:?}", mode.1.name()));
+            let res = run_case(&mut buf, &data[r], &c).map_err(|e| format!("{what}: {e}"))?;
+            check_rank(ranks, &c, &data, r, &res, &what);
+        }
+        buf.shutdown().map_err(|e| {
+            format!(
+                "{}: teardown: {e}",
+                me.name(format_args!("transport mode {}", mode.1.name()))
+            )
+        })?;
+        eprintln!(
+            "{}: {} cases passed in {:.1} s",
+            me.name(format_args!("transport mode {}", mode.1.name())),
+            transport_cases().len(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// Mode `cpu` where GDRCopy is missing: every rank refused at once, before any collective, with
+/// an error naming GDRCopy, and every rank refused alike (the outcomes are gathered and compared).
+/// Where GDRCopy works, the mode must work: one case against the reference.
+fn transport_cpu_rank(me: &Rank) -> Res {
+    let t0 = Instant::now();
+    let outcome = me.buffer(&transport_options(me.ranks(), HandlerChoice::Cpu));
+    let elapsed = t0.elapsed();
+    let mine = match &outcome {
+        Ok(_) => "built".to_string(),
+        Err(e) => format!("refused: {e}"),
+    };
+    // Creation failed before any collective, or succeeded with all of them: the group is in step.
+    let all = me
+        .comm
+        .all_gather_bytes(mine.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let all: Vec<String> = all
+        .iter()
+        .map(|b| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    let built = all.iter().filter(|o| o.as_str() == "built").count();
+    if built != 0 && built != all.len() {
+        return Err(format!("mode cpu: ranks disagree: {all:?}"));
+    }
+    match outcome {
+        Err(e) => {
+            let msg = e.to_string();
+            if !(msg.contains("GDRCopy") && msg.contains("cpu")) {
+                return Err(format!(
+                    "mode cpu: the error should say it needs GDRCopy: {msg}"
+                ));
+            }
+            if elapsed > Duration::from_secs(5) {
+                return Err(format!("mode cpu: refused only after {elapsed:?}: {msg}"));
+            }
+            for (r, o) in all.iter().enumerate() {
+                if !o.contains("GDRCopy") {
+                    return Err(format!("mode cpu: rank {r} was refused otherwise: {o}"));
+                }
+            }
+            eprintln!("{}: {msg}", me.name("mode cpu refused"));
+            Ok(())
+        }
+        Ok(mut buf) => {
+            eprintln!(
+                "{}: GDRCopy works here, running one case",
+                me.name("mode cpu")
+            );
+            let (r, ranks) = (me.rank(), me.ranks());
+            let c = transport_cases()[1];
+            let data = random_data(&mut me.rng(5), ranks, c.hidden, c.topk, None);
+            let what = me.name("transport mode cpu");
+            let res = run_case(&mut buf, &data[r], &c).map_err(|e| format!("{what}: {e}"))?;
+            check_rank(ranks, &c, &data, r, &res, &what);
+            buf.shutdown().map_err(|e| format!("{what}: teardown: {e}"))
+        }
+    }
+}
+
+/// Create, dispatch, combine, tear down 20 times in a row per mode with NVLink disabled; every
+/// teardown must succeed (one in four by dropping the buffer).
+fn transport_repeat_rank(me: &Rank) -> Res {
+    let (r, ranks) = (me.rank(), me.ranks());
+    let mut rng = me.rng(6);
+    for mode in TRANSPORT_MODES {
+        let t0 = Instant::now();
+        for round in 0..20 {
+            let what = me.name(format_args!(
+                "transport mode {} round {round}",
+                mode.1.name()
+            ));
+            let mut buf = transport_buffer(me, mode).map_err(|e| format!("round {round}: {e}"))?;
+            let c = Case {
+                hidden: 2048,
+                topk: 8,
+                fp8: (round % 2 == 1).then(Fp8Options::default),
+                hook: round % 3 == 2,
+                zero_copy: round % 4 == 1,
+            };
+            let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+            let res = run_case(&mut buf, &data[r], &c).map_err(|e| format!("{what}: {e}"))?;
+            check_rank(ranks, &c, &data, r, &res, &what);
+            if round % 4 == 3 {
+                drop(buf);
+            } else {
+                buf.shutdown()
+                    .map_err(|e| format!("{what}: teardown: {e}"))?;
+            }
+        }
+        eprintln!(
+            "{}: 20 rounds passed in {:.1} s",
+            me.name(format_args!("transport mode {}", mode.1.name())),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn nvlink_matrix_ep2() {
     launch(2, "nvlink_matrix_ep2", matrix_rank);
@@ -300,4 +503,50 @@ fn create_use_teardown_20_times_ep4() {
 #[test]
 fn a_missing_rank_times_out_ep2() {
     launch(2, "a_missing_rank_times_out_ep2", missing_rank_main);
+}
+
+#[test]
+fn transport_matrix_ep2() {
+    launch(2, "transport_matrix_ep2", transport_matrix_rank);
+}
+
+#[test]
+fn transport_matrix_ep4() {
+    launch(4, "transport_matrix_ep4", transport_matrix_rank);
+}
+
+#[test]
+fn transport_mode_cpu_fails_cleanly_ep2() {
+    launch(
+        2,
+        "transport_mode_cpu_fails_cleanly_ep2",
+        transport_cpu_rank,
+    );
+}
+
+#[test]
+fn transport_mode_cpu_fails_cleanly_ep4() {
+    launch(
+        4,
+        "transport_mode_cpu_fails_cleanly_ep4",
+        transport_cpu_rank,
+    );
+}
+
+#[test]
+fn transport_create_use_teardown_20_times_ep2() {
+    launch(
+        2,
+        "transport_create_use_teardown_20_times_ep2",
+        transport_repeat_rank,
+    );
+}
+
+#[test]
+fn transport_create_use_teardown_20_times_ep4() {
+    launch(
+        4,
+        "transport_create_use_teardown_20_times_ep4",
+        transport_repeat_rank,
+    );
 }

@@ -18,10 +18,11 @@
 //! GB/s = rows received × hidden × bytes per element ÷ time (FP8: 1 + 4/128 bytes per element).
 //!
 //! With `--procs` the ranks are processes: the program starts them itself
-//! (`ep::bootstrap::Launcher`: one copy of itself per GPU, rendezvous over TCP on loopback, the
-//! buffers shared through CUDA IPC), rank 0 gathers the timings, prints the table and writes the
-//! JSON (records carry `"mode": "procs"`, else `"threads"`). NVLink only: the transport run needs
-//! the ranks as threads and is skipped.
+//! (`ep::bootstrap::Launcher`: one copy of itself per GPU, rendezvous over TCP on loopback), rank
+//! 0 gathers the timings, prints the tables and writes the JSON (records carry `"mode": "procs"`,
+//! else `"threads"`). Both runs as with threads: NVLink (the buffers shared through CUDA IPC),
+//! then the transport (one emulated NIC per process, each opening its peers' registered buffers
+//! through CUDA IPC).
 //!
 //! `bench_low_latency [--procs] [--json PATH] [--ranks N] [--tokens N] [--hidden H] [--topk K]
 //!  [--experts E] [--iters N] [--transport-iters N] [--transport-handler MODE] [--no-transport]`;
@@ -558,16 +559,60 @@ fn decode(b: &[u8]) -> Result<Times, String> {
     }
 }
 
-/// One rank as a process: its GPU, its buffer (NVLink through CUDA IPC), the benchmark; rank 0
-/// gathers every rank's timings, prints the table and writes the JSON.
+/// One rank as a process: its GPU, the NVLink run, then (unless `--no-transport`) the transport
+/// run; rank 0 writes the JSON of both. A failing transport run still leaves the NVLink records
+/// written, then fails the run.
 fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, n: usize) -> Result<()> {
-    let (rank, ranks) = (comm.rank(), comm.world_size());
     let ctx = ibgda_device::cuda::context(comm.local_rank())?;
-    let opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
-    let mut buf = LowLatencyBuffer::new(&ctx, comm.clone(), &opts)?;
+    let mut records = rank_config(&comm, &ctx, a, n, None)?;
+    let transport = if a.transport {
+        rank_config(&comm, &ctx, a, n, Some(a.transport_handler))
+            .map(|r| records.extend(r))
+            .context("the transport run (NVLink disabled)")
+    } else {
+        Ok(())
+    };
+    if comm.rank() == 0 {
+        if let Some(p) = &a.json {
+            let json = format!("[\n{}\n]\n", records.join(",\n"));
+            std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
+            println!("wrote {p}");
+        }
+    }
+    transport
+}
+
+/// One configuration on this rank as a process (NVLink, or NVLink disabled with the transport in
+/// mode `transport`): its buffer, the benchmark, the teardown; rank 0 gathers every rank's
+/// timings, prints the table and returns the JSON records (the other ranks return none).
+fn rank_config(
+    comm: &Arc<TcpCommunicator>,
+    ctx: &Arc<CudaContext>,
+    a: &Args,
+    n: usize,
+    transport: Option<HandlerChoice>,
+) -> Result<Vec<String>> {
+    let (rank, ranks) = (comm.rank(), comm.world_size());
+    let mut opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let iters = match transport {
+        None => a.iters,
+        Some(h) => {
+            opts.allow_nvlink = false;
+            opts.nic_handler = h;
+            a.transport_iters
+        }
+    };
+    let mut buf = LowLatencyBuffer::new(ctx, comm.clone(), &opts)?;
     let sms = buf.num_sms();
-    let mine = run_rank(&mut buf, a, a.iters, 0x5eed + rank as u64)
-        .map_err(|e| format!("rank {rank}: {e}"));
+    let path = match buf.nic_handler() {
+        None => "NVLink".to_string(),
+        Some(m) => format!(
+            "NVLink disabled, IBGDA on the emulated NIC (one per process), mode {}",
+            m.name()
+        ),
+    };
+    let mine =
+        run_rank(&mut buf, a, iters, 0x5eed + rank as u64).map_err(|e| format!("rank {rank}: {e}"));
     // Every rank tears down and reports, also after a failure, so none waits for a peer that
     // has given up.
     let shut = buf.shutdown();
@@ -580,34 +625,24 @@ fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, n: usize) -> Result<()> {
         .map(|(r, b)| decode(b).map_err(|e| format!("rank {r}: {e}")))
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
-    if rank == 0 {
-        let machine = format!("{}x {}", n, ctx.name().unwrap_or_default());
-        let run = Run {
-            ranks,
-            sms,
-            path: "NVLink".into(),
-            machine: &machine,
-            iters: a.iters,
-            transport: None,
-            mode: "procs",
-        };
-        let records = report(a, &run, &times);
-        if let Some(p) = &a.json {
-            let json = format!("[\n{}\n]\n", records.join(",\n"));
-            std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
-            println!("wrote {p}");
-        }
+    if rank != 0 {
+        return Ok(Vec::new());
     }
-    Ok(())
+    let machine = format!("{}x {}", n, ctx.name().unwrap_or_default());
+    let run = Run {
+        ranks,
+        sms,
+        path,
+        machine: &machine,
+        iters,
+        transport,
+        mode: "procs",
+    };
+    Ok(report(a, &run, &times))
 }
 
-/// Ranks as processes: this program re-executed once per rank by the launcher (NVLink only).
+/// Ranks as processes: this program re-executed once per rank by the launcher.
 fn run_processes(a: &Args, n: usize, ranks: usize) -> Result<()> {
-    if a.transport && !Launcher::is_rank_process() {
-        println!(
-            "--procs: NVLink only (the transport run, NVLink disabled, needs ranks as threads)"
-        );
-    }
     Launcher::new(ranks).run_shared(|comm| rank_process(comm, a, n))?;
     Ok(())
 }

@@ -22,7 +22,7 @@ use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
 use crate::tensor::Tensor;
-use crate::transport::{Arena, EmuRank, QpGroup, QpGroupConfig, TransportError};
+use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
 const ERROR_OFFSET: usize = 0;
@@ -52,10 +52,12 @@ pub struct LowLatencyOptions {
     pub num_experts: usize,
     /// Move data by NVLink stores between ranks whose GPUs can map each other. `false` sends every
     /// byte to another rank through the IBGDA transport (RDMA writes and remote adds on the
-    /// emulated NIC, QPs to every peer, in the [`nic_handler`](Self::nic_handler) mode); this
-    /// needs the ranks as threads ([`LowLatencyBuffer::create_group`]). Ranks as processes
-    /// ([`LowLatencyBuffer::new`] over a [`TcpCommunicator`](crate::bootstrap::TcpCommunicator))
-    /// need `true`: with `false` creation fails.
+    /// emulated NIC, QPs to every peer, in the [`nic_handler`](Self::nic_handler) mode), with the
+    /// ranks as threads ([`LowLatencyBuffer::create_group`]: one NIC per rank in one fabric) or
+    /// as processes ([`LowLatencyBuffer::new`] over a
+    /// [`TcpCommunicator`](crate::bootstrap::TcpCommunicator): one NIC per process, the peers'
+    /// net buffers opened through CUDA IPC by the NIC, not the kernels). Threads of one process
+    /// calling [`LowLatencyBuffer::new`] need `true`.
     pub allow_nvlink: bool,
     /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
     /// (GDRCopy; creation fails cleanly without it) or `Auto`.
@@ -408,16 +410,39 @@ struct SharedNics {
     _fabric: Fabric,
 }
 
+/// Where this rank's emulated NIC comes from (NVLink disabled).
+enum NetNics {
+    /// Ranks as threads: every rank's NIC, on one fabric.
+    Threads(Arc<SharedNics>),
+    /// Ranks as processes: this process's NIC for this rank, on
+    /// [`process_fabric`](super::remote::process_fabric); peers are reached through the memory
+    /// they export.
+    Process(EmuRank),
+}
+
+impl NetNics {
+    fn me(&self, rank: usize) -> &EmuRank {
+        match self {
+            NetNics::Threads(n) => &n.ranks[rank],
+            NetNics::Process(me) => me,
+        }
+    }
+}
+
 /// This rank's transport (NVLink disabled): QPs to every peer, the table the kernels read, and
-/// the registered net buffer.
+/// the registered net buffer. Fields drop in order: the NIC last, after every QP.
 struct LlNet {
     /// Per rank: this rank's QPs to it (`None` for this rank).
     groups: Vec<Option<QpGroup>>,
+    /// Ranks as processes, per rank: the passive QPs on this rank's NIC that rank's QPs are
+    /// connected to (`None` for this rank; empty for ranks as threads, whose groups own their
+    /// peers' passive QPs).
+    passive: Vec<Option<PassiveQps>>,
     /// [`k::LlTransport`] in device memory.
     table: DeviceBuffer,
     handler: NicHandler,
     _arena: Arena,
-    _nics: Arc<SharedNics>,
+    nics: NetNics,
 }
 
 impl LlNet {
@@ -435,14 +460,28 @@ impl LlNet {
             .or_else(|| (0..self.groups.len()).find_map(check))
     }
 
-    /// Stops the proxies and destroys the QPs; the first error.
-    fn close(self) -> Result<(), (usize, TransportError)> {
+    /// Whether this rank's NIC opened memory of ranks in other processes (CUDA IPC): then no
+    /// rank may free its net buffer before every rank has closed its transport.
+    fn imports(&self) -> bool {
+        matches!(self.nics, NetNics::Process(_))
+    }
+
+    /// Stops the proxies and destroys the QPs (this rank's, then the passive ones); then drops
+    /// the NIC, whose progress thread stops before the peers' memory it opened is closed. The
+    /// first error.
+    fn close(mut self) -> Result<(), (usize, TransportError)> {
         let mut first = None;
-        for (r, g) in self.groups.into_iter().enumerate() {
+        for (r, g) in std::mem::take(&mut self.groups).into_iter().enumerate() {
             if let Some(Err(e)) = g.map(QpGroup::shutdown) {
                 first.get_or_insert((r, e));
             }
         }
+        for (r, p) in std::mem::take(&mut self.passive).into_iter().enumerate() {
+            if let Some(Err(e)) = p.map(PassiveQps::close) {
+                first.get_or_insert((r, e));
+            }
+        }
+        drop(self);
         first.map_or(Ok(()), Err)
     }
 }
@@ -500,11 +539,15 @@ impl LowLatencyBuffer {
     /// ([`exchange_buffers`]: each rank maps every peer's buffer once) and the kernels store
     /// into the mapped buffers over NVLink, as threads do.
     ///
-    /// NVLink only: a buffer with `allow_nvlink = false` needs every rank's emulated NIC in one
-    /// process, which only [`create_group`](Self::create_group) builds; here it fails at once,
-    /// before any collective, on every rank alike (ranks as threads or as processes). A rank
-    /// whose options differ from the others' makes every rank fail with
-    /// [`EpError::Rendezvous`] naming it.
+    /// With `allow_nvlink = false` and ranks as processes, each process starts its own emulated
+    /// NIC (on a fabric shared by the process), registers its net buffer, and the ranks connect
+    /// QPs to every peer through `group` (QP infos carrying the buffers as CUDA IPC handles, which
+    /// each NIC opens); the kernels then reach peers only through the transport, as with
+    /// [`create_group`](Self::create_group). Ranks as threads of one process need
+    /// [`create_group`](Self::create_group) for that: here they fail at once, before any
+    /// collective. A handler mode this machine cannot run (mode `cpu` without GDRCopy) fails on
+    /// every rank alike, before any collective. A rank whose options differ from the others'
+    /// makes every rank fail with [`EpError::Rendezvous`] naming it.
     pub fn new(
         ctx: &Arc<CudaContext>,
         group: Arc<dyn Exchange>,
@@ -527,23 +570,25 @@ impl LowLatencyBuffer {
         // Before any collective, so every rank refuses the same way at once.
         let nics = match (opts.allow_nvlink, nics) {
             (true, _) => None,
-            (false, Some(n)) if n.ranks.len() == ranks => Some(n),
+            (false, Some(n)) if n.ranks.len() == ranks => Some(NetNics::Threads(n)),
+            // Ranks as processes: this process's own NIC for this rank.
+            (false, _) if procs => Some(NetNics::Process(
+                EmuRank::cuda(super::remote::process_fabric(), ctx, rank as u32)
+                    .map_err(|e| transport_err(rank, "starting the emulated NIC", e))?,
+            )),
             (false, _) => {
-                let why = if procs {
-                    "allow_nvlink = false (every byte through the transport) is not supported \
-                     with ranks as processes: it needs the ranks as threads of one process \
-                     (LowLatencyBuffer::create_group); with ranks as processes, allow NVLink"
-                } else {
-                    "allow_nvlink = false (every byte through the transport) needs the ranks as \
-                     threads of one process: build the buffers with LowLatencyBuffer::create_group"
-                };
-                return Err(invalid(rank, why));
+                return Err(invalid(
+                    rank,
+                    "allow_nvlink = false (every byte through the transport) with ranks as \
+                     threads of one process needs their NICs built together: build the buffers \
+                     with LowLatencyBuffer::create_group (ranks as processes build their own)",
+                ));
             }
         };
         // Before any collective, so a mode this machine cannot run fails the same way on every
         // rank (mode cpu without GDRCopy).
         let handler = match &nics {
-            Some(n) => Some(n.ranks[rank].select(opts.nic_handler).map_err(|e| {
+            Some(n) => Some(n.me(rank).select(opts.nic_handler).map_err(|e| {
                 let need = if opts.nic_handler == HandlerChoice::Cpu {
                     " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
                 } else {
@@ -588,7 +633,8 @@ impl LowLatencyBuffer {
                 (Arc::new(net), None)
             }
             Some(n) => {
-                let a = n.ranks[rank]
+                let a = n
+                    .me(rank)
                     .arena(net_plan.bytes)
                     .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
                 let net = a.device().cloned().ok_or_else(|| {
@@ -646,10 +692,10 @@ impl LowLatencyBuffer {
         }
         let mut peer_base = [0u64; k::MAX_RANKS];
         let mut table = k::LlTransport::default();
-        // Ranks as processes: every rank exports its net buffer and maps the others' (CUDA IPC;
-        // ranks of this process are reached by peer access there). A collective, after which
-        // peers may write into `net` only once the final barrier below has passed.
-        let windows = if procs {
+        // Ranks as processes over NVLink: every rank exports its net buffer and maps the others'
+        // (CUDA IPC; ranks of this process are reached by peer access there). A collective, after
+        // which peers may write into `net` only once the final barrier below has passed.
+        let windows = if procs && nics.is_none() {
             let windows = exchange_buffers(&*group, ctx, &net)
                 .map_err(|source| EpError::Bootstrap { rank, source })?;
             for w in &windows {
@@ -667,6 +713,16 @@ impl LowLatencyBuffer {
                 peer_base[w.rank()] = w.ptr();
             }
             windows
+        } else if procs {
+            // Ranks as processes over the transport: the kernels store only into this rank's
+            // buffer; the peers' NICs write into it at its own addresses (what its registration
+            // names), and this rank's NIC into theirs (opened when the QPs connect, below).
+            peer_base[rank] = net.ptr();
+            for (r, v) in all.iter().enumerate() {
+                table.rbase[r] = v[1];
+                table.rkey[r] = v[2];
+            }
+            Vec::new()
         } else {
             // Ranks as threads: the peers' own addresses, once this context may access theirs.
             // (A GPU ordinal means nothing in another process, so only here.)
@@ -682,30 +738,43 @@ impl LowLatencyBuffer {
             }
             Vec::new()
         };
-        let transport = match (&nics, handler, arena) {
-            (Some(n), Some(handler), Some(arena)) => {
-                let me = &n.ranks[rank];
-                let mut groups = Vec::with_capacity(ranks);
-                for (r, peer) in n.ranks.iter().enumerate() {
-                    if r == rank {
-                        groups.push(None);
-                        continue;
+        let transport = match (nics, handler, arena) {
+            (Some(nics), Some(handler), Some(arena)) => {
+                let cfg = |r: usize| QpGroupConfig {
+                    handler,
+                    nqps: QPS_PER_PEER,
+                    nwqes: QP_RING_WQEBBS,
+                    timeout: opts.timeout,
+                    peer_rank: r as u32,
+                    ..Default::default()
+                };
+                let (groups, passive) = match &nics {
+                    NetNics::Threads(n) => {
+                        let me = &n.ranks[rank];
+                        let mut groups = Vec::with_capacity(ranks);
+                        for (r, peer) in n.ranks.iter().enumerate() {
+                            if r == rank {
+                                groups.push(None);
+                                continue;
+                            }
+                            let g = me.connect(peer, &arena, &cfg(r)).map_err(|e| {
+                                transport_err(rank, &format!("connecting QPs to rank {r}"), e)
+                            })?;
+                            groups.push(Some(g));
+                        }
+                        (groups, Vec::new())
                     }
-                    let cfg = QpGroupConfig {
-                        handler,
-                        nqps: QPS_PER_PEER,
-                        nwqes: QP_RING_WQEBBS,
-                        timeout: opts.timeout,
-                        peer_rank: r as u32,
-                        ..Default::default()
-                    };
-                    let g = me.connect(peer, &arena, &cfg).map_err(|e| {
-                        transport_err(rank, &format!("connecting QPs to rank {r}"), e)
-                    })?;
-                    table.descs[r] = g.descs().ok_or_else(|| {
-                        invalid(rank, "the emulated NIC gave host descriptors on a GPU rank")
-                    })?;
-                    groups.push(Some(g));
+                    // Two collectives; a rank that fails makes every rank fail at once.
+                    NetNics::Process(me) => {
+                        super::remote::connect_peers(me, &*group, &arena, QPS_PER_PEER, cfg)?
+                    }
+                };
+                for (r, g) in groups.iter().enumerate() {
+                    if let Some(g) = g {
+                        table.descs[r] = g.descs().ok_or_else(|| {
+                            invalid(rank, "the emulated NIC gave host descriptors on a GPU rank")
+                        })?;
+                    }
                 }
                 table.nqps = u64::from(QPS_PER_PEER);
                 table.stage_off = net_plan.stage as u64;
@@ -713,15 +782,17 @@ impl LowLatencyBuffer {
                 let table = DeviceBuffer::from_slice(ctx, &table.to_words()).map_err(dev)?;
                 tracing::info!(
                     target: "ep",
-                    "rank {rank}: low-latency buffer over the emulated NIC, NVLink disabled, mode {}, {QPS_PER_PEER} QPs per peer",
-                    handler.name()
+                    "rank {rank}: low-latency buffer over the emulated NIC, NVLink disabled, mode {}, {QPS_PER_PEER} QPs per peer, ranks as {}",
+                    handler.name(),
+                    if procs { "processes" } else { "threads" }
                 );
                 Some(LlNet {
                     groups,
+                    passive,
                     table,
                     handler,
                     _arena: arena,
-                    _nics: n.clone(),
+                    nics,
                 })
             }
             _ => None,
@@ -1310,13 +1381,46 @@ impl LowLatencyBuffer {
     /// Every rank of the group calls this (or drops its buffer) together.
     pub fn shutdown(mut self) -> Result<(), EpError> {
         self.shut_down = true;
+        self.teardown()
+    }
+
+    /// The teardown of [`shutdown`](Self::shutdown) and drop: this rank's stream (bounded), the
+    /// barrier, the transport closed, then (ranks as processes over the transport) a second
+    /// barrier, after which no rank's NIC has any peer's memory open, so every rank may free its
+    /// own; the peers' NVLink windows unmapped. The first error.
+    fn teardown(&mut self) -> Result<(), EpError> {
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
+        let imports = self.transport.as_ref().is_some_and(LlNet::imports);
+        let leaked = matches!(synced, Err(EpError::HostTimeout { .. }));
         let closed = self.close_transport(&synced);
+        let released = if imports {
+            self.release_net(leaked)
+        } else {
+            Ok(())
+        };
         self.release_windows(&synced);
         synced?;
         met?;
-        closed
+        closed?;
+        released
+    }
+
+    /// Ranks as processes over the transport, after this rank closed its transport: meets every
+    /// rank again, so no net buffer is freed while a peer's NIC still has it open. When any rank
+    /// leaked its transport (its stream did not finish, so its NIC may still write into the
+    /// peers' buffers), every rank leaks its net buffer too.
+    fn release_net(&mut self, leaked: bool) -> Result<(), EpError> {
+        let all = self.group.all_gather(&[u64::from(leaked)])?;
+        if let Some(r) = all.iter().position(|v| v.first().is_some_and(|&w| w != 0)) {
+            tracing::error!(
+                rank = self.rank,
+                "rank {r} leaked its QPs at teardown (its stream did not finish): leaking this \
+                 rank's net buffer, which rank {r}'s NIC may still write into"
+            );
+            std::mem::forget(self.net.clone());
+        }
+        Ok(())
     }
 
     /// After the teardown barrier: unmaps the peers' net buffers (ranks as processes). When this
@@ -1359,11 +1463,7 @@ impl Drop for LowLatencyBuffer {
             return;
         }
         // Best effort, as in shutdown: never free memory a peer may still be writing.
-        let synced = self.synchronize();
-        let met = self.group.all_gather(&[]);
-        let closed = self.close_transport(&synced);
-        self.release_windows(&synced);
-        if let Err(e) = synced.and(met.map(|_| ())).and(closed) {
+        if let Err(e) = self.teardown() {
             tracing::warn!(
                 rank = self.rank,
                 "low-latency buffer dropped without a clean teardown: {e}"
@@ -1373,7 +1473,7 @@ impl Drop for LowLatencyBuffer {
 }
 
 /// A transport failure at creation or teardown, as an error that names what was being done.
-fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpError {
+pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpError {
     invalid(rank, format!("low-latency transport: {doing}: {e}"))
 }
 

@@ -23,19 +23,23 @@
 //! bounded; a timeout becomes an `Err` naming the rank, the peer and the expert.
 //!
 //! The ranks are threads of one process ([`LowLatencyBuffer::create_group`]) or processes
-//! ([`LowLatencyBuffer::new`] over a [`TcpCommunicator`](crate::bootstrap::TcpCommunicator); the
-//! buffers shared through CUDA IPC). With NVLink allowed the data moves by NVLink stores;
-//! with [`LowLatencyOptions::allow_nvlink`] `= false` (ranks as threads only) every byte to
-//! another rank goes through the
-//! IBGDA transport on the emulated NIC (RDMA writes of the rows from registered staging, fenced
-//! remote adds for the counts and flags, a quiet before each send kernel ends), in the NIC-handler
-//! mode [`LowLatencyOptions::nic_handler`] names (`gpu`, `cpu_host_memory`; `cpu` needs GDRCopy).
-//! The kernels send through one small device interface (`put_warp`, `signal`, `quiet` in
-//! `low_latency.cu`) that picks the path per destination.
+//! ([`LowLatencyBuffer::new`] over a [`TcpCommunicator`](crate::bootstrap::TcpCommunicator)).
+//! With NVLink allowed the data moves by NVLink stores (processes map each other's buffers
+//! through CUDA IPC). With [`LowLatencyOptions::allow_nvlink`] `= false` every byte to another
+//! rank goes through the IBGDA transport on the emulated NIC (RDMA writes of the rows from
+//! registered staging, fenced remote adds for the counts and flags, a quiet before each send
+//! kernel ends), in the NIC-handler mode [`LowLatencyOptions::nic_handler`] names (`gpu`,
+//! `cpu_host_memory`; `cpu` needs GDRCopy): ranks as threads get one NIC each on one fabric;
+//! ranks as processes run one NIC per process, connect QPs to every peer through the group's
+//! all-gather (QP infos carrying the registered buffers as CUDA IPC handles, opened by the NICs,
+//! never by the kernels) and close them behind a second teardown barrier, so no buffer is freed
+//! while a peer's NIC has it open. The kernels send through one small device interface
+//! (`put_warp`, `signal`, `quiet` in `low_latency.cu`) that picks the path per destination.
 
 mod buffer;
 mod plan;
 pub mod reference;
+mod remote;
 
 pub use buffer::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,

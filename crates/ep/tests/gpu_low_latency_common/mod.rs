@@ -15,6 +15,8 @@ use ep::low_latency::{
 };
 use ep::{Bf16, Element, EpError, Tensor};
 use ep_kernels::testing::Rng;
+use ibgda_device::protocol::HandlerChoice;
+use ibgda_device::qp_desc::NicHandler;
 use std::time::Duration;
 
 pub const MAX_TOKENS: usize = 128;
@@ -29,6 +31,21 @@ pub fn options(ranks: usize) -> LowLatencyOptions {
     let mut o = LowLatencyOptions::new(MAX_TOKENS, MAX_HIDDEN, MAX_TOPK, experts_for(ranks));
     o.poison_outputs = true;
     o.timeout = Duration::from_secs(20);
+    o
+}
+
+/// The handler modes every machine runs on the emulated NIC (NVLink disabled).
+pub const TRANSPORT_MODES: [(HandlerChoice, NicHandler); 2] = [
+    (HandlerChoice::Gpu, NicHandler::Gpu),
+    (HandlerChoice::CpuHostMemory, NicHandler::CpuHostMemory),
+];
+
+/// [`options`] with NVLink disabled: every byte to another rank through the transport, in mode
+/// `handler`.
+pub fn transport_options(ranks: usize, handler: HandlerChoice) -> LowLatencyOptions {
+    let mut o = options(ranks);
+    o.allow_nvlink = false;
+    o.nic_handler = handler;
     o
 }
 

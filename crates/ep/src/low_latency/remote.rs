@@ -1,0 +1,303 @@
+//! The transport of a low-latency buffer whose ranks are processes (NVLink disabled): each
+//! process runs its own emulated NIC, on [`process_fabric`], and the two sides of every QP group
+//! meet through the group's all-gather.
+//!
+//! For every peer, a rank makes passive QPs on its NIC ([`EmuRank::passive_for`]: their infos
+//! export the rank's registered net buffer as CUDA IPC handles) and sends their infos; each rank
+//! then connects its QPs to the peers' passive QPs ([`EmuRank::connect_remote`]: the peers'
+//! buffers are opened here, so this NIC writes into them directly) and sends its QPs' infos back,
+//! which the passive QPs accept. Both exchanges carry a rank's failure instead of its infos, so
+//! every rank fails at once, naming the rank, rather than at a timeout.
+//!
+//! An exchange's record, as the u64 words [`Exchange::all_gather`] moves: `[TAG, 1]`, then for
+//! every destination rank the number of infos and each info as its byte length and its bytes
+//! (little-endian, zero-padded to whole words); or `[TAG, 0, length, text]` for a failure.
+
+use std::sync::OnceLock;
+
+use ibgda_emu::Fabric;
+
+use super::buffer::transport_err;
+use crate::error::EpError;
+use crate::rendezvous::Exchange;
+use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, QpInfo};
+
+/// First word of every record ("LLQPINF1").
+const TAG: u64 = u64::from_le_bytes(*b"LLQPINF1");
+
+/// The fabric of this process's emulated NICs for ranks as processes. One per process, so NIC
+/// ids stay unique when several ranks share a process over TCP (such peers are then found
+/// through the fabric, those in other processes through the memory they export).
+pub(super) fn process_fabric() -> &'static Fabric {
+    static FABRIC: OnceLock<Fabric> = OnceLock::new();
+    FABRIC.get_or_init(Fabric::new)
+}
+
+/// Per destination rank, the byte records a rank sends it.
+type Posted = Vec<Vec<Vec<u8>>>;
+
+/// Per rank, this rank's QP group to it and the passive QPs answering that rank's group (`None`
+/// for this rank).
+pub(super) type Connected = (Vec<Option<QpGroup>>, Vec<Option<PassiveQps>>);
+
+fn push_bytes(w: &mut Vec<u64>, b: &[u8]) {
+    w.push(b.len() as u64);
+    w.extend(b.chunks(8).map(|c| {
+        let mut word = [0u8; 8];
+        word[..c.len()].copy_from_slice(c);
+        u64::from_le_bytes(word)
+    }));
+}
+
+/// One rank's record: its infos per destination rank, or why it has none.
+fn encode(p: &Result<Posted, String>) -> Vec<u64> {
+    let mut w = vec![TAG];
+    match p {
+        Ok(dests) => {
+            w.push(1);
+            for infos in dests {
+                w.push(infos.len() as u64);
+                for b in infos {
+                    push_bytes(&mut w, b);
+                }
+            }
+        }
+        Err(why) => {
+            w.push(0);
+            push_bytes(&mut w, why.as_bytes());
+        }
+    }
+    w
+}
+
+struct Cursor<'a> {
+    w: &'a [u64],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn left(&self) -> usize {
+        self.w.len() - self.at
+    }
+
+    fn word(&mut self, what: &str) -> Result<u64, String> {
+        let v = *self
+            .w
+            .get(self.at)
+            .ok_or_else(|| format!("record ends before {what} (word {})", self.at))?;
+        self.at += 1;
+        Ok(v)
+    }
+
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, String> {
+        let len = self.word(what)?;
+        let words = len.div_ceil(8);
+        if words > self.left() as u64 {
+            return Err(format!(
+                "{what}: {len} bytes announced, {} words left in the record",
+                self.left()
+            ));
+        }
+        let words = words as usize;
+        let mut b: Vec<u8> = self.w[self.at..self.at + words]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        b.truncate(len as usize);
+        self.at += words;
+        Ok(b)
+    }
+}
+
+/// Parses a record of a group of `ranks`: `Err` when it is malformed, `Ok(Err(why))` when the
+/// rank reported a failure.
+fn decode(w: &[u64], ranks: usize) -> Result<Result<Posted, String>, String> {
+    let mut c = Cursor { w, at: 0 };
+    if c.word("the tag")? != TAG {
+        return Err("not a QP-info record (wrong tag)".into());
+    }
+    match c.word("the status")? {
+        1 => {
+            let mut dests = Vec::with_capacity(ranks);
+            for d in 0..ranks {
+                let n = c.word(&format!("the info count for rank {d}"))?;
+                // Every info takes at least its length word.
+                if n > c.left() as u64 {
+                    return Err(format!(
+                        "{n} infos for rank {d}, {} words left in the record",
+                        c.left()
+                    ));
+                }
+                let infos = (0..n)
+                    .map(|i| c.bytes(&format!("info {i} for rank {d}")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                dests.push(infos);
+            }
+            if c.left() != 0 {
+                return Err(format!("{} words after the last rank's infos", c.left()));
+            }
+            Ok(Ok(dests))
+        }
+        0 => {
+            let why = c.bytes("the failure text")?;
+            if c.left() != 0 {
+                return Err(format!("{} words after the failure text", c.left()));
+            }
+            Ok(Err(String::from_utf8_lossy(&why).into_owned()))
+        }
+        s => Err(format!("unknown status {s}")),
+    }
+}
+
+/// All-gathers this rank's `posted` infos (or its failure) and returns, per peer, the infos that
+/// peer sent this rank, parsed, `nqps` of them. Any rank's failure, or a malformed record, fails
+/// every rank: this rank's own failure as it happened, another's as [`EpError::Rendezvous`]
+/// naming that rank.
+fn exchange(
+    group: &dyn Exchange,
+    step: &str,
+    posted: Result<Posted, EpError>,
+    nqps: u32,
+) -> Result<Vec<Vec<QpInfo>>, EpError> {
+    let (rank, ranks) = (group.rank(), group.ranks());
+    let sent: Result<Posted, String> = posted.as_ref().cloned().map_err(ToString::to_string);
+    let all = group.all_gather(&encode(&sent))?;
+    posted?;
+    let bad = |what: String| EpError::Rendezvous { rank, what };
+    if all.len() != ranks {
+        return Err(bad(format!(
+            "{step}: {} records for {ranks} ranks",
+            all.len()
+        )));
+    }
+    let mut from = Vec::with_capacity(ranks);
+    for (r, words) in all.iter().enumerate() {
+        let dests = match decode(words, ranks) {
+            Err(why) => {
+                return Err(bad(format!(
+                    "{step}: rank {r}'s record is malformed: {why}"
+                )))
+            }
+            Ok(Err(why)) => return Err(bad(format!("{step}: rank {r} failed: {why}"))),
+            Ok(Ok(d)) => d,
+        };
+        let mine = &dests[rank];
+        let want = if r == rank { 0 } else { nqps as usize };
+        if mine.len() != want {
+            return Err(bad(format!(
+                "{step}: rank {r} sent {} QP infos to this rank, expected {want}",
+                mine.len()
+            )));
+        }
+        let infos = mine
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                QpInfo::from_bytes(b)
+                    .map_err(|e| bad(format!("{step}: rank {r}'s QP info {i}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        from.push(infos);
+    }
+    Ok(from)
+}
+
+/// This rank's QPs to every peer, in other processes (see the module docs): per rank, this
+/// rank's group to it and the passive QPs its group writes through (`None` for this rank).
+/// `cfg(r)` configures the group to rank `r`; `local` is this rank's registered net buffer,
+/// registered on `me` before this is called.
+pub(super) fn connect_peers(
+    me: &EmuRank,
+    group: &dyn Exchange,
+    local: &Arena,
+    nqps: u32,
+    cfg: impl Fn(usize) -> QpGroupConfig,
+) -> Result<Connected, EpError> {
+    let (rank, ranks) = (group.rank(), group.ranks());
+    // 1. Passive QPs for every peer; their infos to that peer.
+    let mut passive: Vec<Option<PassiveQps>> = (0..ranks).map(|_| None).collect();
+    let mut posted: Posted = vec![Vec::new(); ranks];
+    let made = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
+        let (infos, p) = me
+            .passive_for(r as u32, nqps)
+            .map_err(|e| transport_err(rank, &format!("passive QPs for rank {r}"), e))?;
+        posted[r] = infos.iter().map(QpInfo::to_bytes).collect();
+        passive[r] = Some(p);
+        Ok(())
+    });
+    let remote = exchange(group, "passive QP infos", made.map(|()| posted), nqps)?;
+
+    // 2. This rank's groups, connected to the peers' passive QPs; their infos back.
+    let mut groups: Vec<Option<QpGroup>> = (0..ranks).map(|_| None).collect();
+    let mut posted: Posted = vec![Vec::new(); ranks];
+    let built = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
+        let doing = format!("connecting QPs to rank {r}");
+        let g = me
+            .connect_remote(&remote[r], local, &cfg(r))
+            .map_err(|e| transport_err(rank, &doing, e))?;
+        let infos = g
+            .infos_for_ipc()
+            .map_err(|e| transport_err(rank, &doing, e))?;
+        posted[r] = infos.iter().map(QpInfo::to_bytes).collect();
+        groups[r] = Some(g);
+        Ok(())
+    });
+    let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps)?;
+
+    // 3. The passive QPs accept the peers' QPs.
+    for (r, p) in passive.iter().enumerate() {
+        if let Some(p) = p {
+            p.accept(&initiators[r])
+                .map_err(|e| transport_err(rank, &format!("accepting the QPs of rank {r}"), e))?;
+        }
+    }
+    Ok((groups, passive))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn posted() -> Posted {
+        vec![
+            vec![],
+            vec![vec![1, 2, 3], vec![], (0..17).collect()],
+            vec![(0..8).collect()],
+        ]
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let p = posted();
+        assert_eq!(decode(&encode(&Ok(p.clone())), 3), Ok(Ok(p)));
+        let e = Err("no passive QPs: out of memory".to_string());
+        assert_eq!(decode(&encode(&e), 3), Ok(e));
+    }
+
+    #[test]
+    fn malformed_records_are_refused() {
+        let w = encode(&Ok(posted()));
+        // Cut anywhere: never a panic, always an error.
+        for n in 0..w.len() {
+            assert!(decode(&w[..n], 3).is_err(), "cut at {n}");
+        }
+        let mut long = w.clone();
+        long.push(0);
+        assert!(decode(&long, 3).unwrap_err().contains("after the last"));
+        // Fewer ranks than the record holds: trailing words.
+        assert!(decode(&w, 2).is_err());
+        let mut tag = w.clone();
+        tag[0] ^= 1;
+        assert!(decode(&tag, 3).unwrap_err().contains("tag"));
+        let mut status = w.clone();
+        status[1] = 7;
+        assert!(decode(&status, 3).unwrap_err().contains("status"));
+        // A count or a length beyond the record.
+        let mut count = w.clone();
+        count[2] = u64::MAX;
+        assert!(decode(&count, 3).unwrap_err().contains("infos for rank 0"));
+        let mut len = w.clone();
+        len[4] = u64::MAX;
+        assert!(decode(&len, 3).unwrap_err().contains("bytes announced"));
+    }
+}
