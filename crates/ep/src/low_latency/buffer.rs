@@ -442,7 +442,8 @@ struct LlNet {
     table: DeviceBuffer,
     handler: NicHandler,
     _arena: Arena,
-    nics: NetNics,
+    /// Kept until the QPs are gone (dropped last).
+    _nics: NetNics,
 }
 
 impl LlNet {
@@ -458,12 +459,6 @@ impl LlNet {
         prefer
             .and_then(check)
             .or_else(|| (0..self.groups.len()).find_map(check))
-    }
-
-    /// Whether this rank's NIC opened memory of ranks in other processes (CUDA IPC): then no
-    /// rank may free its net buffer before every rank has closed its transport.
-    fn imports(&self) -> bool {
-        matches!(self.nics, NetNics::Process(_))
     }
 
     /// Stops the proxies and destroys the QPs (this rank's, then the passive ones); then drops
@@ -792,7 +787,7 @@ impl LowLatencyBuffer {
                     table,
                     handler,
                     _arena: arena,
-                    nics,
+                    _nics: nics,
                 })
             }
             _ => None,
@@ -1391,32 +1386,34 @@ impl LowLatencyBuffer {
     fn teardown(&mut self) -> Result<(), EpError> {
         let synced = self.synchronize();
         let met = self.group.all_gather(&[]);
-        let imports = self.transport.as_ref().is_some_and(LlNet::imports);
+        // Ranks as processes: peers hold this rank's net buffer open (CUDA IPC, for their
+        // kernels or their NIC) until they have closed their side.
+        let shared = !self.group.same_process();
         let leaked = matches!(synced, Err(EpError::HostTimeout { .. }));
         let closed = self.close_transport(&synced);
-        let released = if imports {
+        self.release_windows(&synced);
+        let released = if shared {
             self.release_net(leaked)
         } else {
             Ok(())
         };
-        self.release_windows(&synced);
         synced?;
         met?;
         closed?;
         released
     }
 
-    /// Ranks as processes over the transport, after this rank closed its transport: meets every
-    /// rank again, so no net buffer is freed while a peer's NIC still has it open. When any rank
-    /// leaked its transport (its stream did not finish, so its NIC may still write into the
-    /// peers' buffers), every rank leaks its net buffer too.
+    /// Ranks as processes, after this rank closed its transport and its mappings of the peers:
+    /// meets every rank again, so no net buffer is freed while a peer (its NIC or its mappings)
+    /// still has it open. When any rank's stream did not finish (its kernels or its NIC may
+    /// still write into the peers' buffers), every rank leaks its net buffer.
     fn release_net(&mut self, leaked: bool) -> Result<(), EpError> {
         let all = self.group.all_gather(&[u64::from(leaked)])?;
         if let Some(r) = all.iter().position(|v| v.first().is_some_and(|&w| w != 0)) {
             tracing::error!(
                 rank = self.rank,
-                "rank {r} leaked its QPs at teardown (its stream did not finish): leaking this \
-                 rank's net buffer, which rank {r}'s NIC may still write into"
+                "rank {r}'s stream did not finish at teardown: leaking this rank's net buffer, \
+                 which rank {r}'s kernels or NIC may still write into"
             );
             std::mem::forget(self.net.clone());
         }
