@@ -319,6 +319,52 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return static_cast<uint32_t>(f32_to_bf16_rn(lo)) | (static_cast<uint32_t>(f32_to_bf16_rn(hi)) << 16);
 }
 
+// One warp: output row t = the sum (f32) of the BF16 rows row_of(d) of every copy d in `mask`,
+// plus the biases, written as BF16; `load` reads 16 bytes of a copy's row (staging or a peer's
+// input). kReduceUnroll chunks per lane per step, so each copy's row has kReduceUnroll 16-byte
+// loads in flight per lane (the reduce is bound by loads in flight, not arithmetic).
+template <typename RowOf, typename Load>
+__device__ __forceinline__ void reduce_token(int t, unsigned mask, int lane, int n16, int64_t row_bytes, uint64_t bias0,
+                                             uint64_t bias1, uint64_t out, const RowOf& row_of, const Load& load) {
+    for (int c0 = lane; c0 < n16; c0 += 32 * kReduceUnroll) {
+        float acc[kReduceUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+            if (!((mask >> d) & 1u)) continue;
+            const int4* row = row_of(d);
+            int4 v[kReduceUnroll];
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u)
+                if (c0 + u * 32 < n16) v[u] = load(row + c0 + u * 32);
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) add_bf16x8(acc[u], v[u]);
+        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+            const uint64_t bias = b == 0 ? bias0 : bias1;
+            if (bias == 0) continue;
+            const int4* row = reinterpret_cast<const int4*>(bias + t * row_bytes);
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u)
+                if (c0 + u * 32 < n16) add_bf16x8(acc[u], ld_stream_v4(row + c0 + u * 32));
+        }
+#pragma unroll
+        for (int u = 0; u < kReduceUnroll; ++u) {
+            if (c0 + u * 32 >= n16) continue;
+            int4 o;
+            o.x = static_cast<int>(pack_bf16x2(acc[u][0], acc[u][1]));
+            o.y = static_cast<int>(pack_bf16x2(acc[u][2], acc[u][3]));
+            o.z = static_cast<int>(pack_bf16x2(acc[u][4], acc[u][5]));
+            o.w = static_cast<int>(pack_bf16x2(acc[u][6], acc[u][7]));
+            reinterpret_cast<int4*>(out + t * row_bytes)[c0 + u * 32] = o;
+        }
+    }
+}
+
 // Sums the copies of each token that came back (f32), adds the biases, writes BF16.
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_reduce(const CombineReduceParams p) {
     __shared__ int abort;
@@ -342,46 +388,10 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
         if (lane < kMaxRanks) my_pos[lane] = pos;
         __syncwarp();
         const auto slot = [&](int d) { return static_cast<int64_t>(d) * p.max_tokens + my_pos[d]; };
-        // kReduceUnroll chunks per lane per step, so each copy's row has kReduceUnroll 16-byte
-        // loads in flight per lane (the reduce is bound by loads in flight, not arithmetic).
-        for (int c0 = lane; c0 < n16; c0 += 32 * kReduceUnroll) {
-            float acc[kReduceUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                const int64_t sd = slot(d);
-                if (!((mask >> d) & 1u)) continue;
-                const int4* row = reinterpret_cast<const int4*>(p.comb_x + sd * row_bytes);
-                int4 v[kReduceUnroll];
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u)
-                    if (c0 + u * 32 < n16) v[u] = ld_stream_v4(row + c0 + u * 32);
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) add_bf16x8(acc[u], v[u]);
-            }
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                const uint64_t bias = b == 0 ? p.bias0 : p.bias1;
-                if (bias == 0) continue;
-                const int4* row = reinterpret_cast<const int4*>(bias + t * row_bytes);
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u)
-                    if (c0 + u * 32 < n16) add_bf16x8(acc[u], ld_stream_v4(row + c0 + u * 32));
-            }
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u) {
-                if (c0 + u * 32 >= n16) continue;
-                int4 o;
-                o.x = static_cast<int>(pack_bf16x2(acc[u][0], acc[u][1]));
-                o.y = static_cast<int>(pack_bf16x2(acc[u][2], acc[u][3]));
-                o.z = static_cast<int>(pack_bf16x2(acc[u][4], acc[u][5]));
-                o.w = static_cast<int>(pack_bf16x2(acc[u][6], acc[u][7]));
-                reinterpret_cast<int4*>(p.out + t * row_bytes)[c0 + u * 32] = o;
-            }
-        }
+        reduce_token(
+            t, mask, lane, n16, row_bytes, p.bias0, p.bias1, p.out,
+            [&](int d) { return reinterpret_cast<const int4*>(p.comb_x + slot(d) * row_bytes); },
+            [](const int4* q) { return ld_stream_v4(q); });
         if (p.out_weights != 0) {
             for (int k0 = 0; k0 < p.topk; k0 += 32) {
                 const int k = k0 + lane;
@@ -424,43 +434,10 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
         __syncwarp();
         if (lane < kMaxRanks) my_pos[lane] = lane < p.ranks ? send_offset[lane] + pos : -1;
         __syncwarp();
-        for (int c0 = lane; c0 < n16; c0 += 32 * kReduceUnroll) {
-            float acc[kReduceUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[u][j] = 0.0f;
-#pragma unroll
-            for (int d = 0; d < kMaxRanks; ++d) {
-                if (!((mask >> d) & 1u)) continue;
-                const int4* row = reinterpret_cast<const int4*>(src_x[d] + my_pos[d] * row_bytes);
-                int4 v[kReduceUnroll];
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u)
-                    if (c0 + u * 32 < n16) v[u] = ld_peer_v4(row + c0 + u * 32);
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) add_bf16x8(acc[u], v[u]);
-            }
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                const uint64_t bias = b == 0 ? p.bias0 : p.bias1;
-                if (bias == 0) continue;
-                const int4* row = reinterpret_cast<const int4*>(bias + t * row_bytes);
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u)
-                    if (c0 + u * 32 < n16) add_bf16x8(acc[u], ld_stream_v4(row + c0 + u * 32));
-            }
-#pragma unroll
-            for (int u = 0; u < kReduceUnroll; ++u) {
-                if (c0 + u * 32 >= n16) continue;
-                int4 o;
-                o.x = static_cast<int>(pack_bf16x2(acc[u][0], acc[u][1]));
-                o.y = static_cast<int>(pack_bf16x2(acc[u][2], acc[u][3]));
-                o.z = static_cast<int>(pack_bf16x2(acc[u][4], acc[u][5]));
-                o.w = static_cast<int>(pack_bf16x2(acc[u][6], acc[u][7]));
-                reinterpret_cast<int4*>(p.out + t * row_bytes)[c0 + u * 32] = o;
-            }
-        }
+        reduce_token(
+            t, mask, lane, n16, row_bytes, p.bias0, p.bias1, p.out,
+            [&](int d) { return reinterpret_cast<const int4*>(src_x[d] + my_pos[d] * row_bytes); },
+            [](const int4* q) { return ld_peer_v4(q); });
         if (p.out_weights != 0) {
             for (int k = lane; k < p.topk; k += 32) {
                 float sum = 0.0f;

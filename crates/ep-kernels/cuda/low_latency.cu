@@ -789,69 +789,62 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
 
 }  // namespace
 
-template <bool kTransport>
-__device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
+// Start of a dispatch or combine kernel, every block: the half's sequence number (`seq_word`,
+// read once per block) and whether this rank already failed. A kernel queued behind a failed one
+// stops at once (false). error_recorded reads the device ErrorSlot (an L2 hit); reading the
+// host-mapped word here cost about a microsecond per block, serialised over PCIe (132 blocks:
+// 170 us against 44 us without it, 2x H200).
+__device__ __forceinline__ bool op_begin(uint64_t error, const uint64_t* seq_word, uint64_t* seq_out) {
     __shared__ uint64_t seq;
     __shared__ int abort;
-    LlState* state = reinterpret_cast<LlState*>(p.state);
-    // A kernel queued behind a failed one stops at once. error_recorded reads the device ErrorSlot
-    // (an L2 hit); reading the host-mapped word here cost about a microsecond per block, serialised
-    // over PCIe (132 blocks: 170 us against 44 us without it, 2x H200).
     if (threadIdx.x == 0) {
-        abort = error_recorded(p.error);
-        seq = state->dispatch_seq[p.half];
+        abort = error_recorded(error);
+        seq = *seq_word;
     }
     __syncthreads();
-    if (abort) return;
-    const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
-    if (p.phases & kPhaseSend) dispatch_send(p, net, seq);
-    if (p.phases & kPhaseRecv) {
-        dispatch_recv(p, seq);
-        // The last block to finish advances the half's sequence number: every block has read it.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            // acq_rel: this block's read of the sequence number is ordered before the count,
-            // and the last block's update after every block's count.
-            const unsigned prev = atom_add_acq_rel_gpu(&state->dispatch_blocks_done, 1u);
-            if (prev == gridDim.x - 1) {
-                state->dispatch_blocks_done = 0;
-                state->dispatch_seq[p.half] = seq + 1;
-                __threadfence();
-            }
+    *seq_out = seq;
+    return abort == 0;
+}
+
+// End of the receive phase, every block: the last block to finish advances the half's sequence
+// number (every block has read it by then).
+__device__ __forceinline__ void op_finish(unsigned* blocks_done, uint64_t* seq_word, uint64_t seq) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // acq_rel: this block's read of the sequence number is ordered before the count, and the
+        // last block's update after every block's count.
+        const unsigned prev = atom_add_acq_rel_gpu(blocks_done, 1u);
+        if (prev == gridDim.x - 1) {
+            *blocks_done = 0;
+            *seq_word = seq + 1;
+            __threadfence();
         }
     }
 }
 
 template <bool kTransport>
-__device__ __forceinline__ void combine_kernel(const LlCombineParams& p) {
-    __shared__ uint64_t seq;
-    __shared__ int abort;
+__device__ __forceinline__ void dispatch_kernel(const LlDispatchParams& p) {
     LlState* state = reinterpret_cast<LlState*>(p.state);
-    // A kernel queued behind a failed one stops at once. error_recorded reads the device ErrorSlot
-    // (an L2 hit); reading the host-mapped word here cost about a microsecond per block, serialised
-    // over PCIe (132 blocks: 170 us against 44 us without it, 2x H200).
-    if (threadIdx.x == 0) {
-        abort = error_recorded(p.error);
-        seq = state->combine_seq[p.half];
+    uint64_t seq;
+    if (!op_begin(p.error, &state->dispatch_seq[p.half], &seq)) return;
+    const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
+    if (p.phases & kPhaseSend) dispatch_send(p, net, seq);
+    if (p.phases & kPhaseRecv) {
+        dispatch_recv(p, seq);
+        op_finish(&state->dispatch_blocks_done, &state->dispatch_seq[p.half], seq);
     }
-    __syncthreads();
-    if (abort) return;
+}
+
+template <bool kTransport>
+__device__ __forceinline__ void combine_kernel(const LlCombineParams& p) {
+    LlState* state = reinterpret_cast<LlState*>(p.state);
+    uint64_t seq;
+    if (!op_begin(p.error, &state->combine_seq[p.half], &seq)) return;
     const Net<kTransport> net{p.peer_base, reinterpret_cast<const LlTransport*>(p.transport), p.error, p.rank, p.ranks};
     if (p.phases & kPhaseSend) combine_send(p, net, seq);
     if (p.phases & kPhaseRecv) {
         combine_recv(p, seq);
-        // The last block to finish advances the half's sequence number: every block has read it.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            // acq_rel: this block's read of the sequence number is ordered before the count,
-            // and the last block's update after every block's count.
-            const unsigned prev = atom_add_acq_rel_gpu(&state->combine_blocks_done, 1u);
-            if (prev == gridDim.x - 1) {
-                state->combine_blocks_done = 0;
-                state->combine_seq[p.half] = seq + 1;
-                __threadfence();
-            }
-        }
+        op_finish(&state->combine_blocks_done, &state->combine_seq[p.half], seq);
     }
 }
 
