@@ -10,12 +10,12 @@
 // offsets, runs the start barrier and computes where this rank's tokens go in every
 // destination; `ep_intranode_dispatch` pushes each token straight into its final row in every
 // destination's receive region (16-byte streaming loads, stores to peer memory), then its last
-// block releases the data and waits for every peer's. Combine: `ep_intranode_barrier`, then
-// `ep_intranode_combine` pushes every received row back to its source's combine region at
-// [this rank][position], then `ep_intranode_combine_reduce` sums the copies of each token locally
-// (ranks as processes); ranks as threads instead run `ep_intranode_combine_pull`, which reads
-// every copy straight from the peers' combine inputs and sums them in one pass.
-// Every wait is bounded and reports through the host-mapped error word.
+// block releases the data and waits for every peer's. Combine: `ep_intranode_barrier` publishes
+// this rank's combine input (its address with ranks as threads; with ranks as processes its
+// offset in this rank's window, where the host staged it unless it already lay there), then
+// `ep_intranode_combine_pull` reads every copy of each token straight from the ranks holding
+// them and sums them in one pass.
+// Every wait is bounded and reports through the device error slot and the host-mapped word.
 #include <cstdint>
 
 #include "ep/device.cuh"
@@ -28,10 +28,6 @@ constexpr int kPushThreads = 1024;
 // 16-byte loads each lane issues before its first store: 4 x 32 lanes x 16 B = 2 KiB per warp in
 // flight, 64 KiB per SM; more costs registers under the 64-per-thread cap of 1024 threads.
 constexpr int kUnroll = 4;
-// The combine push has one destination per row, so it can hold more loads per lane than the
-// dispatch push (which keeps per-destination row indices live): 7 x 16 B per lane covers a 7168
-// BF16 row in 4 steps and still fits the 64-register cap without spilling.
-constexpr int kCombineUnroll = 7;
 constexpr int kNotifyThreads = 256;
 
 __device__ __forceinline__ int* experts_of(SignalHead* s) { return reinterpret_cast<int*>(s + 1); }
@@ -261,47 +257,6 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_barrie
     wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
 }
 
-extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine(const CombinePushParams p) {
-    __shared__ int recv_offset[kMaxRanks + 1];
-    __shared__ uint64_t comb_x[kMaxRanks], comb_w[kMaxRanks];
-    __shared__ int abort;
-    const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
-    if (threadIdx.x == 0) abort = error_recorded(p.error);
-    if (threadIdx.x <= p.ranks) recv_offset[threadIdx.x] = meta->recv_offset[threadIdx.x];
-    if (threadIdx.x < p.ranks) {
-        comb_x[threadIdx.x] = p.comb_x[threadIdx.x];
-        comb_w[threadIdx.x] = p.comb_w[threadIdx.x];
-    }
-    __syncthreads();
-    if (abort) return;
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    const int n16 = p.row_bytes / 16;
-    const int num_recv = recv_offset[p.ranks];
-    for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < num_recv; i += gridDim.x * warps) {
-        int r = 0;
-        while (r + 1 < p.ranks && recv_offset[r + 1] <= i) ++r;
-        const int64_t slot = static_cast<int64_t>(p.rank) * p.max_tokens + (i - recv_offset[r]);
-        const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<uint64_t>(i) * p.row_bytes);
-        int4* dst = reinterpret_cast<int4*>(comb_x[r] + static_cast<uint64_t>(slot) * p.row_bytes);
-        for (int j = lane; j < n16; j += 32 * kCombineUnroll) {
-            int4 v[kCombineUnroll];
-#pragma unroll
-            for (int u = 0; u < kCombineUnroll; ++u)
-                if (j + u * 32 < n16) v[u] = ld_stream_v4(src + j + u * 32);
-#pragma unroll
-            for (int u = 0; u < kCombineUnroll; ++u)
-                if (j + u * 32 < n16) st_stream_v4(dst + j + u * 32, v[u]);
-        }
-        if (p.topk_weights != 0) {
-            for (int k = lane; k < p.topk; k += 32)
-                reinterpret_cast<float*>(comb_w[r])[slot * p.topk + k] =
-                    reinterpret_cast<const float*>(p.topk_weights)[static_cast<int64_t>(i) * p.topk + k];
-        }
-    }
-    finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitCombineData);
-}
-
 // 4 x 8 f32 accumulators and 4 loads per lane: the most that fits 64 registers unspilled.
 constexpr int kReduceUnroll = 4;
 
@@ -365,48 +320,6 @@ __device__ __forceinline__ void reduce_token(int t, unsigned mask, int lane, int
     }
 }
 
-// Sums the copies of each token that came back (f32), adds the biases, writes BF16.
-extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_reduce(const CombineReduceParams p) {
-    __shared__ int abort;
-    __shared__ int warp_pos[kPushThreads / 32][kMaxRanks];
-    if (threadIdx.x == 0) abort = error_recorded(p.error);
-    __syncthreads();
-    if (abort) return;
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    const int n16 = p.hidden / 8;
-    const int64_t row_bytes = static_cast<int64_t>(p.hidden) * 2;
-    const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
-    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
-        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
-        const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
-        // Copy d of this token sits in row slot(d) of the combine region. The positions go
-        // through shared memory (read in lane-divergent loops, where a shuffle is not allowed;
-        // an array of 8 slots in registers would spill).
-        int* my_pos = warp_pos[threadIdx.x >> 5];
-        __syncwarp();
-        if (lane < kMaxRanks) my_pos[lane] = pos;
-        __syncwarp();
-        const auto slot = [&](int d) { return static_cast<int64_t>(d) * p.max_tokens + my_pos[d]; };
-        reduce_token(
-            t, mask, lane, n16, row_bytes, p.bias0, p.bias1, p.out,
-            [&](int d) { return reinterpret_cast<const int4*>(p.comb_x + slot(d) * row_bytes); },
-            [](const int4* q) { return ld_stream_v4(q); });
-        if (p.out_weights != 0) {
-            for (int k0 = 0; k0 < p.topk; k0 += 32) {
-                const int k = k0 + lane;
-                float sum = 0.0f;
-#pragma unroll
-                for (int d = 0; d < kMaxRanks; ++d) {
-                    const int64_t sd = slot(d);
-                    if (((mask >> d) & 1u) && k < p.topk) sum += reinterpret_cast<const float*>(p.comb_w)[sd * p.topk + k];
-                }
-                if (k < p.topk) reinterpret_cast<float*>(p.out_weights)[static_cast<int64_t>(t) * p.topk + k] = sum;
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combine_pull(const CombinePullParams p) {
     __shared__ int abort;
     __shared__ uint64_t src_x[kMaxRanks], src_w[kMaxRanks];
@@ -416,8 +329,11 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
     const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     if (threadIdx.x < p.ranks) {
-        src_x[threadIdx.x] = ld_volatile_u64(&mine->comb_src[threadIdx.x]);
-        src_w[threadIdx.x] = ld_volatile_u64(&mine->comb_w_src[threadIdx.x]);
+        // A window offset (ranks as processes) becomes an address through the peer's window
+        // as mapped here.
+        const auto resolve = [&](uint64_t v) { return (v & kInWindow) ? p.signal[threadIdx.x] + (v & ~kInWindow) : v; };
+        src_x[threadIdx.x] = resolve(ld_volatile_u64(&mine->comb_src[threadIdx.x]));
+        src_w[threadIdx.x] = resolve(ld_volatile_u64(&mine->comb_w_src[threadIdx.x]));
         send_offset[threadIdx.x] = meta->send_offset[threadIdx.x];
     }
     __syncthreads();

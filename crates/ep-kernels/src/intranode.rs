@@ -10,6 +10,9 @@ use cudarc::driver::DeviceRepr;
 
 /// Ranks of one host that can reach each other over NVLink; per-rank arrays have this length.
 pub const MAX_RANKS: usize = 8;
+/// Tag of a published combine input that lies in the publisher's window (`kInWindow`): the
+/// rest of the word is the byte offset there.
+pub const IN_WINDOW: u64 = 1 << 63;
 /// Threads per block of the push and reduce kernels (one block per SM).
 pub const PUSH_THREADS: u32 = 1024;
 /// Threads of the one-block notify and barrier kernels.
@@ -95,9 +98,10 @@ pub struct SignalHead {
     pub flag: [u64; MAX_RANKS],
     /// Byte offset, in each rank's window, of its receive region for the dispatch in flight.
     pub recv_offset: [u64; MAX_RANKS],
-    /// Each rank's combine input rows (pull combine, ranks as threads).
+    /// Each rank's combine input rows: its own address (ranks as threads), or [`IN_WINDOW`] |
+    /// the byte offset in its window (ranks as processes).
     pub comb_src: [u64; MAX_RANKS],
-    /// Each rank's combine input weights (pull combine).
+    /// Each rank's combine input weights, as `comb_src`.
     pub comb_w_src: [u64; MAX_RANKS],
     /// Tokens `[src][dst]`.
     pub tokens: [[i32; MAX_RANKS]; MAX_RANKS],
@@ -292,43 +296,6 @@ pub struct BarrierParams {
     pub pad: i32,
 }
 
-/// `ep_intranode_combine` parameters.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CombinePushParams {
-    /// Every rank's signal region.
-    pub signal: [u64; MAX_RANKS],
-    /// Every rank's combine rows `[ranks][max_tokens][row_bytes]`.
-    pub comb_x: [u64; MAX_RANKS],
-    /// Every rank's combine weights `[ranks][max_tokens][topk]`.
-    pub comb_w: [u64; MAX_RANKS],
-    /// The handle's [`Meta`].
-    pub meta: u64,
-    /// `bf16 [num_recv][hidden]`.
-    pub x: u64,
-    /// `f32 [num_recv][topk]`, or 0.
-    pub topk_weights: u64,
-    /// [`ErrorSlot`].
-    pub error: u64,
-    /// The host's sequence number of the call (the notify kernel tags [`HostInfo`] with it);
-    /// barrier epochs come from [`SignalHead::epoch`], on the GPU.
-    pub epoch: u64,
-    /// Bound of every wait, ns.
-    pub timeout_ns: u64,
-    /// This rank.
-    pub rank: i32,
-    /// Ranks.
-    pub ranks: i32,
-    /// Bytes per row.
-    pub row_bytes: i32,
-    /// Top-k width (of the weights), 0 without.
-    pub topk: i32,
-    /// Rows per source in a combine region.
-    pub max_tokens: i32,
-    /// Padding.
-    pub pad: i32,
-}
-
 /// `ep_intranode_combine_pull` parameters.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -368,40 +335,6 @@ pub struct CombinePullParams {
     pub pad: i32,
 }
 
-/// `ep_intranode_combine_reduce` parameters.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CombineReduceParams {
-    /// This rank's combine rows.
-    pub comb_x: u64,
-    /// This rank's combine weights.
-    pub comb_w: u64,
-    /// `i32 [tokens][ranks]`.
-    pub send_pos: u64,
-    /// `bf16 [tokens][hidden]`, or 0.
-    pub bias0: u64,
-    /// `bf16 [tokens][hidden]`, or 0.
-    pub bias1: u64,
-    /// `bf16 [tokens][hidden]`.
-    pub out: u64,
-    /// `f32 [tokens][topk]`, or 0.
-    pub out_weights: u64,
-    /// [`ErrorSlot`].
-    pub error: u64,
-    /// Ranks.
-    pub ranks: i32,
-    /// Tokens.
-    pub num_tokens: i32,
-    /// Hidden size.
-    pub hidden: i32,
-    /// Top-k width, 0 without weights.
-    pub topk: i32,
-    /// Rows per source in a combine region.
-    pub max_tokens: i32,
-    /// Padding.
-    pub pad: i32,
-}
-
 // SAFETY: each is a #[repr(C)] struct of plain integers whose layout matches the CUDA struct of
 // the same name (sizes asserted below and in the header), so its bytes are a valid kernel
 // parameter.
@@ -412,10 +345,6 @@ unsafe impl DeviceRepr for NotifyParams {}
 unsafe impl DeviceRepr for DispatchParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for BarrierParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for CombinePushParams {}
-// SAFETY: as above.
-unsafe impl DeviceRepr for CombineReduceParams {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for CombinePullParams {}
 
@@ -443,7 +372,4 @@ const _: () = {
     assert!(size_of::<BarrierParams>() == 120);
     assert!(size_of::<CombinePullParams>() == 160);
     assert!(offset_of!(CombinePullParams, rank) == 136);
-    assert!(size_of::<CombinePushParams>() == 264);
-    assert!(offset_of!(CombinePushParams, rank) == 240);
-    assert!(size_of::<CombineReduceParams>() == 88);
 };

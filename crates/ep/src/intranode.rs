@@ -10,11 +10,13 @@
 //! peer's window wherever its driver chooses. Besides the window: pooled combine outputs and a
 //! host-mapped word where kernels report errors.
 //!
-//! Combine pushes every row back into its source's staging region, then each rank reduces its
-//! tokens locally (ranks as processes: a process cannot read a peer's arbitrary tensors). Ranks
-//! as threads instead pull each token's copies straight from the peers' combine inputs and sum
-//! them in one pass (half the memory traffic). Operations run on the buffer's communication
-//! stream; every wait, on the GPU and on the host, is bounded.
+//! Combine pulls each token's copies straight from the ranks holding them and sums them in one
+//! pass. Ranks as threads read each other's combine inputs wherever they are; a process can
+//! read only its peers' windows, so with ranks as processes each rank's input must lie in its
+//! window: a dispatch output of the buffer already does, and any other input is first copied
+//! into the window's combine staging region (a copy-engine copy on the communication stream).
+//! Operations run on the buffer's communication stream; every wait, on the GPU and on the host,
+//! is bounded.
 //!
 //! Every rank of a group must call the same operations in the same order (they are collectives).
 //! With `num_worst_tokens` the operations can be captured in a CUDA graph and replayed (see
@@ -90,9 +92,10 @@ impl RegionPlan {
 pub(crate) struct WindowPlan {
     /// Bytes of the signal region, at offset 0.
     signal_bytes: usize,
-    /// Combine staging rows `[ranks][max_tokens][max_hidden]` BF16 (push combine only).
+    /// Combine staging rows: room for `ranks × max_tokens` rows of `max_hidden` BF16 (ranks as
+    /// processes only: a combine input outside the window is copied here to be read by peers).
     comb_x: usize,
-    /// Combine staging weights `[ranks][max_tokens][max_topk]` f32 (push combine only).
+    /// Combine staging weights: `ranks × max_tokens × max_topk` f32 (as `comb_x`).
     comb_w: usize,
     /// The first receive region; the others follow every `recv_bytes`.
     recv_at: usize,
@@ -103,12 +106,12 @@ pub(crate) struct WindowPlan {
 }
 
 impl WindowPlan {
-    pub(crate) fn new(o: &BufferOptions, ranks: usize, push_combine: bool) -> Self {
+    pub(crate) fn new(o: &BufferOptions, ranks: usize, staging: bool) -> Self {
         let num_local_experts = o.num_experts / ranks.max(1);
         let signal_bytes =
             align_up(std::mem::size_of::<k::SignalHead>() + 4 * ranks * num_local_experts);
         let comb_x = signal_bytes;
-        let (x_bytes, w_bytes) = if push_combine {
+        let (x_bytes, w_bytes) = if staging {
             let rows = ranks * o.max_tokens_per_rank;
             (
                 align_up(rows * o.max_hidden * 2),
@@ -129,6 +132,17 @@ impl WindowPlan {
             recv_bytes,
             recv_count,
             bytes: recv_at + recv_bytes * recv_count,
+        }
+    }
+
+    /// Bytes of the staging section at `offset` (`comb_x` or `comb_w`; 0 without staging).
+    fn staging_bytes(&self, offset: usize) -> usize {
+        if offset == self.comb_x {
+            self.comb_w - self.comb_x
+        } else if offset == self.comb_w {
+            self.recv_at - self.comb_w
+        } else {
+            0
         }
     }
 
@@ -184,8 +198,6 @@ struct Kernels {
     notify: CudaFunction,
     dispatch: CudaFunction,
     barrier: CudaFunction,
-    combine: CudaFunction,
-    reduce: CudaFunction,
     pull: CudaFunction,
 }
 
@@ -200,8 +212,6 @@ impl Kernels {
             notify: f(k::INTRANODE_MODULE, "ep_intranode_notify")?,
             dispatch: f(k::INTRANODE_MODULE, "ep_intranode_dispatch")?,
             barrier: f(k::INTRANODE_MODULE, "ep_intranode_barrier")?,
-            combine: f(k::INTRANODE_MODULE, "ep_intranode_combine")?,
-            reduce: f(k::INTRANODE_MODULE, "ep_intranode_combine_reduce")?,
             pull: f(k::INTRANODE_MODULE, "ep_intranode_combine_pull")?,
         })
     }
@@ -444,9 +454,9 @@ pub struct Buffer {
     /// Every rank's window base as mapped here. The signal region is at offset 0, so this is
     /// also every rank's signal region.
     peer_window: [u64; k::MAX_RANKS],
-    /// Combine by pulling from the peers' inputs (every rank a thread of this process) rather
-    /// than pushing into their staging regions and reducing.
-    pull: bool,
+    /// Every rank a thread of this process (one address space): combine inputs are published by
+    /// address. Otherwise by offset in the publisher's window, staged there when needed.
+    same_space: bool,
     plan: RegionPlan,
     recv_pool: Pool,
     out_pool: Pool,
@@ -464,7 +474,7 @@ impl std::fmt::Debug for Buffer {
             .field("id", &self.id)
             .field("rank", &self.rank)
             .field("ranks", &self.ranks)
-            .field("pull_combine", &self.pull)
+            .field("same_space", &self.same_space)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
     }
@@ -550,10 +560,11 @@ impl Buffer {
         let rank = group.rank();
         let ranks = group.world_size();
         Self::check_options(rank, ranks, opts)?;
-        // Pull combine reads the peers' combine inputs at the addresses they publish, which only
-        // mean the same to every rank when all are threads of one process.
-        let pull = group.same_process();
-        let wplan = WindowPlan::new(opts, ranks, !pull);
+        // Combine reads the peers' inputs at the addresses they publish, which only mean the same
+        // to every rank when all are threads of one process; processes stage inputs in their
+        // windows.
+        let same_space = group.same_process();
+        let wplan = WindowPlan::new(opts, ranks, !same_space);
         let out_w_offset = align_up(opts.max_tokens_per_rank * opts.max_hidden * 2);
         let out_bytes = align_up(out_w_offset + opts.max_tokens_per_rank * opts.max_topk * 4);
         let parts = Parts::allocate(ctx, (rank, ranks), opts, &wplan, out_bytes);
@@ -562,7 +573,7 @@ impl Buffer {
         // anyone maps anything.
         let mut mine = vec![
             u64::from(parts.is_err()),
-            u64::from(pull),
+            u64::from(same_space),
             opts.max_tokens_per_rank as u64,
             opts.max_hidden as u64,
             opts.max_topk as u64,
@@ -583,7 +594,7 @@ impl Buffer {
                 return Err(EpError::Rendezvous {
                     rank,
                     what: format!(
-                        "rank {r} builds a different buffer ([pull, max_tokens, max_hidden, \
+                        "rank {r} builds a different buffer ([same_space, max_tokens, max_hidden, \
                          max_topk, experts, live outputs, window plan..] {:?}, this rank {:?}): \
                          every rank must pass the same BufferOptions and the same kind of group",
                         &theirs[1..],
@@ -636,7 +647,7 @@ impl Buffer {
             window: parts.window,
             wplan,
             peer_window,
-            pull,
+            same_space,
             plan,
             out_w_offset,
             mapped: parts.mapped,
@@ -1509,20 +1520,17 @@ impl Buffer {
         self.start(&args.order, capturing)?;
         self.poison(&out)?;
         let error = self.errors.kernel_addr();
-        // Pull combine (ranks as threads: every rank can read every other rank's tensors): the
-        // start barrier publishes this rank's input, each rank reads and sums its tokens' copies
-        // in one pass. Push combine (ranks as processes, which map only each other's windows):
-        // stage every row in its source's combine region, then each rank reduces locally; twice
-        // the bytes through memory.
-        let pull = self.pull;
+        // The start barrier publishes this rank's input; then each rank reads and sums its
+        // tokens' copies straight from the ranks holding them, in one pass.
+        let publish_x = self.publish_combine_input(args.x, self.wplan.comb_x)?;
+        let publish_w = match args.topk_weights {
+            Some(w) => self.publish_combine_input(w, self.wplan.comb_w)?,
+            None => 0,
+        };
         let barrier = k::BarrierParams {
             signal: self.peer_window,
-            publish_x: if pull { args.x.device_address() } else { 0 },
-            publish_w: if pull {
-                args.topk_weights.map_or(0, |w| w.device_address())
-            } else {
-                0
-            },
+            publish_x,
+            publish_w,
             error,
             epoch: e1,
             timeout_ns: self.timeout_ns(),
@@ -1544,89 +1552,31 @@ impl Buffer {
         } else {
             0
         };
-        if pull {
-            let p = k::CombinePullParams {
-                signal: self.peer_window,
-                meta: h.region.ptr(),
-                send_pos: h.send_pos.device_address(),
-                bias0: args.bias[0].map_or(0, |b| b.device_address()),
-                bias1: args.bias[1].map_or(0, |b| b.device_address()),
-                out: out.ptr(),
-                out_weights,
-                error,
-                epoch: e2,
-                timeout_ns: self.timeout_ns(),
-                rank: self.rank as i32,
-                ranks: self.ranks as i32,
-                num_tokens: h.num_tokens as i32,
-                hidden: hidden as i32,
-                topk: topk as i32,
-                pad: 0,
-            };
-            self.launch(
-                &self.kernels.pull,
-                args.config.num_sms,
-                args.config.block_threads,
-                0,
-                &p,
-                "cuLaunchKernel(ep_intranode_combine_pull)",
-            )?;
-            let event = self.finish(&args.order, capturing)?;
-            return Ok(CombineOutput {
-                x: Tensor::view(out.clone(), 0, vec![h.num_tokens, hidden]),
-                topk_weights: (topk > 0)
-                    .then(|| Tensor::view(out, self.out_w_offset, vec![h.num_tokens, topk])),
-                event,
-            });
-        }
-        let push = k::CombinePushParams {
+        let p = k::CombinePullParams {
             signal: self.peer_window,
-            comb_x: self.peer_window.map(|w| w + self.wplan.comb_x as u64),
-            comb_w: self.peer_window.map(|w| w + self.wplan.comb_w as u64),
             meta: h.region.ptr(),
-            x: args.x.device_address(),
-            topk_weights: args.topk_weights.map_or(0, |w| w.device_address()),
-            error,
-            epoch: e2,
-            timeout_ns: self.timeout_ns(),
-            rank: self.rank as i32,
-            ranks: self.ranks as i32,
-            row_bytes: (hidden * 2) as i32,
-            topk: topk as i32,
-            max_tokens: self.opts.max_tokens_per_rank as i32,
-            pad: 0,
-        };
-        self.launch(
-            &self.kernels.combine,
-            args.config.num_sms,
-            args.config.block_threads,
-            0,
-            &push,
-            "cuLaunchKernel(ep_intranode_combine)",
-        )?;
-        let reduce = k::CombineReduceParams {
-            comb_x: self.window.ptr() + self.wplan.comb_x as u64,
-            comb_w: self.window.ptr() + self.wplan.comb_w as u64,
             send_pos: h.send_pos.device_address(),
             bias0: args.bias[0].map_or(0, |b| b.device_address()),
             bias1: args.bias[1].map_or(0, |b| b.device_address()),
             out: out.ptr(),
             out_weights,
             error,
+            epoch: e2,
+            timeout_ns: self.timeout_ns(),
+            rank: self.rank as i32,
             ranks: self.ranks as i32,
             num_tokens: h.num_tokens as i32,
             hidden: hidden as i32,
             topk: topk as i32,
-            max_tokens: self.opts.max_tokens_per_rank as i32,
             pad: 0,
         };
         self.launch(
-            &self.kernels.reduce,
+            &self.kernels.pull,
             args.config.num_sms,
             args.config.block_threads,
             0,
-            &reduce,
-            "cuLaunchKernel(ep_intranode_combine_reduce)",
+            &p,
+            "cuLaunchKernel(ep_intranode_combine_pull)",
         )?;
         let event = self.finish(&args.order, capturing)?;
         Ok(CombineOutput {
@@ -1635,5 +1585,49 @@ impl Buffer {
                 .then(|| Tensor::view(out, self.out_w_offset, vec![h.num_tokens, topk])),
             event,
         })
+    }
+
+    /// What the combine start barrier publishes for `t`, a combine input (rows or weights): its
+    /// address when every rank shares this address space; otherwise [`k::IN_WINDOW`] | its
+    /// offset in this rank's window, after copying it to `staging` (a window offset) on the
+    /// communication stream unless it already lies in the window (a dispatch output does).
+    fn publish_combine_input<T: Element>(
+        &self,
+        t: &Tensor<T>,
+        staging: usize,
+    ) -> Result<u64, EpError> {
+        let addr = t.device_address();
+        if self.same_space {
+            return Ok(addr);
+        }
+        let bytes = (t.numel() * std::mem::size_of::<T>()) as u64;
+        let base = self.window.ptr();
+        let end = base + self.wplan.bytes as u64;
+        if addr >= base && addr + bytes <= end {
+            return Ok(k::IN_WINDOW | (addr - base));
+        }
+        if bytes > self.wplan.staging_bytes(staging) as u64 {
+            return Err(invalid(
+                self.rank,
+                format!("combine input of {bytes} bytes exceeds the staging region"),
+            ));
+        }
+        if bytes > 0 {
+            // SAFETY: the destination is the staging section of this rank's live window
+            // (checked above to hold `bytes`), the source a live tensor of `bytes` bytes on this
+            // device; the copy is ordered on the communication stream before the barrier that
+            // publishes it, and no other operation of this buffer runs meanwhile.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                    base + staging as u64,
+                    addr,
+                    bytes as usize,
+                    self.comm.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(self.cuda("cuMemcpyDtoDAsync"))?;
+        }
+        Ok(k::IN_WINDOW | staging as u64)
     }
 }

@@ -583,7 +583,8 @@ fn gpu_intranode_graph_capture_worst_tokens() {
 }
 
 /// Ranks as threads of this process that meet over TCP (`TcpCommunicator`, as processes would):
-/// the communicator does not claim one process, so the buffer combines by push-then-reduce, while
+/// the communicator does not claim one process, so the buffer publishes combine inputs as window
+/// offsets (staging the ones outside the window, as processes must), while
 /// the bootstrap tells per peer that the others are threads here and maps their windows through
 /// peer access instead of CUDA IPC. Each case on a fresh buffer per rank (ended with
 /// `Buffer::shutdown`), every rank deriving the group's inputs and reference from the seed.
@@ -650,8 +651,10 @@ fn gpu_intranode_tcp_threads() {
                         let mut buf = Buffer::new(ctx, &comm, &case_options(c, ranks))
                             .map_err(|e| format!("{} rank {r}: create: {e}", c.name))?;
                         let debug = format!("{buf:?}");
-                        if !debug.contains("pull_combine: false") {
-                            return Err(format!("rank {r}: expected push combine: {debug}"));
+                        if !debug.contains("same_space: false") {
+                            return Err(format!(
+                                "rank {r}: expected window-offset combine: {debug}"
+                            ));
                         }
                         let mut rngs = rank_rngs(s, ranks);
                         let mut res = Ok(());

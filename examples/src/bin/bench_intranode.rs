@@ -1,8 +1,9 @@
 //! Intranode dispatch/combine benchmark with DeepEP's sizes and byte counting.
 //!
-//! One rank per visible GPU (at most 8), as threads of this process (pull combine) and as
-//! processes (`ep::bootstrap::Launcher` re-executes this program once per GPU; windows shared
-//! through CUDA IPC; push-then-reduce combine). Each rank sends 4096 tokens of hidden 7168, each
+//! One rank per visible GPU (at most 8), as threads of this process and as processes
+//! (`ep::bootstrap::Launcher` re-executes this program once per GPU; windows shared through CUDA
+//! IPC). Combine pulls every copy in one pass in both modes; it combines the dispatch output,
+//! which lies in the buffer's window, so processes need no staging copy. Each rank sends 4096 tokens of hidden 7168, each
 //! to the ranks of its top-8 of 256 experts (uniform random; the same inputs in both modes).
 //! Dispatch is timed as a cached dispatch (as DeepEP tunes it: the routes are known, only x
 //! moves), combine over the same handle. GB/s = rows received × hidden × bytes per element ÷

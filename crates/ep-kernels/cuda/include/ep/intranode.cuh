@@ -52,6 +52,10 @@ struct ErrorSlot {
 static_assert(sizeof(ErrorSlot) == 16, "ErrorSlot layout");
 static_assert(offsetof(ErrorSlot, host) == 8, "ErrorSlot layout");
 
+// Tag of a published combine input that lies in the publisher's window: the rest of the word is
+// the byte offset there (mirrored as ep_kernels::intranode::IN_WINDOW).
+constexpr uint64_t kInWindow = 1ull << 63;
+
 // Per-rank signal region, at the start of the rank's window (the one device allocation every
 // peer maps, through peer access or CUDA IPC). Peers write flags, counts and where their
 // receive region lies in their own window here; only the owner reads it.
@@ -63,8 +67,9 @@ struct SignalHead {
     // within src's window. An offset, not an address: each rank maps a peer's window at its own
     // address (CUDA IPC), so only the window base is per-viewer.
     uint64_t recv_offset[kMaxRanks];
-    // comb_src[src] / comb_w_src[src] = rank src's combine input rows / weights (pull combine,
-    // ranks as threads only: the addresses are src's own).
+    // comb_src[src] / comb_w_src[src] = rank src's combine input rows / weights: src's own
+    // address (ranks as threads), or kInWindow | the byte offset in src's window (ranks as
+    // processes, which map only each other's windows).
     uint64_t comb_src[kMaxRanks];
     uint64_t comb_w_src[kMaxRanks];
     // tokens[src][dst]: how many tokens src sends to dst (each src writes its whole row to all).
@@ -200,27 +205,6 @@ struct BarrierParams {
 };
 static_assert(sizeof(BarrierParams) == 120, "BarrierParams layout");
 
-// The push of a combine (`num_sms` blocks): receive row i goes back to its source rank's combine
-// region at [this rank][position].
-struct CombinePushParams {
-    uint64_t signal[kMaxRanks];
-    uint64_t comb_x[kMaxRanks];   // every rank's combine rows: [ranks][max_tokens][row_bytes]
-    uint64_t comb_w[kMaxRanks];   // every rank's combine weights: [ranks][max_tokens][topk]
-    uint64_t meta;                // the handle's Meta
-    uint64_t x;                   // bf16 [num_recv][hidden]
-    uint64_t topk_weights;        // f32 [num_recv][topk], or 0
-    uint64_t error;
-    uint64_t epoch;
-    uint64_t timeout_ns;
-    int32_t rank;
-    int32_t ranks;
-    int32_t row_bytes;
-    int32_t topk;
-    int32_t max_tokens;
-    int32_t pad;
-};
-static_assert(sizeof(CombinePushParams) == 264, "CombinePushParams layout");
-
 // The pull combine (`num_sms` blocks): each token's copies are read straight from the ranks
 // that hold them (their combine inputs, published by the start barrier), summed in f32, biased
 // and written as BF16; the last block then tells every peer it is done reading.
@@ -243,24 +227,5 @@ struct CombinePullParams {
     int32_t pad;
 };
 static_assert(sizeof(CombinePullParams) == 160, "CombinePullParams layout");
-
-// The local reduction of a combine (`num_sms` blocks).
-struct CombineReduceParams {
-    uint64_t comb_x;              // this rank's combine rows
-    uint64_t comb_w;              // this rank's combine weights
-    uint64_t send_pos;            // int32 [tokens][ranks]
-    uint64_t bias0;               // bf16 [tokens][hidden], or 0
-    uint64_t bias1;
-    uint64_t out;                 // bf16 [tokens][hidden]
-    uint64_t out_weights;         // f32 [tokens][topk], or 0
-    uint64_t error;
-    int32_t ranks;
-    int32_t num_tokens;
-    int32_t hidden;
-    int32_t topk;
-    int32_t max_tokens;
-    int32_t pad;
-};
-static_assert(sizeof(CombineReduceParams) == 88, "CombineReduceParams layout");
 
 }  // namespace ep
