@@ -242,9 +242,10 @@ __device__ __noinline__ int ibgda_check_desc(ibgda_qp_desc* d) {
               d->ncqes != 0u && (d->ncqes & (d->ncqes - 1u)) == 0u && d->ncqes >= d->nwqes && d->wq_base != 0 &&
               (d->wq_base & 63u) == 0 && d->cq_base != 0 && (d->cq_base & 63u) == 0;
     if (d->handler_mode == IBGDA_HANDLER_GPU)
-        ok = ok && d->dbr != 0 && (d->dbr & 7u) == 0 && d->db_reg != 0 && (d->db_reg & 7u) == 0;
+        ok = ok && d->dbr != 0 && (d->dbr & 7u) == 0 && d->db_reg != 0 && (d->db_reg & 7u) == 0 &&
+             d->producer_slot == 0;
     else if (d->handler_mode == IBGDA_HANDLER_CPU || d->handler_mode == IBGDA_HANDLER_CPU_HOST_MEMORY)
-        ok = ok && d->producer_slot != 0 && (d->producer_slot & 7u) == 0;
+        ok = ok && d->producer_slot != 0 && (d->producer_slot & 7u) == 0 && d->db_reg == 0;
     else
         ok = false;
     if (ok) return IBGDA_STATUS_OK;
@@ -424,11 +425,12 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, ui
     ibgda_qp_counters* c = &d->counters;
     const uint64_t end = base + n;
     // Read before the wait and kept in registers: after the acquire below a reload would miss L1
-    // and sit between the turn and the slot store (measured: +0.3 us publish -> doorbell).
+    // and sit between the turn and the slot store (measured: +0.3 us publish -> doorbell). A
+    // valid descriptor has a producer slot exactly in the CPU modes (ibgda_check_desc, and
+    // QpDesc::validate on the host), so the slot alone tells the mode on this path; the mode
+    // word is read only when there is no usable slot.
     uint64_t* const slot = (uint64_t*)d->producer_slot;
-    const bool slot_ok = slot != nullptr && ((uint64_t)slot & 7u) == 0;
-    const bool gpu_mode = d->handler_mode == IBGDA_HANDLER_GPU;
-    const bool raise = ring && !gpu_mode;
+    const bool raise = ring && slot != nullptr && ((uint64_t)slot & 7u) == 0;
     if (ibgda_ld_acquire_gpu(&c->ready_head) != base) {
         ibgda_waiter w = ibgda_wait_begin(d);
         do {
@@ -436,13 +438,13 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, ui
             if (st != IBGDA_STATUS_OK) return st;
         } while (ibgda_ld_acquire_gpu(&c->ready_head) != base);
     }
-    if (raise && slot_ok) ibgda_st_release_sys_u64(slot, end);
+    if (raise) ibgda_st_release_sys_u64(slot, end);
     ibgda_st_release_gpu(&c->ready_head, end);
-    if (!ring) return IBGDA_STATUS_OK;
-    if (gpu_mode) return ibgda_ring_gpu(d, end, true);
-    // A descriptor without a usable slot: the turn is passed on (successors are not blocked by
-    // a bad descriptor of ours), and the error is recorded and returned.
-    return slot_ok ? IBGDA_STATUS_OK : ibgda_check_desc(d);
+    if (!ring || raise) return IBGDA_STATUS_OK;
+    if (d->handler_mode == IBGDA_HANDLER_GPU) return ibgda_ring_gpu(d, end, true);
+    // A CPU mode without a usable slot: the turn is passed on (successors are not blocked by a
+    // bad descriptor of ours), and the error is recorded and returned.
+    return ibgda_check_desc(d);
 }
 
 // Step 5: waits until every WQE published on this QP so far has completed.
