@@ -180,7 +180,8 @@ extern "C" __global__ void protocol_bench_publish(ibgda_qp_desc* descs, uint32_t
 }
 
 // Benchmark: the proxy alone. Thread q (< nqps) raises producer slot q (pinned host memory) with
-// the same system-scope release max the protocol uses, as fast as it can, until the host sets
+// the system-scope release max the protocol's flushes use (its publishes store in turn instead; the
+// stream-rate rows of bench_proxy measure that), as fast as it can, until the host sets
 // *stop (read every 64 raises) or `limit_ns` passes. raised[q] = the last value written.
 extern "C" __global__ void protocol_bench_slots(uint64_t* slots, uint32_t nqps, const uint32_t* stop,
                                                 uint64_t limit_ns, uint64_t* raised) {
