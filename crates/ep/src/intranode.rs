@@ -1613,10 +1613,10 @@ impl Buffer {
             ));
         }
         if bytes > 0 {
-            // SAFETY: the destination is the staging section of this rank's live window
-            // (checked above to hold `bytes`), the source a live tensor of `bytes` bytes on this
-            // device; the copy is ordered on the communication stream before the barrier that
-            // publishes it, and no other operation of this buffer runs meanwhile.
+            // The copy is ordered on the communication stream before the barrier that publishes
+            // it, and no other operation of this buffer runs meanwhile.
+            // SAFETY: the destination is this rank's live window's staging section (checked to
+            // hold `bytes`), the source a live tensor of `bytes` bytes on this device.
             unsafe {
                 cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
                     base + staging as u64,
