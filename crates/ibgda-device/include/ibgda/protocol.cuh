@@ -399,6 +399,17 @@ __device__ __forceinline__ void* ibgda_slot(const ibgda_qp_desc* d, uint64_t idx
     return (void*)(d->wq_base + (idx & (uint64_t)(d->nwqes - 1u)) * IBGDA_WQEBB_BYTES);
 }
 
+// Step 3's wait (bounded): until ready_head == base, i.e. every earlier submission on the QP
+// has published. Acquire, as in ibgda_publish.
+__device__ __noinline__ int ibgda_wait_turn(ibgda_qp_desc* d, uint64_t base) {
+    ibgda_waiter w = ibgda_wait_begin(d);
+    do {
+        int st = ibgda_wait_step(d, w, IBGDA_ERROR_TIMEOUT_READY);
+        if (st != IBGDA_STATUS_OK) return st;
+    } while (ibgda_ld_acquire_gpu(&d->counters.ready_head) != base);
+    return IBGDA_STATUS_OK;
+}
+
 // Steps 3 and 4: publishes [base, base+n) in order and, with `ring`, makes a doorbell cover it.
 // Every WQE store of the submission (by this thread, or by lanes that synchronised with it since)
 // must precede the call.
@@ -431,12 +442,11 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, ui
     // word is read only when there is no usable slot.
     uint64_t* const slot = (uint64_t*)d->producer_slot;
     const bool raise = ring && slot != nullptr && ((uint64_t)slot & 7u) == 0;
-    if (ibgda_ld_acquire_gpu(&c->ready_head) != base) {
-        ibgda_waiter w = ibgda_wait_begin(d);
-        do {
-            int st = ibgda_wait_step(d, w, IBGDA_ERROR_TIMEOUT_READY);
-            if (st != IBGDA_STATUS_OK) return st;
-        } while (ibgda_ld_acquire_gpu(&c->ready_head) != base);
+    // The turn is usually free at once: that path falls straight through to the stores, the
+    // bounded wait lives out of line.
+    if (__builtin_expect(ibgda_ld_acquire_gpu(&c->ready_head) != base, 0)) {
+        int st = ibgda_wait_turn(d, base);
+        if (st != IBGDA_STATUS_OK) return st;
     }
     if (raise) ibgda_st_release_sys_u64(slot, end);
     ibgda_st_release_gpu(&c->ready_head, end);
