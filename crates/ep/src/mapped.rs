@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use std::sync::atomic::{fence, Ordering};
-use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use ep_kernels::intranode::{ErrorSlot, ErrorWord};
@@ -57,16 +56,9 @@ impl MappedHost {
     /// The error a kernel recorded in the [`ErrorWord`] at `offset`, if any (its code is stored
     /// last, after a system fence, so the other fields are complete once it reads non-zero).
     pub(crate) fn read_error(&self, offset: usize) -> Option<ErrorWord> {
-        let mut code = self.read_u32(offset);
+        let code = self.read_u32(offset);
         if code == 0 {
             return None;
-        }
-        // Older kernels claimed the word with u32::MAX before filling it in; a bounded wait
-        // keeps reports from any such writer whole.
-        let start = Instant::now();
-        while code == u32::MAX && start.elapsed() < Duration::from_millis(100) {
-            std::hint::spin_loop();
-            code = self.read_u32(offset);
         }
         fence(Ordering::Acquire);
         Some(ErrorWord {
