@@ -217,7 +217,7 @@ fn broken_ordering_ends_in_the_bounded_ready_wait_error() {
         qp.nop(true).unwrap();
         qp.quiet().unwrap();
         // The broken submitter: reserves, never publishes (upstream's skipped ready_head queue).
-        assert_eq!(qp.reserve(3).unwrap(), 1);
+        assert_eq!(qp.reserve(3).unwrap().base, 1);
         let t0 = Instant::now();
         let stop = qp.nop(true).unwrap_err();
         let took = t0.elapsed();

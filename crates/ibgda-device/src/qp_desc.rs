@@ -161,7 +161,7 @@ pub struct QpDesc {
     /// `[16,24)` the BlueFlame register (UAR + 0x800) mapped for the GPU; mode gpu only, else 0.
     pub db_reg: u64,
     /// `[24,32)` the 8-byte-aligned `u64` the proxy polls, raised by the GPU to `base + n` (a
-    /// system-scope release store in publish order, or `atomicMax` when flushing); CPU modes
+    /// system-scope fence and store in publish order, or `atomicMax` when flushing); CPU modes
     /// only, else 0.
     pub producer_slot: u64,
     /// `[32,36)` ring size in WQEBBs, a power of two.

@@ -22,7 +22,9 @@
 //!    publish of a NOP on a real QP of the emulated NIC, stamped by the transport's doorbell hook
 //!    after the emulator's doorbell, and for `current` also `header` = the same QP with the
 //!    publish compiled from `protocol.cuh` itself (`protocol_bench_rtt`; `current`/`header` is
-//!    the issue's figure). Target: p50 ≤ 2 µs.
+//!    the issue's figure) and `header_res` = the same samples timed from just before the
+//!    reservation (the whole submission). Target: p50 ≤ 2 µs. Every safe variant uses the
+//!    turn value it loads (else `ptxas` drops the load and the row flatters the sequence).
 //! 3. `proxy_doorbell_rate`, sink `counter`: the proxy alone. Kernel threads raise 1…64 producer
 //!    slots in pinned host memory as fast as they can; the proxy sweeps them and rings a doorbell
 //!    that only counts. Doorbells per second over `--ms`, with the GPU's raise rate beside it: a
@@ -172,6 +174,7 @@ LOOP:
     mul.wide.u32 %rd8, %r5, 64;
     add.u64 %rd9, %rd1, %rd8;
     cvt.u64.u32 %rd10, %r3;
+{TURN}
     st.v4.u32 [%rd9], {%r3, %r3, %r3, %r3};
     st.v4.u32 [%rd9+16], {%r3, %r3, %r3, %r3};
     st.v4.u32 [%rd9+32], {%r3, %r3, %r3, %r3};
@@ -198,6 +201,10 @@ GOT:
     st.u64 [%rd18], %rd11;
     add.u32 %r3, %r3, 1;
     bra.uni LOOP;
+TURN_LOST:
+    mov.u32 %r7, 2;
+    st.u32 [%rd7], %r7;
+    ret;
 TIMEOUT:
     mov.u32 %r7, 1;
     st.u32 [%rd7], %r7;
@@ -213,54 +220,113 @@ struct Variant {
     name: &'static str,
     /// Whether it keeps the protocol's guarantees, and on what argument (printed under the table).
     verdict: &'static str,
+    /// The PTX placed before the WQE stores (after the reservation): where `current` reads the
+    /// turn, as `ibgda_reserve` does. Empty for the sequences that read it after.
+    turn: &'static str,
     /// The PTX between t0 and the ack poll.
     ptx: &'static str,
 }
 
-/// The publish sequences measured side by side. `current` is `ibgda_publish` in the CPU modes
-/// today, written out in PTX (the `header` path runs the header itself); `previous` is what it
-/// did before 2026-11-29.
+/// The turn check: the head value read into `%rd12` must be the previous publish's (`%rd10 − 1`),
+/// else the kernel stops with status 2 (`TURN_LOST`). Using the value keeps `ptxas` from dropping
+/// the load: until commit 47858ba the variants discarded it, so the load (an L2 round trip) was
+/// compiled away, which is why they read 0.2–0.4 µs faster than the `header` path.
+macro_rules! turn_check {
+    () => {
+        "    sub.u64 %rd13, %rd10, 1;\n    setp.ne.u64 %p0, %rd12, %rd13;\n    @%p0 bra TURN_LOST;\n"
+    };
+}
+
+/// The publish sequences measured side by side. `current` is `ibgda_reserve` + `ibgda_publish`
+/// in the CPU modes today, written out in PTX (the `header` path runs the header itself);
+/// `turn_after_wqe` is what they did from commit 8e73147 to 47858ba, `atomic_max_after_turn`
+/// before that.
 const VARIANTS: &[Variant] = &[
     Variant {
         name: "current",
-        verdict: "protocol.cuh today: ld.acquire.gpu head (the turn); st.release.sys slot while holding the turn; st.release.gpu head. Safe: the argument is in ibgda_publish (release orders the WQEs; the ready_head chain orders successive slot stores, and the flushers' atomicMax never lowers the slot)",
-        ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;",
+        verdict: "protocol.cuh today: ld.relaxed.gpu head before the WQE stores (the turn, read by ibgda_reserve); then fence.acq_rel.sys (acquire for that read, release for the WQEs); st.relaxed.sys slot while holding the turn; st.release.gpu head. Safe: the argument is in ibgda_publish",
+        turn: "    ld.relaxed.gpu.u64 %rd12, [%rd2];",
+        ptx: concat!(
+            turn_check!(),
+            "    fence.acq_rel.sys;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;"
+        ),
     },
     Variant {
-        name: "previous",
-        verdict: "safe; protocol.cuh until 2026-11-29: membar.gl; ld.acquire.gpu head; st.release.gpu head; red.release.sys.max slot after passing the turn on",
-        ptx: "    membar.gl;\n    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;",
+        name: "turn_after_wqe",
+        verdict: "safe; protocol.cuh from commit 8e73147 to 47858ba: ld.acquire.gpu head after the WQE stores (the turn); st.release.sys slot while holding it; st.release.gpu head",
+        turn: "",
+        ptx: concat!(
+            "    ld.acquire.gpu.u64 %rd12, [%rd2];\n",
+            turn_check!(),
+            "    st.release.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;"
+        ),
+    },
+    Variant {
+        name: "atomic_max_after_turn",
+        verdict: "safe; protocol.cuh before commit 8e73147 (the variant was named `previous` until 47858ba): membar.gl; ld.acquire.gpu head; st.release.gpu head; red.release.sys.max slot after passing the turn on",
+        turn: "",
+        ptx: concat!(
+            "    membar.gl;\n    ld.acquire.gpu.u64 %rd12, [%rd2];\n",
+            turn_check!(),
+            "    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;"
+        ),
     },
     Variant {
         name: "no_membar",
-        verdict: "safe: `previous` without the leading __threadfence(); the release store of ready_head already orders this thread's (and __syncwarp'ed lanes') WQE stores before it, and red.release.sys orders them before the slot",
-        ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;",
-    },
-    Variant {
-        name: "one_sys_fence",
-        verdict: "safe if the fence sits after the in-order wait (acquires the predecessor's release) and before both stores: ld.relaxed head (wait); fence.acq_rel.sys; st.relaxed.gpu head; red.relaxed.sys.max slot",
-        ptx: "    ld.relaxed.gpu.u64 %rd12, [%rd2];\n    fence.acq_rel.sys;\n    st.relaxed.gpu.u64 [%rd2], %rd10;\n    red.relaxed.sys.max.u64 [%rd3], %rd10;",
+        verdict: "safe: `atomic_max_after_turn` without the leading __threadfence(); the release store of ready_head already orders this thread's (and __syncwarp'ed lanes') WQE stores before it, and red.release.sys orders them before the slot",
+        turn: "",
+        ptx: concat!(
+            "    ld.acquire.gpu.u64 %rd12, [%rd2];\n",
+            turn_check!(),
+            "    st.release.gpu.u64 [%rd2], %rd10;\n    red.release.sys.max.u64 [%rd3], %rd10;"
+        ),
     },
     Variant {
         name: "raise_in_turn_red",
         verdict: "safe: slot raised (red.release.sys.max) while holding the turn, then ready_head advanced",
-        ptx: "    ld.acquire.gpu.u64 %rd12, [%rd2];\n    red.release.sys.max.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;",
+        turn: "",
+        ptx: concat!(
+            "    ld.acquire.gpu.u64 %rd12, [%rd2];\n",
+            turn_check!(),
+            "    red.release.sys.max.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;"
+        ),
     },
     Variant {
         name: "fence_st_in_turn",
         verdict: "needs proof, not used: ld.relaxed head (wait); fence.acq_rel.sys; st.relaxed.sys slot; st.relaxed.gpu head. The relaxed head store is not a release after the slot store, so a successor's slot store need not follow ours: the slot could go backwards",
-        ptx: "    ld.relaxed.gpu.u64 %rd12, [%rd2];\n    fence.acq_rel.sys;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.relaxed.gpu.u64 [%rd2], %rd10;",
+        turn: "",
+        ptx: concat!(
+            "    ld.relaxed.gpu.u64 %rd12, [%rd2];\n",
+            turn_check!(),
+            "    fence.acq_rel.sys;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.relaxed.gpu.u64 [%rd2], %rd10;"
+        ),
     },
     Variant {
         name: "floor_unsafe",
-        verdict: "NOT safe (no ordering of the WQE stores): st.relaxed.sys slot only; the floor of what any publish can cost",
+        verdict: "NOT safe (no turn, no ordering of the WQE stores): st.relaxed.sys slot only; the floor of what any publish can cost",
+        turn: "",
         ptx: "    st.relaxed.sys.u64 [%rd3], %rd10;",
     },
 ];
 
+/// `template` with `v`'s sequences in its `{TURN}` and `{PUBLISH}` places.
+fn fill(template: &str, v: &Variant) -> String {
+    template
+        .replace("{TURN}", v.turn)
+        .replace("{PUBLISH}", v.ptx)
+}
+
+/// What a hand-written publish kernel's non-zero status means.
+fn stop_reason(status: i32) -> &'static str {
+    match status {
+        2 => "found the head word not at the previous publish's value (TURN_LOST)",
+        _ => "timed out waiting for the ack",
+    }
+}
+
 /// The publish ping-pong kernel with `v`'s publish sequence.
 fn publish_ptx(v: &Variant) -> String {
-    PUBLISH_PINGPONG_PTX.replace("{PUBLISH}", v.ptx)
+    fill(PUBLISH_PINGPONG_PTX, v)
 }
 
 /// Ring slots the publish ping-pong cycles through (a power of two).
@@ -311,7 +377,7 @@ fn echo(
     })
 }
 
-/// `protocol_bench_rtt`'s `t_pub` when the publish times are not wanted (null).
+/// `protocol_bench_rtt`'s `t_pub` / `t_res` when the times are not wanted (null).
 const NO_T_PUB: u64 = 0;
 
 fn measure_latency(
@@ -363,10 +429,11 @@ fn measure_latency(
             .arg(&ack_dev)
             .arg(&rp)
             .arg(&NO_T_PUB)
+            .arg(&NO_T_PUB)
             .arg(&sp);
         // SAFETY: protocol_bench_rtt(ibgda_qp_desc*, u32, u32, u32, u64*, const u64*, u64*, u64*,
-        // int*) matches; `ping` and the ack are live pinned words, `rtt` holds `iters` u64s, and
-        // t_pub is null (not written).
+        // u64*, int*) matches; `ping` and the ack are live pinned words, `rtt` holds `iters` u64s,
+        // and t_pub and t_res are null (not written).
         unsafe { l.launch(ONE_THREAD) }.context("launch protocol_bench_rtt")?;
         Ok(())
     };
@@ -571,8 +638,9 @@ fn run_publish(
     let st: i32 = status.download(0, 1)?[0];
     if st != 0 {
         bail!(
-            "publish ping-pong kernel ({}, {watcher:?}) timed out waiting for the ack",
-            v.name
+            "publish ping-pong kernel ({}, {watcher:?}) {}",
+            v.name,
+            stop_reason(st)
         );
     }
     Ok(PublishRun {
@@ -904,6 +972,7 @@ LOOP:
     mul.wide.u32 %rd8, %r5, 64;
     add.u64 %rd9, %rd1, %rd8;
     cvt.u64.u32 %rd10, %r3;
+{TURN}
     ld.global.v4.u32 {%r10, %r11, %r12, %r13}, [%rd23];
     ld.global.v4.u32 {%r14, %r15, %r16, %r17}, [%rd23+16];
     ld.global.v4.u32 {%r18, %r19, %r20, %r21}, [%rd23+32];
@@ -932,6 +1001,10 @@ GOT:
     st.u64 [%rd18], %rd11;
     add.u32 %r3, %r3, 1;
     bra.uni LOOP;
+TURN_LOST:
+    mov.u32 %r7, 2;
+    st.u32 [%rd7], %r7;
+    ret;
 TIMEOUT:
     mov.u32 %r7, 1;
     st.u32 [%rd7], %r7;
@@ -942,7 +1015,7 @@ DONE:
 
 /// The transport publish kernel with `v`'s publish sequence.
 fn group_ptx(v: &Variant) -> String {
-    GROUP_PUBLISH_PTX.replace("{PUBLISH}", v.ptx)
+    fill(GROUP_PUBLISH_PTX, v)
 }
 
 /// Ring size of the transport-path run: the largest, so `iters` publishes never wrap it.
@@ -1015,22 +1088,26 @@ impl StampingGroup {
 /// `protocol.cuh` itself (`protocol_bench_rtt`: reserve, NOP, `ibgda_publish` with a doorbell,
 /// wait for the ack) on a [`StampingGroup`]: the publish sequence as compiled from the header,
 /// where the `current` variant is its hand-written PTX. At most `GROUP_NWQES - 1` publishes.
+/// Returns the run timed from the publish call (t0 just before `ibgda_publish`: the issue's
+/// figure) and the same samples timed from the reservation (t0 just before `ibgda_reserve`: the
+/// whole submission, which shows that the publish's gain is not moved into the reservation).
 fn run_header_publish(
     ctx: &Arc<CudaContext>,
     stream: &Arc<cudarc::driver::CudaStream>,
     placement: RingPlacement,
     iters: u32,
     base: Instant,
-) -> Result<PublishRun> {
+) -> Result<(PublishRun, PublishRun)> {
     let iters = iters.min(GROUP_NWQES - 1);
     let n = iters as usize;
     let sg = StampingGroup::new(ctx, placement, n, base)?;
     let f = ep_kernels::load_function(ctx, MODULE, "protocol_bench_rtt")?;
     let rtt = DeviceBuffer::new(ctx, 8 * n.max(1))?;
     let t_pub = DeviceBuffer::new(ctx, 8 * n.max(1))?;
+    let t_res = DeviceBuffer::new(ctx, 8 * n.max(1))?;
     let status = DeviceBuffer::new(ctx, 4)?;
     status.fill_bytes(0)?;
-    let (descs, qp, pingpong, ping, ackp, rp, tp, sp) = (
+    let (descs, qp, pingpong, ping, ackp, rp, tp, trp, sp) = (
         sg.group.descs().context("descriptors")?,
         0u32,
         0u32,
@@ -1038,6 +1115,7 @@ fn run_header_publish(
         dev_addr(&sg.ack)?,
         rtt.ptr(),
         t_pub.ptr(),
+        t_res.ptr(),
         status.ptr(),
     );
     let mut l = stream.launch_builder(&f);
@@ -1049,17 +1127,30 @@ fn run_header_publish(
         .arg(&ackp)
         .arg(&rp)
         .arg(&tp)
+        .arg(&trp)
         .arg(&sp);
     // SAFETY: protocol_bench_rtt(ibgda_qp_desc*, u32, u32, u32, u64*, const u64*, u64*, u64*,
-    // int*) matches; the descriptors are the group's, the ack a live pinned word, rtt and t_pub
-    // hold `iters` u64s, `ping` is unused (pingpong = 0).
+    // u64*, int*) matches; the descriptors are the group's, the ack a live pinned word, rtt,
+    // t_pub and t_res hold `iters` u64s, `ping` is unused (pingpong = 0).
     unsafe { l.launch(ONE_THREAD) }.context("launch protocol_bench_rtt")?;
     sg.group.wait(stream, Some(Duration::from_secs(60)))?;
     let st: i32 = status.download(0, 1)?[0];
     if st != 0 {
         bail!("protocol.cuh publish kernel stopped with status {st:#x}");
     }
-    sg.finish(&rtt, &t_pub, n)
+    let t_res: Vec<u64> = t_res.download(0, n)?;
+    let from_publish = sg.finish(&rtt, &t_pub, n)?;
+    let from_reserve = PublishRun {
+        rtt_ns: from_publish
+            .rtt_ns
+            .iter()
+            .zip(from_publish.t_pub.iter().zip(&t_res))
+            .map(|(r, (p, q))| r + p.saturating_sub(*q))
+            .collect(),
+        t_pub: t_res,
+        seen: from_publish.seen.clone(),
+    };
+    Ok((from_publish, from_reserve))
 }
 
 /// [`GROUP_PUBLISH_PTX`] with `v`'s publish on a [`StampingGroup`]. At most `GROUP_NWQES - 1`
@@ -1140,11 +1231,9 @@ fn run_group_publish(
     // matches the PTX entry, and every pointer is live and sized as above.
     unsafe { l.launch(ONE_THREAD) }.context("launch group_publish")?;
     sg.group.wait(stream, Some(Duration::from_secs(60)))?;
-    if status.download::<i32>(0, 1)?[0] != 0 {
-        bail!(
-            "transport publish kernel ({}) timed out waiting for the doorbell hook",
-            v.name
-        );
+    let st: i32 = status.download(0, 1)?[0];
+    if st != 0 {
+        bail!("transport publish kernel ({}) {}", v.name, stop_reason(st));
     }
     sg.finish(&rtt, &t_pub, n)
 }
@@ -1196,10 +1285,13 @@ fn measure_variants(
                 ));
             }
             if v.name == "current" {
-                runs.push((
-                    "header",
-                    run_header_publish(ctx, &stream, placement, iters, base).map_err(err),
-                ));
+                match run_header_publish(ctx, &stream, placement, iters, base) {
+                    Ok((publish, reserve)) => {
+                        runs.push(("header", Ok(publish)));
+                        runs.push(("header_res", Ok(reserve)));
+                    }
+                    Err(e) => runs.push(("header", Err(err(e)))),
+                }
             }
             VariantRuns { variant: v, runs }
         })
@@ -1259,6 +1351,7 @@ LOOP:
     mul.wide.u32 %rd8, %r5, 64;
     add.u64 %rd9, %rd1, %rd8;
     cvt.u64.u32 %rd10, %r3;
+{TURN}
     st.v4.u32 [%rd9], {%r3, %r3, %r3, %r3};
     st.v4.u32 [%rd9+16], {%r3, %r3, %r3, %r3};
     st.v4.u32 [%rd9+32], {%r3, %r3, %r3, %r3};
@@ -1271,12 +1364,16 @@ DONE:
     sub.u64 %rd15, %rd14, %rd11;
     st.u64 [%rd5], %rd15;
     ret;
+TURN_LOST:
+    mov.u64 %rd15, 0;
+    st.u64 [%rd5], %rd15;
+    ret;
 }
 "#;
 
 /// The publish stream kernel with `v`'s publish sequence.
 fn stream_ptx(v: &Variant) -> String {
-    PUBLISH_STREAM_PTX.replace("{PUBLISH}", v.ptx)
+    fill(PUBLISH_STREAM_PTX, v)
 }
 
 /// One QP published back to back with `v`'s sequence (ring in GPU memory), a bare proxy
@@ -1331,7 +1428,14 @@ fn measure_stream_rate(ctx: &Arc<CudaContext>, v: &Variant, iters: u32) -> Resul
     let report = proxy.stop();
     waited?;
     let report = report?;
-    let ns = out.download::<u64>(0, 1)?[0].max(1) as f64;
+    let ns = out.download::<u64>(0, 1)?[0];
+    if ns == 0 {
+        bail!(
+            "publish stream kernel ({}) found the head word moved by someone else",
+            v.name
+        );
+    }
+    let ns = ns as f64;
     Ok((
         f64::from(iters) / ns * 1e3,
         report.doorbells as f64 / ns * 1e3,
@@ -1622,7 +1726,7 @@ fn main() -> Result<()> {
             "  one-way = host clock when seen/rung - GPU t0 on the host clock; every one-way figure is +/-{err_us:.2} us (the offset bound)"
         );
         println!(
-            "  {:<18} {:<10} {:>8} {:>8} {:>12} {:>8} {:>8} {:>7}",
+            "  {:<22} {:<10} {:>8} {:>8} {:>12} {:>8} {:>8} {:>7}",
             "publish variant",
             "path",
             "RT p50",
@@ -1651,7 +1755,7 @@ fn main() -> Result<()> {
                             percentile(&ntp, 0.5),
                         );
                         println!(
-                            "  {:<18} {path:<10} {rt50:>8.2} {rt99:>8.2} {ow50:>12.2} {ow99:>8.2} {ntp50:>8.2} {missed:>7}",
+                            "  {:<22} {path:<10} {rt50:>8.2} {rt99:>8.2} {ow50:>12.2} {ow99:>8.2} {ntp50:>8.2} {missed:>7}",
                             r.variant.name
                         );
                         records.push(format!(
@@ -1669,7 +1773,7 @@ fn main() -> Result<()> {
                         ));
                     }
                     Err(e) => {
-                        println!("  {:<18} {path:<10} FAILED: {e}", r.variant.name);
+                        println!("  {:<22} {path:<10} FAILED: {e}", r.variant.name);
                         failures.push(format!(
                             "variant {} {path}, rings {name}: {e}",
                             r.variant.name
@@ -1682,13 +1786,14 @@ fn main() -> Result<()> {
             "  paths: echo = a bare CPU thread polling the slot saw it; proxy = the Proxy runner rang (record store + doorbell\n  \
              atomic, no emulator); transport = a real QP of the emulated NIC, stamped by the transport's doorbell hook after\n  \
              the emulator's doorbell (wakes its progress thread if parked); header = the same with the publish compiled from\n  \
-             protocol.cuh (protocol_bench_rtt) -- the issue's figure: target p50 <= 2 us.\n  \
+             protocol.cuh (protocol_bench_rtt) -- the issue's figure: target p50 <= 2 us; header_res = the same samples timed\n  \
+             from just before ibgda_reserve (the whole submission: reserve, WQE, publish).\n  \
              RT = GPU-timed round trip to the ack; NTP p50 = one-way with the symmetric-leg offset estimate;\n  \
              unseen = publishes the watcher never saw on their own (coalesced)."
         );
         println!("  the variants (`current` is what protocol.cuh does in the CPU modes):");
         for v in VARIANTS {
-            println!("    {:<18} {}", v.name, v.verdict);
+            println!("    {:<22} {}", v.name, v.verdict);
         }
     }
 
@@ -1770,13 +1875,13 @@ fn main() -> Result<()> {
          awaited), bare proxy counting doorbells; per publish variant (what bounds the 1-QP row above)"
     );
     println!(
-        "  {:<18} {:>14} {:>14} {:>12}",
+        "  {:<22} {:>14} {:>14} {:>12}",
         "publish variant", "M publishes/s", "M doorbells/s", "ns/publish"
     );
     for v in VARIANTS {
         match measure_stream_rate(&ctx, v, STREAM_PUBLISHES) {
             Ok((pubs, dbs, ns)) => {
-                println!("  {:<18} {pubs:>14.2} {dbs:>14.2} {ns:>12.0}", v.name);
+                println!("  {:<22} {pubs:>14.2} {dbs:>14.2} {ns:>12.0}", v.name);
                 records.push(format!(
                     "{{\"bench\": \"proxy_publish_stream_rate\", \"mode\": \"cpu_host_memory\", \"rings\": \"device\", \"qps\": 1, \"variant\": \"{}\", \"mpublishes_per_s\": {}, \"mdoorbells_per_s\": {}, \"ns_per_publish\": {}, \"publishes\": {STREAM_PUBLISHES}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                     v.name,
@@ -1786,7 +1891,7 @@ fn main() -> Result<()> {
                 ));
             }
             Err(e) => {
-                println!("  {:<18} FAILED: {e:#}", v.name);
+                println!("  {:<22} FAILED: {e:#}", v.name);
                 failures.push(format!("stream rate, variant {}: {e:#}", v.name));
             }
         }
@@ -1893,8 +1998,24 @@ mod tests {
     #[test]
     fn every_variant_fills_the_template() {
         for v in VARIANTS {
-            let p = publish_ptx(v);
-            assert!(!p.contains("{PUBLISH}") && p.contains(v.ptx), "{}", v.name);
+            for p in [publish_ptx(v), group_ptx(v), stream_ptx(v)] {
+                assert!(!p.contains("{PUBLISH}") && p.contains(v.ptx), "{}", v.name);
+                assert!(!p.contains("{TURN}") && p.contains(v.turn), "{}", v.name);
+            }
+        }
+    }
+
+    #[test]
+    fn every_safe_variant_uses_the_turn_it_reads() {
+        // A head load whose value is unused is compiled away (ptxas), and the variant would
+        // then measure a publish without its turn's round trip.
+        for v in VARIANTS {
+            let reads = v.turn.contains("%rd12, [%rd2]") || v.ptx.contains("%rd12, [%rd2]");
+            if v.verdict.starts_with("NOT") {
+                assert!(!reads, "{}", v.name);
+            } else {
+                assert!(reads && v.ptx.contains("bra TURN_LOST"), "{}", v.name);
+            }
         }
     }
 }

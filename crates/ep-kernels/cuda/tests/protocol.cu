@@ -119,34 +119,36 @@ extern "C" __global__ void protocol_small_ops(ibgda_qp_desc* descs, uint32_t qp,
 // Benchmark: publish -> doorbell seen, as a round trip. For i in 1..=iters the thread publishes a
 // NOP (ring: the producer slot in the CPU modes), then spins until the host's doorbell observer
 // writes `ack` >= the new producer index; rtt[i-1] = the time between, and (when t_pub is not
-// null) t_pub[i-1] = %globaltimer just before ibgda_publish, for the one-way measurement against
-// the host clock. `pingpong` mode (qp ignored) writes i to `ping` instead and waits for the same
-// ack, the plain PCIe round trip to subtract.
+// null) t_pub[i-1] = %globaltimer just before ibgda_publish and t_res[i-1] (when not null) just
+// before ibgda_reserve, for the one-way measurements against the host clock. `pingpong` mode (qp
+// ignored) writes i to `ping` instead and waits for the same ack, the plain PCIe round trip to
+// subtract.
 extern "C" __global__ void protocol_bench_rtt(ibgda_qp_desc* descs, uint32_t qp, uint32_t iters, uint32_t pingpong,
                                               uint64_t* ping, const uint64_t* ack, uint64_t* rtt, uint64_t* t_pub,
-                                              int* status) {
+                                              uint64_t* t_res, int* status) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     ibgda_qp_desc* d = &descs[qp];
     const uint64_t limit = d->timeout_ns != 0 ? d->timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
     for (uint32_t i = 1; i <= iters; ++i) {
         uint64_t want, t0 = ibgda_globaltimer();
+        const uint64_t tr = t0;
         if (pingpong) {
             want = i;
             ibgda_st_relaxed_sys_u64(ping, want);
         } else {
-            uint64_t base;
-            int st = ibgda_reserve(d, 1u, &base);
+            ibgda_ticket t;
+            int st = ibgda_reserve(d, 1u, &t);
             if (st == IBGDA_STATUS_OK) {
-                ibgda_wqebb_store(ibgda_slot(d, base),
-                                  ibgda_wqe_nop(d->qpn, (uint16_t)base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true)));
+                ibgda_wqebb_store(ibgda_slot(d, t.base),
+                                  ibgda_wqe_nop(d->qpn, (uint16_t)t.base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true)));
                 t0 = ibgda_globaltimer();
-                st = ibgda_publish(d, base, 1u, true);
+                st = ibgda_publish(d, t, 1u, true);
             }
             if (st != IBGDA_STATUS_OK) {
                 note_status(status, st);
                 return;
             }
-            want = base + 1u;
+            want = t.base + 1u;
         }
         while (ibgda_ld_relaxed_sys(ack) < want) {
             if (ibgda_globaltimer() - t0 > limit) {
@@ -156,6 +158,7 @@ extern "C" __global__ void protocol_bench_rtt(ibgda_qp_desc* descs, uint32_t qp,
         }
         rtt[i - 1] = ibgda_globaltimer() - t0;
         if (t_pub != nullptr) t_pub[i - 1] = t0;
+        if (t_res != nullptr) t_res[i - 1] = tr;
         // Keep the ring drained so reservations never wait in the measured section.
         if (!pingpong && (i & 63u) == 0u) {
             int st = ibgda_quiet(d);

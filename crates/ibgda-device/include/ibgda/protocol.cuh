@@ -4,20 +4,22 @@
 // Per QP (see qp_desc.cuh for the counters):
 //   1. reserve  base = atomicAdd(resv_head, n), then wait (bounded) until the ring has room:
 //               base + n - cons_idx <= nwqes. A WQE slot is never rewritten before the NIC has
-//               completed the WQE that was in it.
+//               completed the WQE that was in it. Then read ready_head (relaxed) into the
+//               ticket: its round trip overlaps the WQE stores of step 2.
 //   2. write    the WQEs into slots base .. base+n-1; the last one asks for a CQE (every
 //               submission ends with a CQE-bearing WQEBB, so completions always land on a
 //               submission boundary and quiet can wait for ready_head exactly).
-//   3. publish  wait (bounded, acquire) until ready_head == base, then (release) store
-//               ready_head = base + n. Every submitter on a QP goes through this queue: ours, a
-//               barrier's, anyone's.
+//   3. publish  the turn: ready_head == base, as the ticket read it or else after a wait
+//               (bounded, acquire); then a fence (acquire for that read, release for the WQEs)
+//               and the store ready_head = base + n. Every submitter on a QP goes through this
+//               queue: ours, a barrier's, anyone's.
 //   4. doorbell by handler mode:
 //               gpu             after step 3, under the QP's doorbell lock: read ready_head, write
 //                               the doorbell record, store the 8-byte doorbell word to db_reg,
 //                               advance prod_idx. The lock keeps doorbell values monotonic.
 //               cpu, cpu_host_memory
 //                               inside step 3, while holding the turn (ready_head == base): a
-//                               system-scope release store of base + n to the QP's 8-byte
+//                               system-scope fence and a store of base + n to the QP's 8-byte
 //                               producer slot, then the ready_head store; the CPU proxy polls the
 //                               slots and rings. Flushes of batched publishes (quiet, the waits,
 //                               ibgda_ring_published) raise the slot with a system-scope release
@@ -132,11 +134,11 @@ __device__ __forceinline__ void ibgda_st_release_sys_u32(uint32_t* p, uint32_t v
     asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// The in-turn producer-slot store of the CPU modes (see ibgda_publish for why a plain store is
-// enough there).
-__device__ __forceinline__ void ibgda_st_release_sys_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+// Fences. With a relaxed load before it (that reads a release store) a fence.acq_rel acquires,
+// with a relaxed store after it it releases: ibgda_publish uses one fence for both.
+__device__ __forceinline__ void ibgda_fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ void ibgda_fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // The store to a doorbell register: exactly once, never merged or cached (st.mmio). On the
 // emulator db_reg is a host page the emulator polls; the same instruction serves.
@@ -375,10 +377,21 @@ __device__ __noinline__ int ibgda_wait_cons(ibgda_qp_desc* d, uint64_t target, u
 // ---------------------------------------------------------------------------------------------
 // Submit
 
+// What a reservation hands to its publish: the first reserved index, and ready_head as read
+// (relaxed) right after the reservation. When that read already found the turn (head == base),
+// publish needs no load of its own: ready_head reaches base only once every earlier submission
+// has published, and stays there until this one does.
+struct ibgda_ticket {
+    uint64_t base;
+    uint64_t head;
+};
+
 // Step 1: reserves `n` WQEBBs (1 <= n <= nwqes) and waits until their slots are free. On success
-// *base is the index of the first; the caller must write and then publish exactly [base, base+n)
-// before it reserves again on this QP.
-__device__ __forceinline__ int ibgda_reserve(ibgda_qp_desc* d, uint32_t n, uint64_t* base) {
+// t->base is the index of the first; the caller must write and then publish exactly
+// [base, base+n) with this ticket before it reserves again on this QP. The ready_head read is
+// issued before the caller's WQE stores, so its round trip overlaps theirs (publish's fence waits
+// for those anyway) instead of following them.
+__device__ __forceinline__ int ibgda_reserve(ibgda_qp_desc* d, uint32_t n, ibgda_ticket* t) {
     if (n == 0u || n > d->nwqes) {
         // No wait could ever make room: report it as the reservation failure it is, at once.
         ibgda_record_error(d, IBGDA_ERROR_TIMEOUT_RESERVE, nullptr);
@@ -386,12 +399,17 @@ __device__ __forceinline__ int ibgda_reserve(ibgda_qp_desc* d, uint32_t n, uint6
     }
     ibgda_qp_counters* c = &d->counters;
     uint64_t b = atomicAdd((unsigned long long*)&c->resv_head, (unsigned long long)n);
-    *base = b;
+    t->base = b;
     uint64_t end = b + n;
-    if (end <= (uint64_t)d->nwqes) return IBGDA_STATUS_OK;
-    uint64_t need = end - d->nwqes;
-    if (ibgda_ld_acquire_gpu(&c->cons_idx) >= need) return IBGDA_STATUS_OK;
-    return ibgda_wait_cons(d, need, IBGDA_ERROR_TIMEOUT_RESERVE);
+    if (end > (uint64_t)d->nwqes) {
+        uint64_t need = end - d->nwqes;
+        if (ibgda_ld_acquire_gpu(&c->cons_idx) < need) {
+            int st = ibgda_wait_cons(d, need, IBGDA_ERROR_TIMEOUT_RESERVE);
+            if (st != IBGDA_STATUS_OK) return st;
+        }
+    }
+    t->head = ibgda_ld_relaxed_gpu(&c->ready_head);
+    return IBGDA_STATUS_OK;
 }
 
 // The ring slot of WQEBB index `idx`.
@@ -400,57 +418,64 @@ __device__ __forceinline__ void* ibgda_slot(const ibgda_qp_desc* d, uint64_t idx
 }
 
 // Step 3's wait (bounded): until ready_head == base, i.e. every earlier submission on the QP
-// has published. Acquire, as in ibgda_publish.
+// has published. Acquire loads, though publish's fence would do: the wait is the slow path.
 __device__ __noinline__ int ibgda_wait_turn(ibgda_qp_desc* d, uint64_t base) {
     ibgda_waiter w = ibgda_wait_begin(d);
-    do {
+    while (ibgda_ld_acquire_gpu(&d->counters.ready_head) != base) {
         int st = ibgda_wait_step(d, w, IBGDA_ERROR_TIMEOUT_READY);
         if (st != IBGDA_STATUS_OK) return st;
-    } while (ibgda_ld_acquire_gpu(&d->counters.ready_head) != base);
+    }
     return IBGDA_STATUS_OK;
 }
 
-// Steps 3 and 4: publishes [base, base+n) in order and, with `ring`, makes a doorbell cover it.
-// Every WQE store of the submission (by this thread, or by lanes that synchronised with it since)
-// must precede the call.
+// Steps 3 and 4: publishes [t.base, t.base+n) in order and, with `ring`, makes a doorbell cover
+// it. Every WQE store of the submission (by this thread, or by lanes that synchronised with it
+// since) must precede the call.
 //
-// Ordering. The acquire load that finds ready_head == base synchronises with the predecessor's
-// release store of ready_head, so every WQE store the predecessors made (or saw) happens before
-// what this thread does next. The release store of ready_head passes that on, with this
-// submission's own stores, to the successor and to quiet. In mode gpu, ibgda_ring_gpu fences at
-// system scope before the doorbell record.
+// Ordering. The turn is a read of ready_head == base: the ticket's relaxed read, or the wait's
+// acquire. That read sees the predecessor's release of ready_head; the fence.acq_rel after it is
+// the acquire half of the synchronisation, so every WQE store the predecessors made (or saw)
+// happens before what this thread does next. The same fence is the release half for the stores
+// after it: the producer slot (CPU modes) and ready_head (which the successor and quiet read),
+// and it orders this submission's own WQE stores before both. In mode gpu, ibgda_ring_gpu fences
+// at system scope again before the doorbell record.
 //
-// The CPU modes raise the producer slot while holding the turn, with a plain system-scope release
-// store (st.release.sys: one fence and a posted write, where the atomicMax it replaces waits for
-// an atomic's round trip over PCIe; bench_proxy's `proxy_publish_one_way` rows measure both).
-// - Visibility: the release store orders every WQE below base + n (ours, and the predecessors'
-//   through the acquire above) before the slot value the proxy loads with acquire.
+// The CPU modes raise the producer slot while holding the turn: fence.acq_rel.sys, a relaxed
+// system-scope store of the slot, then ready_head with a gpu-scope release. A plain store (a
+// posted write) where an atomicMax would wait for an atomic's round trip over PCIe; bench_proxy's
+// `proxy_publish_one_way` rows measure both.
+// - Visibility: the fence orders every WQE below base + n (ours, and the predecessors' through
+//   the acquire half) before the slot value the proxy loads with acquire.
 // - Monotonic slot: the in-turn stores of successive submissions are ordered by the ready_head
-//   chain (slot store, then the release of ready_head, then the successor's acquire, then its
-//   slot store), so coherence keeps them in increasing order. The only other writers are the
-//   flushes' atomicMax of a value v they read (acquire) from ready_head: every in-turn store of a
-//   value <= v precedes that read, so no in-turn store after the flush in coherence order writes
-//   less than v, and a max never lowers the slot. Hence the slot only grows, and the proxy (which
-//   rings up to the latest value it reads) never misses a publish.
-__device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, uint64_t base, uint32_t n, bool ring) {
+//   chain (slot store, then the release of ready_head, then the successor's read and its fence,
+//   then its slot store), so coherence keeps them in increasing order. The only other writers are
+//   the flushes' atomicMax of a value v they read (acquire) from ready_head: every in-turn store
+//   of a value <= v precedes that read, so no in-turn store after the flush in coherence order
+//   writes less than v, and a max never lowers the slot. Hence the slot only grows, and the proxy
+//   (which rings up to the latest value it reads) never misses a publish.
+__device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, const ibgda_ticket& t, uint32_t n, bool ring) {
     ibgda_qp_counters* c = &d->counters;
-    const uint64_t end = base + n;
-    // Read before the wait and kept in registers: after the acquire below a reload would miss L1
-    // and sit between the turn and the slot store (measured: +0.3 us publish -> doorbell). A
-    // valid descriptor has a producer slot exactly in the CPU modes (ibgda_check_desc, and
+    const uint64_t end = t.base + n;
+    // A valid descriptor has a producer slot exactly in the CPU modes (ibgda_check_desc, and
     // QpDesc::validate on the host), so the slot alone tells the mode on this path; the mode
     // word is read only when there is no usable slot.
     uint64_t* const slot = (uint64_t*)d->producer_slot;
     const bool raise = ring && slot != nullptr && ((uint64_t)slot & 7u) == 0;
-    // The turn is usually free at once: that path falls straight through to the stores, the
+    // The turn is usually free already: that path falls straight through to the stores, the
     // bounded wait lives out of line.
-    if (__builtin_expect(ibgda_ld_acquire_gpu(&c->ready_head) != base, 0)) {
-        int st = ibgda_wait_turn(d, base);
+    if (__builtin_expect(t.head != t.base, 0)) {
+        int st = ibgda_wait_turn(d, t.base);
         if (st != IBGDA_STATUS_OK) return st;
     }
-    if (raise) ibgda_st_release_sys_u64(slot, end);
-    ibgda_st_release_gpu(&c->ready_head, end);
-    if (!ring || raise) return IBGDA_STATUS_OK;
+    if (raise) {
+        ibgda_fence_acq_rel_sys();
+        ibgda_st_relaxed_sys_u64(slot, end);
+        ibgda_st_release_gpu(&c->ready_head, end);
+        return IBGDA_STATUS_OK;
+    }
+    ibgda_fence_acq_rel_gpu();
+    ibgda_st_relaxed_gpu(&c->ready_head, end);
+    if (!ring) return IBGDA_STATUS_OK;
     if (d->handler_mode == IBGDA_HANDLER_GPU) return ibgda_ring_gpu(d, end, true);
     // A CPU mode without a usable slot: the turn is passed on (successors are not blocked by a
     // bad descriptor of ours), and the error is recorded and returned.
@@ -473,36 +498,39 @@ __device__ __forceinline__ int ibgda_quiet(ibgda_qp_desc* d) {
 // RDMA write of `bytes` (<= 2 GiB) from local `laddr` to remote `raddr`.
 __device__ __forceinline__ int ibgda_put(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t laddr,
                                          uint32_t bytes, bool ring) {
-    uint64_t base;
-    int st = ibgda_reserve(d, 1u, &base);
+    ibgda_ticket t;
+    int st = ibgda_reserve(d, 1u, &t);
     if (st != IBGDA_STATUS_OK) return st;
+    const uint64_t base = t.base;
     ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_rdma_write(d->qpn, (uint16_t)base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true),
                                                                 raddr, rkey, laddr, d->lkey, bytes));
-    return ibgda_publish(d, base, 1u, ring);
+    return ibgda_publish(d, t, 1u, ring);
 }
 
 // Inline RDMA write of a 4-byte value: the payload travels in the WQE, no local buffer.
 __device__ __forceinline__ int ibgda_put_inline4(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint32_t value,
                                                  bool ring) {
-    uint64_t base;
-    int st = ibgda_reserve(d, 1u, &base);
+    ibgda_ticket t;
+    int st = ibgda_reserve(d, 1u, &t);
     if (st != IBGDA_STATUS_OK) return st;
+    const uint64_t base = t.base;
     ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_inline_write(d->qpn, (uint16_t)base,
                                                                   ibgda_fm_ce_se(IBGDA_FENCE_NONE, true), raddr, rkey,
                                                                   &value, 4u));
-    return ibgda_publish(d, base, 1u, ring);
+    return ibgda_publish(d, t, 1u, ring);
 }
 
 // Inline RDMA write of an 8-byte value.
 __device__ __forceinline__ int ibgda_put_inline8(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t value,
                                                  bool ring) {
-    uint64_t base;
-    int st = ibgda_reserve(d, 1u, &base);
+    ibgda_ticket t;
+    int st = ibgda_reserve(d, 1u, &t);
     if (st != IBGDA_STATUS_OK) return st;
+    const uint64_t base = t.base;
     ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_inline_write(d->qpn, (uint16_t)base,
                                                                   ibgda_fm_ce_se(IBGDA_FENCE_NONE, true), raddr, rkey,
                                                                   &value, 8u));
-    return ibgda_publish(d, base, 1u, ring);
+    return ibgda_publish(d, t, 1u, ring);
 }
 
 // Non-fetching 64-bit remote atomic add, for signals: the old value goes to the descriptor's
@@ -510,23 +538,25 @@ __device__ __forceinline__ int ibgda_put_inline8(ibgda_qp_desc* d, uint64_t radd
 // data a signal announces) to complete first.
 __device__ __forceinline__ int ibgda_signal_add(ibgda_qp_desc* d, uint64_t raddr, uint32_t rkey, uint64_t add,
                                                 bool fence, bool ring) {
-    uint64_t base;
-    int st = ibgda_reserve(d, 1u, &base);
+    ibgda_ticket t;
+    int st = ibgda_reserve(d, 1u, &t);
     if (st != IBGDA_STATUS_OK) return st;
+    const uint64_t base = t.base;
     ibgda_wqebb_store(ibgda_slot(d, base),
                       ibgda_wqe_fetch_add64(d->qpn, (uint16_t)base,
                                             ibgda_fm_ce_se(fence ? IBGDA_FENCE_SMALL_AND_FENCE : IBGDA_FENCE_NONE, true),
                                             raddr, rkey, d->scratch, d->lkey, add));
-    return ibgda_publish(d, base, 1u, ring);
+    return ibgda_publish(d, t, 1u, ring);
 }
 
 // A NOP that asks for a CQE: a submission with no effect, for barriers and tests.
 __device__ __forceinline__ int ibgda_nop(ibgda_qp_desc* d, bool ring) {
-    uint64_t base;
-    int st = ibgda_reserve(d, 1u, &base);
+    ibgda_ticket t;
+    int st = ibgda_reserve(d, 1u, &t);
     if (st != IBGDA_STATUS_OK) return st;
+    const uint64_t base = t.base;
     ibgda_wqebb_store(ibgda_slot(d, base), ibgda_wqe_nop(d->qpn, (uint16_t)base, ibgda_fm_ce_se(IBGDA_FENCE_NONE, true)));
-    return ibgda_publish(d, base, 1u, ring);
+    return ibgda_publish(d, t, 1u, ring);
 }
 
 // Warp-cooperative RDMA write: all 32 lanes call it with the same arguments. The put is cut into
@@ -540,12 +570,12 @@ __device__ __forceinline__ int ibgda_put_warp(ibgda_qp_desc* d, uint64_t raddr, 
     const uint32_t per_sub = d->nwqes < 32u ? d->nwqes : 32u;
     for (uint64_t first = 0; first < nchunks; first += per_sub) {
         uint32_t n = (uint32_t)((nchunks - first) < per_sub ? (nchunks - first) : per_sub);
-        uint64_t base = 0;
+        ibgda_ticket t = {0, 0};
         int st = IBGDA_STATUS_OK;
-        if (lane == 0u) st = ibgda_reserve(d, n, &base);
+        if (lane == 0u) st = ibgda_reserve(d, n, &t);
         st = __shfl_sync(0xffffffffu, st, 0);
         if (st != IBGDA_STATUS_OK) return st;
-        base = __shfl_sync(0xffffffffu, base, 0);
+        const uint64_t base = __shfl_sync(0xffffffffu, t.base, 0);
         if (lane < n) {
             uint64_t off = (first + lane) * (uint64_t)chunk;
             uint32_t len = (uint32_t)((bytes - off) < chunk ? (bytes - off) : chunk);
@@ -555,7 +585,8 @@ __device__ __forceinline__ int ibgda_put_warp(ibgda_qp_desc* d, uint64_t raddr, 
                                                    raddr + off, rkey, laddr + off, d->lkey, len));
         }
         __syncwarp();
-        if (lane == 0u) st = ibgda_publish(d, base, n, ring);
+        // Lane 0 holds the ticket: it reserved.
+        if (lane == 0u) st = ibgda_publish(d, t, n, ring);
         st = __shfl_sync(0xffffffffu, st, 0);
         if (st != IBGDA_STATUS_OK) return st;
     }

@@ -35,6 +35,16 @@ const ERROR_POLL_EVERY: u32 = 256;
 /// A result of the protocol: `Err` names why the call stopped (the device's status).
 pub type Step<T = ()> = Result<T, Stopped>;
 
+/// What [`HostQp::reserve`] hands to [`HostQp::publish`] (`ibgda_ticket`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    /// The first reserved WQEBB index.
+    pub base: u64,
+    /// `ready_head` as read (relaxed) right after the reservation: equal to `base` when the
+    /// publish turn was already free then, which spares the publish a load of its own.
+    pub head: u64,
+}
+
 /// One QP driven by host threads with the device algorithm. Shared by reference among the
 /// submitting threads (it is `Sync`); every piece of shared state is an atomic in the descriptor.
 #[derive(Debug)]
@@ -389,9 +399,10 @@ impl HostQp {
     // -----------------------------------------------------------------------------------------
     // Submit
 
-    /// Step 1: reserves `n` WQEBBs and waits until their slots are free; returns the first index.
-    /// The caller then writes and publishes exactly `[base, base + n)` before reserving again.
-    pub fn reserve(&self, n: u32) -> Step<u64> {
+    /// Step 1: reserves `n` WQEBBs and waits until their slots are free; returns the [`Ticket`]
+    /// (the first index, and the turn as read right after). The caller then writes and
+    /// publishes exactly `[base, base + n)` with it before reserving again.
+    pub fn reserve(&self, n: u32) -> Step<Ticket> {
         if n == 0 || n > self.cfg.nwqes {
             self.record_error(ErrorKind::TimeoutReserve as u32, None);
             return Err(Stopped(ErrorKind::TimeoutReserve as u32));
@@ -399,11 +410,13 @@ impl HostQp {
         let base = self.resv_head().fetch_add(u64::from(n), Ordering::Relaxed);
         let end = base + u64::from(n);
         let nwqes = u64::from(self.cfg.nwqes);
-        if end <= nwqes || self.cons_idx().load(Ordering::Acquire) >= end - nwqes {
-            return Ok(base);
+        if end > nwqes && self.cons_idx().load(Ordering::Acquire) < end - nwqes {
+            self.wait_cons(end - nwqes, ErrorKind::TimeoutReserve)?;
         }
-        self.wait_cons(end - nwqes, ErrorKind::TimeoutReserve)?;
-        Ok(base)
+        Ok(Ticket {
+            base,
+            head: self.ready_head().load(Ordering::Relaxed),
+        })
     }
 
     /// Step 2: stores one WQEBB at index `idx` (reserved by this caller).
@@ -414,26 +427,31 @@ impl HostQp {
         unsafe { ptr::write_volatile((self.cfg.wq_base as *mut u8).add(slot) as *mut WqeBB, *wqe) };
     }
 
-    /// Steps 3 and 4: publishes `[base, base + n)` in order and, with `ring`, makes a doorbell
-    /// cover it.
+    /// Steps 3 and 4: publishes `[t.base, t.base + n)` in order and, with `ring`, makes a
+    /// doorbell cover it.
     ///
-    /// As on the GPU, the CPU modes raise the producer slot with a plain release store while
-    /// holding the turn (`ready_head == base`), before passing the turn on; `protocol.cuh`'s
-    /// `ibgda_publish` says why the slot still only grows.
-    pub fn publish(&self, base: u64, n: u32, ring: bool) -> Step {
-        if self.ready_head().load(Ordering::Acquire) != base {
+    /// As on the GPU: the turn is the ticket's relaxed read when it found `ready_head == base`,
+    /// else a bounded wait with acquire loads; then one fence (acquire for that read, release for
+    /// the WQEs), in the CPU modes a plain store of the producer slot while holding the turn, and
+    /// the `ready_head` store that passes the turn on. `protocol.cuh`'s `ibgda_publish` says why
+    /// the slot still only grows.
+    pub fn publish(&self, t: Ticket, n: u32, ring: bool) -> Step {
+        if t.head != t.base {
             let mut w = self.wait_begin();
-            while self.ready_head().load(Ordering::Acquire) != base {
+            while self.ready_head().load(Ordering::Acquire) != t.base {
                 self.wait_step(&mut w, ErrorKind::TimeoutReady)?;
             }
         }
-        let end = base + u64::from(n);
+        let end = t.base + u64::from(n);
         let raise = ring && self.mode().uses_proxy();
+        fence(Ordering::AcqRel);
         if raise {
-            self.producer_slot().store(end, Ordering::Release);
+            self.producer_slot().store(end, Ordering::Relaxed);
+            self.ready_head().store(end, Ordering::Release);
+            return Ok(());
         }
-        self.ready_head().store(end, Ordering::Release);
-        if ring && !raise {
+        self.ready_head().store(end, Ordering::Relaxed);
+        if ring {
             self.ring_gpu(end, true)
         } else {
             Ok(())
@@ -458,13 +476,13 @@ impl HostQp {
         ring: bool,
         mut build: impl FnMut(u64, bool) -> WqeBB,
     ) -> Step<u64> {
-        let base = self.reserve(n)?;
+        let t = self.reserve(n)?;
         for i in 0..u64::from(n) {
-            let wqe = build(base + i, i + 1 == u64::from(n));
-            self.write(base + i, &wqe);
+            let wqe = build(t.base + i, i + 1 == u64::from(n));
+            self.write(t.base + i, &wqe);
         }
-        self.publish(base, n, ring)?;
-        Ok(base + u64::from(n))
+        self.publish(t, n, ring)?;
+        Ok(t.base + u64::from(n))
     }
 
     /// A NOP asking for a CQE.

@@ -25,7 +25,7 @@ mod model_tests;
 pub use handler::{
     select, HandlerChoice, HandlerProbe, HandlerUnavailable, UnknownHandler, HANDLER_ENV,
 };
-pub use host::{HostQp, Step};
+pub use host::{HostQp, Step, Ticket};
 pub use status::{
     check_record, describe_kind, DeviceFailure, Stopped, DEFAULT_TIMEOUT_NS, ERROR_INVALID_DESC,
     MAX_NWQES, STATUS_ABORTED, STATUS_OK,

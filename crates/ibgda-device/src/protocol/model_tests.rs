@@ -457,7 +457,7 @@ fn lost_reservation_ends_in_a_bounded_ready_timeout() {
         rig.qps[0].nop(true).unwrap();
         // A submitter that reserves and never publishes.
         let lost = rig.qps[0].reserve(2).unwrap();
-        assert_eq!(lost, 1);
+        assert_eq!(lost.base, 1);
         let t0 = Instant::now();
         let e = rig.qps[0].nop(true).unwrap_err();
         assert!(

@@ -1,8 +1,8 @@
 //! The producer slot: the one 8-byte word per QP through which device code hands its new
 //! producer index to the CPU proxy in the CPU handler modes.
 //!
-//! The GPU raises it with a system-scope release store (`st.release.sys.u64`) while it holds the
-//! QP's publish turn, and with a system-scope release `atomicMax` (`red.release.sys.max.u64`) when
+//! The GPU raises it with a system-scope fence and a plain store (`fence.acq_rel.sys`, then
+//! `st.relaxed.sys.u64`) while it holds the QP's publish turn, and with a system-scope release `atomicMax` (`red.release.sys.max.u64`) when
 //! it flushes batched publishes; the value only grows (`protocol.cuh`, `ibgda_publish`, has the
 //! argument). The proxy reads it with one aligned 8-byte load. Both sides rely on it being a
 //! naturally aligned `u64`: a misaligned or narrower slot could be read torn, or the GPU's 64-bit
