@@ -189,7 +189,8 @@ impl DeviceBuffer {
         &self.ctx
     }
 
-    /// Copies `data` to byte offset `offset` (synchronous).
+    /// Copies `data` to byte offset `offset`. Synchronous: the bytes are in device memory when
+    /// it returns, so work on any stream (non-blocking ones included) may read them at once.
     pub fn upload<T: bytemuck::Pod>(&self, offset: usize, data: &[T]) -> Result<(), CudaError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         self.check_range(offset, bytes.len())?;
@@ -206,7 +207,10 @@ impl DeviceBuffer {
         .map_err(|source| CudaError::Driver {
             call: "cuMemcpyHtoD",
             source,
-        })
+        })?;
+        // From pageable memory cuMemcpyHtoD returns once the last piece is staged, with its DMA
+        // still queued on the legacy stream, which a non-blocking stream does not wait for.
+        legacy_stream_synchronize()
     }
 
     /// Copies `count` elements of `T` from byte offset `offset` to the host (synchronous).
@@ -235,7 +239,8 @@ impl DeviceBuffer {
         Ok(out)
     }
 
-    /// Fills the whole buffer with the byte `value` (synchronous).
+    /// Fills the whole buffer with the byte `value`. Synchronous, as [`DeviceBuffer::upload`]:
+    /// done in device memory when it returns.
     pub fn fill_bytes(&self, value: u8) -> Result<(), CudaError> {
         bind(&self.ctx)?;
         // SAFETY: the whole live allocation is written.
@@ -244,7 +249,9 @@ impl DeviceBuffer {
             .map_err(|source| CudaError::Driver {
                 call: "cuMemsetD8",
                 source,
-            })
+            })?;
+        // cuMemsetD8 on device memory is asynchronous to the host (legacy stream).
+        legacy_stream_synchronize()
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
@@ -257,6 +264,19 @@ impl DeviceBuffer {
         }
         Ok(())
     }
+}
+
+/// Waits for the current context's legacy default stream, where the driver's "synchronous"
+/// copies and memsets run.
+fn legacy_stream_synchronize() -> Result<(), CudaError> {
+    // SAFETY: the null stream handle names the current context's legacy default stream, which
+    // always exists while a context is current (the callers bound one).
+    unsafe { cudarc::driver::sys::cuStreamSynchronize(core::ptr::null_mut()) }
+        .result()
+        .map_err(|source| CudaError::Driver {
+            call: "cuStreamSynchronize(legacy stream)",
+            source,
+        })
 }
 
 impl Drop for DeviceBuffer {

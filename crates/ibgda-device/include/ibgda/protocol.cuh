@@ -377,38 +377,44 @@ __device__ __noinline__ int ibgda_wait_cons(ibgda_qp_desc* d, uint64_t target, u
 // ---------------------------------------------------------------------------------------------
 // Submit
 
-// What a reservation hands to its publish: the first reserved index, and ready_head as read
-// (relaxed) right after the reservation. When that read already found the turn (head == base),
-// publish needs no load of its own: ready_head reaches base only once every earlier submission
-// has published, and stays there until this one does.
+// What a reservation hands to its publish: the first reserved index, ready_head as read (relaxed)
+// alongside the reservation, and the producer slot's address. When that read already found the
+// turn (head == base), publish needs no load of its own: ready_head reaches base only once every
+// earlier submission has published, and stays there until this one does. Publish starts with no
+// load at all: what it needs arrived while the WQEs were being written.
 struct ibgda_ticket {
     uint64_t base;
     uint64_t head;
+    uint64_t* slot;
 };
 
 // Step 1: reserves `n` WQEBBs (1 <= n <= nwqes) and waits until their slots are free. On success
 // t->base is the index of the first; the caller must write and then publish exactly
 // [base, base+n) with this ticket before it reserves again on this QP. The ready_head read is
-// issued before the caller's WQE stores, so its round trip overlaps theirs (publish's fence waits
-// for those anyway) instead of following them.
+// issued while the reservation's atomic is in flight (it does not need the atomic's result), so
+// its round trip hides behind that one instead of following the caller's WQE stores; a ring-full
+// wait reads it again after.
 __device__ __forceinline__ int ibgda_reserve(ibgda_qp_desc* d, uint32_t n, ibgda_ticket* t) {
-    if (n == 0u || n > d->nwqes) {
+    const uint32_t nwqes = d->nwqes;
+    t->slot = (uint64_t*)d->producer_slot;
+    if (n == 0u || n > nwqes) {
         // No wait could ever make room: report it as the reservation failure it is, at once.
         ibgda_record_error(d, IBGDA_ERROR_TIMEOUT_RESERVE, nullptr);
         return (int)IBGDA_ERROR_TIMEOUT_RESERVE;
     }
     ibgda_qp_counters* c = &d->counters;
     uint64_t b = atomicAdd((unsigned long long*)&c->resv_head, (unsigned long long)n);
+    t->head = ibgda_ld_relaxed_gpu(&c->ready_head);
     t->base = b;
     uint64_t end = b + n;
-    if (end > (uint64_t)d->nwqes) {
-        uint64_t need = end - d->nwqes;
+    if (end > (uint64_t)nwqes) {
+        uint64_t need = end - nwqes;
         if (ibgda_ld_acquire_gpu(&c->cons_idx) < need) {
             int st = ibgda_wait_cons(d, need, IBGDA_ERROR_TIMEOUT_RESERVE);
             if (st != IBGDA_STATUS_OK) return st;
+            t->head = ibgda_ld_relaxed_gpu(&c->ready_head);
         }
     }
-    t->head = ibgda_ld_relaxed_gpu(&c->ready_head);
     return IBGDA_STATUS_OK;
 }
 
@@ -459,7 +465,7 @@ __device__ __forceinline__ int ibgda_publish(ibgda_qp_desc* d, const ibgda_ticke
     // A valid descriptor has a producer slot exactly in the CPU modes (ibgda_check_desc, and
     // QpDesc::validate on the host), so the slot alone tells the mode on this path; the mode
     // word is read only when there is no usable slot.
-    uint64_t* const slot = (uint64_t*)d->producer_slot;
+    uint64_t* const slot = t.slot;
     const bool raise = ring && slot != nullptr && ((uint64_t)slot & 7u) == 0;
     // The turn is usually free already: that path falls straight through to the stores, the
     // bounded wait lives out of line.
@@ -570,7 +576,7 @@ __device__ __forceinline__ int ibgda_put_warp(ibgda_qp_desc* d, uint64_t raddr, 
     const uint32_t per_sub = d->nwqes < 32u ? d->nwqes : 32u;
     for (uint64_t first = 0; first < nchunks; first += per_sub) {
         uint32_t n = (uint32_t)((nchunks - first) < per_sub ? (nchunks - first) : per_sub);
-        ibgda_ticket t = {0, 0};
+        ibgda_ticket t = {0, 0, nullptr};
         int st = IBGDA_STATUS_OK;
         if (lane == 0u) st = ibgda_reserve(d, n, &t);
         st = __shfl_sync(0xffffffffu, st, 0);
