@@ -10,10 +10,12 @@
 //!    the send ring and CQ in GPU memory (where the mode places them) and in pinned host memory
 //!    (the emulator's default). p50/p99 over `--iters` samples.
 //! 2. `proxy_publish_one_way`: the same, measured directly. `%globaltimer` is calibrated against
-//!    the host clock (`Instant`, CLOCK_MONOTONIC) by 4000 GPU↔CPU exchanges before and after (the
-//!    GPU stamps t1 and posts k, the host stamps h and replies, the GPU stamps t2: the offset lies
-//!    in `[t1 − h, t2 + step − h)`; the fastest tenth's intervals are intersected, which bounds
-//!    the offset without assuming equal legs; drift between the two calibrations is interpolated).
+//!    the host clock (`Instant`, CLOCK_MONOTONIC) by 4000 GPU↔CPU exchanges before the first run
+//!    and after every run (the GPU stamps t1 and posts k, the host stamps h and replies, the GPU
+//!    stamps t2: the offset lies in `[t1 − h, t2 + step − h)`; the fastest tenth's intervals are
+//!    intersected, which bounds the offset without assuming equal legs; a run's offset is
+//!    interpolated between the calibrations either side of it, so rows measured seconds apart
+//!    share no drift error).
 //!    Per publish the kernel keeps t0 (`%globaltimer` just before the publish sequence) and the
 //!    watcher stamps the host clock: one-way = host stamp − (t0 − offset), ± the offset bound.
 //!    Rows, per publish-sequence variant ([`VARIANTS`]; `current` is what `protocol.cuh` does)
@@ -755,19 +757,25 @@ struct Calib {
     samples: usize,
 }
 
-/// Calibrates `%globaltimer` against `host_ns(base)` with `n` exchanges.
-fn calibrate(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<cudarc::driver::CudaStream>,
-    n: u32,
-    base: Instant,
-) -> Result<Calib> {
+/// The clock exchange kernel ([`CLOCK_PTX`]), JIT-compiled once per measurement.
+fn clock_function(ctx: &Arc<CudaContext>) -> Result<cudarc::driver::CudaFunction> {
     let module = ctx
         .load_module(cudarc::nvrtc::Ptx::from_src(CLOCK_PTX))
         .context("JIT-compiling the clock exchange kernel")?;
-    let f = module
+    module
         .load_function("clock_exchange")
-        .context("clock_exchange")?;
+        .context("clock_exchange")
+}
+
+/// Calibrates `%globaltimer` against `host_ns(base)` with `n` exchanges of `f`
+/// ([`clock_function`]).
+fn calibrate(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    f: &cudarc::driver::CudaFunction,
+    n: u32,
+    base: Instant,
+) -> Result<Calib> {
     let nn = n as usize;
     let mbox = pinned(ctx, 64)?;
     let reply = pinned(ctx, 64)?;
@@ -814,7 +822,7 @@ fn calibrate(
         status.ptr(),
         res.ptr(),
     );
-    let mut l = stream.launch_builder(&f);
+    let mut l = stream.launch_builder(f);
     l.arg(&mp)
         .arg(&rp)
         .arg(&n)
@@ -1238,22 +1246,34 @@ fn run_group_publish(
     sg.finish(&rtt, &t_pub, n)
 }
 
-/// Per variant: its runs, by path (`echo`, `proxy`, `transport`).
+/// One run of a publish path with the calibrations made just before and just after it: its
+/// one-way times use the offset interpolated between these two (tens of milliseconds apart), so
+/// rows measured at different moments of the sweep share no drift error.
+struct TimedRun {
+    run: PublishRun,
+    before: Calib,
+    after: Calib,
+}
+
+/// Per variant: its runs, by path (`echo`, `proxy`, `transport`, and for `current` `header`,
+/// `header_res`).
 struct VariantRuns {
     variant: &'static Variant,
-    runs: Vec<(&'static str, std::result::Result<PublishRun, String>)>,
+    runs: Vec<(&'static str, std::result::Result<TimedRun, String>)>,
 }
 
 /// What the direct one-way measurement found for one ring placement.
 struct Direct {
-    before: Calib,
-    after: Calib,
+    /// The first and the last calibration of the sweep (for the clock summary line).
+    first: Calib,
+    last: Calib,
     variants: Vec<VariantRuns>,
 }
 
-/// Calibration; every variant through a bare CPU poller (`echo`), the bare proxy (`proxy`) and a
-/// real QP of the emulated NIC (`transport`; not for a variant that does not order the WQEs, which
-/// the emulator could read stale); calibration again.
+/// Every variant through a bare CPU poller (`echo`), the bare proxy (`proxy`) and a real QP of
+/// the emulated NIC (`transport`; not for a variant that does not order the WQEs, which the
+/// emulator could read stale), and the header's own publish (`header`, `header_res`); a
+/// calibration before the first run and after every run.
 fn measure_variants(
     ctx: &Arc<CudaContext>,
     iters: u32,
@@ -1261,45 +1281,62 @@ fn measure_variants(
 ) -> Result<Direct> {
     let stream = ctx.new_stream()?;
     let base = Instant::now();
-    let before = calibrate(ctx, &stream, CLOCK_EXCHANGES, base)?;
+    let clock = clock_function(ctx)?;
+    let first = calibrate(ctx, &stream, &clock, CLOCK_EXCHANGES, base)?;
+    let mut last = first;
     let err = |e: anyhow::Error| format!("{e:#}");
-    let variants = VARIANTS
-        .iter()
-        .map(|v| {
-            let mut runs = vec![
-                (
-                    "echo",
-                    run_publish(ctx, &stream, placement, v, iters, Watcher::Echo, base)
-                        .map_err(err),
-                ),
-                (
-                    "proxy",
-                    run_publish(ctx, &stream, placement, v, iters, Watcher::Proxy, base)
-                        .map_err(err),
-                ),
-            ];
-            if !v.verdict.starts_with("NOT") {
-                runs.push((
+    let mut variants = Vec::new();
+    for v in VARIANTS {
+        let mut runs: Vec<(&'static str, std::result::Result<TimedRun, String>)> = Vec::new();
+        // Runs one path, then calibrates: the run's brackets are the calibrations either side.
+        let mut timed =
+            |r: Result<Vec<(&'static str, PublishRun)>>,
+             what: &'static str|
+             -> Result<Vec<(&'static str, std::result::Result<TimedRun, String>)>> {
+                let after = calibrate(ctx, &stream, &clock, CLOCK_EXCHANGES, base)?;
+                let before = std::mem::replace(&mut last, after);
+                Ok(match r {
+                    Ok(paths) => paths
+                        .into_iter()
+                        .map(|(path, run)| (path, Ok(TimedRun { run, before, after })))
+                        .collect(),
+                    Err(e) => vec![(what, Err(err(e)))],
+                })
+            };
+        let one = |path: &'static str, r: Result<PublishRun>| r.map(|run| vec![(path, run)]);
+        runs.extend(timed(
+            one(
+                "echo",
+                run_publish(ctx, &stream, placement, v, iters, Watcher::Echo, base),
+            ),
+            "echo",
+        )?);
+        runs.extend(timed(
+            one(
+                "proxy",
+                run_publish(ctx, &stream, placement, v, iters, Watcher::Proxy, base),
+            ),
+            "proxy",
+        )?);
+        if !v.verdict.starts_with("NOT") {
+            runs.extend(timed(
+                one(
                     "transport",
-                    run_group_publish(ctx, &stream, placement, v, iters, base).map_err(err),
-                ));
-            }
-            if v.name == "current" {
-                match run_header_publish(ctx, &stream, placement, iters, base) {
-                    Ok((publish, reserve)) => {
-                        runs.push(("header", Ok(publish)));
-                        runs.push(("header_res", Ok(reserve)));
-                    }
-                    Err(e) => runs.push(("header", Err(err(e)))),
-                }
-            }
-            VariantRuns { variant: v, runs }
-        })
-        .collect();
-    let after = calibrate(ctx, &stream, CLOCK_EXCHANGES, base)?;
+                    run_group_publish(ctx, &stream, placement, v, iters, base),
+                ),
+                "transport",
+            )?);
+        }
+        if v.name == "current" {
+            let header = run_header_publish(ctx, &stream, placement, iters, base)
+                .map(|(publish, reserve)| vec![("header", publish), ("header_res", reserve)]);
+            runs.extend(timed(header, "header")?);
+        }
+        variants.push(VariantRuns { variant: v, runs });
+    }
     Ok(Direct {
-        before,
-        after,
+        first,
+        last,
         variants,
     })
 }
@@ -1681,8 +1718,8 @@ fn main() -> Result<()> {
     for placement in [RingPlacement::Device, RingPlacement::HostPinned] {
         let name = placement_name(placement);
         let Direct {
-            before,
-            after,
+            first: before,
+            last: after,
             variants: runs,
         } = match measure_variants(&ctx, a.iters, placement) {
             Ok(r) => r,
@@ -1723,7 +1760,8 @@ fn main() -> Result<()> {
             (before.ntp_offset - before.offset) as f64 / 1e3,
         );
         println!(
-            "  one-way = host clock when seen/rung - GPU t0 on the host clock; every one-way figure is +/-{err_us:.2} us (the offset bound)"
+            "  one-way = host clock when seen/rung - GPU t0 on the host clock, the offset interpolated between calibrations made\n  \
+             just before and just after each run; a figure is +/- its run's offset bound (about {err_us:.2} us; per row in the JSON)"
         );
         println!(
             "  {:<22} {:<10} {:>8} {:>8} {:>12} {:>8} {:>8} {:>7}",
@@ -1742,10 +1780,15 @@ fn main() -> Result<()> {
                 !r.variant.verdict.starts_with("NOT") && !r.variant.verdict.starts_with("needs");
             for (path, run) in &r.runs {
                 match run {
-                    Ok(run) => {
+                    Ok(TimedRun {
+                        run,
+                        before: run_before,
+                        after: run_after,
+                    }) => {
                         let rt = sorted_us(&run.rtt_ns[skip.min(run.rtt_ns.len())..]);
-                        let ow = one_way_us(run, &before, &after, skip, false);
-                        let ntp = one_way_us(run, &before, &after, skip, true);
+                        let ow = one_way_us(run, run_before, run_after, skip, false);
+                        let ntp = one_way_us(run, run_before, run_after, skip, true);
+                        let run_err_us = run_before.err_ns.max(run_after.err_ns) / 1e3;
                         let missed = run.seen.len().saturating_sub(skip) - ow.len();
                         let (rt50, rt99, ow50, ow99, ntp50) = (
                             percentile(&rt, 0.5),
@@ -1766,7 +1809,7 @@ fn main() -> Result<()> {
                             json_num(ow50),
                             json_num(ow99),
                             json_num(ntp50),
-                            json_num(err_us),
+                            json_num(run_err_us),
                             before.step_ns,
                             json_num(drift_ppm),
                             ow.len()
