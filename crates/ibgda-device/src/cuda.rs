@@ -49,6 +49,16 @@ pub enum CudaError {
         /// How many GPUs are visible.
         count: usize,
     },
+    /// A host wait for the device ran past its bound (work queued ahead of it never finished).
+    #[error("{what} still not done after {waited:?} (bound {bound:?})")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long the wait lasted.
+        waited: std::time::Duration,
+        /// The bound it ran past.
+        bound: std::time::Duration,
+    },
 }
 
 /// Whether `libcuda` can be loaded on this machine.
@@ -266,17 +276,41 @@ impl DeviceBuffer {
     }
 }
 
-/// Waits for the current context's legacy default stream, where the driver's "synchronous"
-/// copies and memsets run.
+/// How long [`DeviceBuffer::upload`] and [`DeviceBuffer::fill_bytes`] wait for the legacy
+/// stream: far above any copy (a GiB crosses PCIe in well under a second) and above the bound of
+/// every kernel this project queues there.
+pub const LEGACY_STREAM_BOUND: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Waits (bounded by [`LEGACY_STREAM_BOUND`]) for the current context's legacy default stream,
+/// where the driver's "synchronous" copies and memsets run.
 fn legacy_stream_synchronize() -> Result<(), CudaError> {
-    // SAFETY: the null stream handle names the current context's legacy default stream, which
-    // always exists while a context is current (the callers bound one).
-    unsafe { cudarc::driver::sys::cuStreamSynchronize(core::ptr::null_mut()) }
-        .result()
-        .map_err(|source| CudaError::Driver {
-            call: "cuStreamSynchronize(legacy stream)",
-            source,
-        })
+    use cudarc::driver::sys;
+    let start = std::time::Instant::now();
+    loop {
+        // SAFETY: the null stream handle names the current context's legacy default stream,
+        // which exists while a context is current (the callers bound one).
+        let r = unsafe { sys::cuStreamQuery(core::ptr::null_mut()) };
+        if r != sys::cudaError_enum::CUDA_ERROR_NOT_READY {
+            return r.result().map_err(|source| CudaError::Driver {
+                call: "cuStreamQuery(legacy stream)",
+                source,
+            });
+        }
+        let waited = start.elapsed();
+        if waited > LEGACY_STREAM_BOUND {
+            return Err(CudaError::Timeout {
+                what: "the legacy stream (a copy or memset to device memory)",
+                waited,
+                bound: LEGACY_STREAM_BOUND,
+            });
+        }
+        // A copy's last DMA takes microseconds: spin through that, sleep past it.
+        if waited < std::time::Duration::from_micros(200) {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
 }
 
 impl Drop for DeviceBuffer {
