@@ -284,27 +284,61 @@ pub const LEGACY_STREAM_BOUND: std::time::Duration = std::time::Duration::from_s
 /// Waits (bounded by [`LEGACY_STREAM_BOUND`]) for the current context's legacy default stream,
 /// where the driver's "synchronous" copies and memsets run.
 fn legacy_stream_synchronize() -> Result<(), CudaError> {
+    // SAFETY: the null handle names the current context's legacy default stream, which exists
+    // while a context is current (the callers bound one).
+    unsafe {
+        poll_stream(
+            core::ptr::null_mut(),
+            LEGACY_STREAM_BOUND,
+            "the legacy stream (a copy or memset to device memory)",
+        )
+    }
+}
+
+/// Polls `stream` until its work has finished, at most `bound` ([`CudaError::Timeout`] naming
+/// `what`); a failed stream is [`CudaError::Driver`]. For waits that must not hang on a kernel
+/// that never ends.
+pub fn wait_stream(
+    stream: &cudarc::driver::CudaStream,
+    bound: std::time::Duration,
+    what: &'static str,
+) -> Result<(), CudaError> {
+    bind(stream.context())?;
+    // SAFETY: a live stream of the context just made current (the `CudaStream` keeps both).
+    unsafe { poll_stream(stream.cu_stream(), bound, what) }
+}
+
+/// The polling behind [`wait_stream`] and [`legacy_stream_synchronize`].
+///
+/// # Safety
+///
+/// `stream` is a live stream of the current context, or null (its legacy default stream).
+unsafe fn poll_stream(
+    stream: cudarc::driver::sys::CUstream,
+    bound: std::time::Duration,
+    what: &'static str,
+) -> Result<(), CudaError> {
     use cudarc::driver::sys;
     let start = std::time::Instant::now();
     loop {
-        // SAFETY: the null stream handle names the current context's legacy default stream,
-        // which exists while a context is current (the callers bound one).
-        let r = unsafe { sys::cuStreamQuery(core::ptr::null_mut()) };
+        // SAFETY: `stream` is live (or null) in the current context (this function's contract).
+        let r = unsafe { sys::cuStreamQuery(stream) };
         if r != sys::cudaError_enum::CUDA_ERROR_NOT_READY {
             return r.result().map_err(|source| CudaError::Driver {
-                call: "cuStreamQuery(legacy stream)",
+                call: "cuStreamQuery",
                 source,
             });
         }
         let waited = start.elapsed();
-        if waited > LEGACY_STREAM_BOUND {
+        if waited > bound {
             return Err(CudaError::Timeout {
-                what: "the legacy stream (a copy or memset to device memory)",
+                what,
                 waited,
-                bound: LEGACY_STREAM_BOUND,
+                bound,
             });
         }
-        // A copy's last DMA takes microseconds: spin through that, sleep past it.
+        // Short work (a copy's last DMA) ends within microseconds: spin through that, then
+        // sleep between polls.
         if waited < std::time::Duration::from_micros(200) {
             std::hint::spin_loop();
         } else {

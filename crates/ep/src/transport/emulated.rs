@@ -27,7 +27,7 @@
 
 use std::any::Any;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use ibgda_device::cuda::DeviceBuffer;
@@ -950,33 +950,12 @@ impl GdrSlots {
 /// Polls `stream` until its work has finished, at most `bound` (then
 /// [`TransportError::StreamTimeout`]); a failed stream is a CUDA error.
 pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), TransportError> {
-    use cudarc::driver::sys;
-    let start = Instant::now();
-    stream.context().bind_to_thread().map_err(|source| {
-        TransportError::Cuda(ibgda_device::cuda::CudaError::Driver {
-            call: "cuCtxSetCurrent",
-            source,
-        })
-    })?;
-    loop {
-        // SAFETY: a live stream of a live context (the `CudaStream` keeps both).
-        let r = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
-        if r != sys::cudaError_enum::CUDA_ERROR_NOT_READY {
-            // Finished or failed: synchronize returns at once and says which.
-            return stream.synchronize().map_err(|source| {
-                TransportError::Cuda(ibgda_device::cuda::CudaError::Driver {
-                    call: "cuStreamSynchronize",
-                    source,
-                })
-            });
-        }
-        let waited = start.elapsed();
-        if waited > bound {
-            return Err(TransportError::StreamTimeout {
-                waited,
-                record: None,
-            });
-        }
-        std::thread::sleep(Duration::from_micros(50));
+    use ibgda_device::cuda::CudaError;
+    match ibgda_device::cuda::wait_stream(stream, bound, "the stream") {
+        Err(CudaError::Timeout { waited, .. }) => Err(TransportError::StreamTimeout {
+            waited,
+            record: None,
+        }),
+        r => r.map_err(TransportError::Cuda),
     }
 }
