@@ -304,6 +304,24 @@ const VARIANTS: &[Variant] = &[
         ),
     },
     Variant {
+        name: "gpu_scope_fence",
+        verdict: "diagnostic, not safe (the NIC and the proxy are outside the GPU scope, so a .gpu fence does not order the WQE stores before the slot for them): `current` with fence.acq_rel.gpu in place of fence.acq_rel.sys; the difference is what the system scope costs",
+        turn: "    ld.relaxed.gpu.u64 %rd12, [%rd2];",
+        ptx: concat!(
+            turn_check!(),
+            "    fence.acq_rel.gpu;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;"
+        ),
+    },
+    Variant {
+        name: "two_sys_fences",
+        verdict: "diagnostic, safe but wasteful: `current` with a second fence.acq_rel.sys right after the first, which finds nothing of this thread's still in flight; the difference from `current` is what a bare system-scope fence costs",
+        turn: "    ld.relaxed.gpu.u64 %rd12, [%rd2];",
+        ptx: concat!(
+            turn_check!(),
+            "    fence.acq_rel.sys;\n    fence.acq_rel.sys;\n    st.relaxed.sys.u64 [%rd3], %rd10;\n    st.release.gpu.u64 [%rd2], %rd10;"
+        ),
+    },
+    Variant {
         name: "floor_unsafe",
         verdict: "NOT safe (no turn, no ordering of the WQE stores): st.relaxed.sys slot only; the floor of what any publish can cost",
         turn: "",
