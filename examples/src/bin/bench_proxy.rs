@@ -27,6 +27,8 @@
 //!    the figure) and `header_res` = the same samples timed from just before the
 //!    reservation (the whole submission). Target: p50 ≤ 2 µs. Every safe variant uses the
 //!    turn value it loads (else `ptxas` drops the load and the row flatters the sequence).
+//!    Two diagnostic variants split `current`'s cost: `gpu_scope_fence` (its fence at `.gpu`
+//!    scope, not safe) and `two_sys_fences` (a second `.sys` fence that finds nothing to wait for).
 //! 3. `proxy_doorbell_rate`, sink `counter`: the proxy alone. Kernel threads raise 1…64 producer
 //!    slots in pinned host memory as fast as they can; the proxy sweeps them and rings a doorbell
 //!    that only counts. Doorbells per second over `--ms`, with the GPU's raise rate beside it: a
