@@ -463,7 +463,7 @@ __device__ __noinline__ int ibgda_wait_turn(ibgda_qp_desc* d, uint64_t base) {
 // Why the fence is .sys, although its scope is the part of the cost the GPU could cut: the proxy
 // and the NIC are observers outside the GPU, and the PTX memory model orders a thread's stores
 // for them only at system scope. bench_proxy measured (2x H200, 2026-11-30) the same sequence
-// with a .gpu fence at 0.35-0.5 us less per publish (`gpu_scope_fence`), and DeepEP orders its
+// with a .gpu fence at 0.26-0.48 us less per publish (`gpu_scope_fence`), and DeepEP orders its
 // doorbells at gpu scope; that rests on the hardware (WQEs acknowledged by L2, which serves the
 // NIC's reads of GPU memory) rather than on the model, and no NIC here could test it, so it is
 // not done.
