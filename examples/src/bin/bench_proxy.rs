@@ -127,6 +127,33 @@ fn dev_addr(b: &HostBuffer) -> Result<u64> {
         .context("pinned memory has no device address")
 }
 
+/// The ack wait of the round-trip publish kernels (`{AWAIT_ACK}`): spins until `*%rd4 >= %rd10`,
+/// going to `GOT` then, or to `TIMEOUT` once `%globaltimer − t0 (%rd11) > limit (%rd6)`.
+const AWAIT_ACK_PTX: &str = r#"POLL:
+    ld.relaxed.sys.u64 %rd13, [%rd4];
+    setp.ge.u64 %p2, %rd13, %rd10;
+    @%p2 bra GOT;
+    mov.u64 %rd14, %globaltimer;
+    sub.u64 %rd15, %rd14, %rd11;
+    setp.gt.u64 %p3, %rd15, %rd6;
+    @%p3 bra TIMEOUT;
+    bra.uni POLL;
+"#;
+
+/// The exits of the round-trip publish kernels (`{EXITS}`): `*status (%rd7)` = 2 for `TURN_LOST`,
+/// 1 for `TIMEOUT`, untouched for `DONE`; it ends with the kernel's closing brace.
+const EXITS_PTX: &str = r#"TURN_LOST:
+    mov.u32 %r7, 2;
+    st.u32 [%rd7], %r7;
+    ret;
+TIMEOUT:
+    mov.u32 %r7, 1;
+    st.u32 [%rd7], %r7;
+DONE:
+    ret;
+}
+"#;
+
 /// The GPU side of one protocol publish, as a ping-pong, with the publish instructions as a
 /// parameter (`{PUBLISH}`, see [`VARIANTS`]): for `i = 1..=iters`, one thread writes a 64-byte
 /// record into ring slot `i % nslots` (four 16-byte stores, as `ibgda_wqebb_store`), reads
@@ -185,15 +212,7 @@ LOOP:
     st.v4.u32 [%rd9+48], {%r3, %r3, %r3, %r3};
     mov.u64 %rd11, %globaltimer;
 {PUBLISH}
-POLL:
-    ld.relaxed.sys.u64 %rd13, [%rd4];
-    setp.ge.u64 %p2, %rd13, %rd10;
-    @%p2 bra GOT;
-    mov.u64 %rd14, %globaltimer;
-    sub.u64 %rd15, %rd14, %rd11;
-    setp.gt.u64 %p3, %rd15, %rd6;
-    @%p3 bra TIMEOUT;
-    bra.uni POLL;
+{AWAIT_ACK}
 GOT:
     mov.u64 %rd14, %globaltimer;
     sub.u64 %rd15, %rd14, %rd11;
@@ -205,16 +224,7 @@ GOT:
     st.u64 [%rd18], %rd11;
     add.u32 %r3, %r3, 1;
     bra.uni LOOP;
-TURN_LOST:
-    mov.u32 %r7, 2;
-    st.u32 [%rd7], %r7;
-    ret;
-TIMEOUT:
-    mov.u32 %r7, 1;
-    st.u32 [%rd7], %r7;
-DONE:
-    ret;
-}
+{EXITS}
 "#;
 
 /// One way of publishing a producer index, for the side-by-side rows (single publisher, so the
@@ -331,11 +341,14 @@ const VARIANTS: &[Variant] = &[
     },
 ];
 
-/// `template` with `v`'s sequences in its `{TURN}` and `{PUBLISH}` places.
+/// `template` with `v`'s sequences in its `{TURN}` and `{PUBLISH}` places, and the shared
+/// [`AWAIT_ACK_PTX`] and [`EXITS_PTX`] in its `{AWAIT_ACK}` and `{EXITS}` places.
 fn fill(template: &str, v: &Variant) -> String {
     template
         .replace("{TURN}", v.turn)
         .replace("{PUBLISH}", v.ptx)
+        .replace("{AWAIT_ACK}\n", AWAIT_ACK_PTX)
+        .replace("{EXITS}\n", EXITS_PTX)
 }
 
 /// What a hand-written publish kernel's non-zero status means.
@@ -1011,15 +1024,7 @@ LOOP:
     st.v4.u32 [%rd9+48], {%r22, %r23, %r24, %r25};
     mov.u64 %rd11, %globaltimer;
 {PUBLISH}
-POLL:
-    ld.relaxed.sys.u64 %rd13, [%rd4];
-    setp.ge.u64 %p2, %rd13, %rd10;
-    @%p2 bra GOT;
-    mov.u64 %rd14, %globaltimer;
-    sub.u64 %rd15, %rd14, %rd11;
-    setp.gt.u64 %p3, %rd15, %rd6;
-    @%p3 bra TIMEOUT;
-    bra.uni POLL;
+{AWAIT_ACK}
 GOT:
     mov.u64 %rd14, %globaltimer;
     sub.u64 %rd15, %rd14, %rd11;
@@ -1029,16 +1034,7 @@ GOT:
     st.u64 [%rd18], %rd11;
     add.u32 %r3, %r3, 1;
     bra.uni LOOP;
-TURN_LOST:
-    mov.u32 %r7, 2;
-    st.u32 [%rd7], %r7;
-    ret;
-TIMEOUT:
-    mov.u32 %r7, 1;
-    st.u32 [%rd7], %r7;
-DONE:
-    ret;
-}
+{EXITS}
 "#;
 
 /// The transport publish kernel with `v`'s publish sequence.
