@@ -134,6 +134,32 @@ pub enum EpError {
         /// The pool's limit.
         limit: usize,
     },
+    /// Ranks of one process sharing a GPU would not fit on it together with this SM budget:
+    /// their waiting kernels could not all be resident, so nothing was launched.
+    #[error(
+        "rank {rank}: {what} asks {budget} SMs per rank, and {ranks_on_gpu} ranks of this \
+         process share GPU {gpu} ({sms} SMs, {reserved} kept for the emulated NIC): \
+         {ranks_on_gpu} x {budget} does not fit; use at most {fits} SMs per rank, or fewer \
+         ranks per GPU"
+    )]
+    SmBudget {
+        /// The rank.
+        rank: usize,
+        /// The operation (or buffer) that asked.
+        what: String,
+        /// SMs (blocks) per rank asked for.
+        budget: u32,
+        /// Ranks of this process on this GPU.
+        ranks_on_gpu: u32,
+        /// The GPU's ordinal in this process.
+        gpu: usize,
+        /// SMs of the GPU.
+        sms: u32,
+        /// SMs kept free for the emulated NIC.
+        reserved: u32,
+        /// The largest budget that fits.
+        fits: u32,
+    },
     /// An earlier error left the peers' flags in an unknown state; the buffer must be rebuilt.
     #[error("rank {rank}: buffer unusable after an earlier error: {first}")]
     Poisoned {

@@ -39,6 +39,7 @@ use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::{backoff, Event};
 use crate::rendezvous::Exchange;
+use crate::residency::GpuShare;
 use crate::tensor::{Region, Tensor};
 
 const ALIGN: usize = 256;
@@ -466,6 +467,8 @@ pub struct Buffer {
     errors: crate::mapped::ErrorReport,
     epoch: u64,
     poisoned: Option<String>,
+    /// Who shares this GPU: ranks of this process on it must fit on it together.
+    share: GpuShare,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -607,6 +610,10 @@ impl Buffer {
         // barrier after which peers may write there.
         let peers = exchange_buffers(group, ctx, &parts.window)
             .map_err(|source| EpError::Bootstrap { rank, source })?;
+        // Who shares this GPU: every kernel that waits for peers keeps a block resident while it
+        // waits, so the ranks of this process on one GPU must fit on it together.
+        let share = GpuShare::gather(ctx, group)?;
+        share.default_budget("an intranode buffer", 0)?;
         let mut peer_window = [0u64; k::MAX_RANKS];
         for p in &peers {
             if p.len() != wplan.bytes || p.rank() >= ranks {
@@ -654,6 +661,7 @@ impl Buffer {
             errors: parts.errors,
             epoch: 0,
             poisoned: None,
+            share,
         })
     }
 
@@ -739,6 +747,17 @@ impl Buffer {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// Which ranks of the group share this rank's GPU.
+    pub fn gpu_share(&self) -> &GpuShare {
+        &self.share
+    }
+
+    /// The largest `Config::num_sms` that keeps the ranks of this process on this GPU
+    /// co-resident (every SM when this rank has its GPU to itself).
+    pub fn sm_budget(&self) -> u32 {
+        self.share.default_budget("", 0).unwrap_or(1)
+    }
+
     /// The stream every operation runs on.
     pub fn comm_stream(&self) -> &Arc<CudaStream> {
         &self.comm
@@ -875,6 +894,9 @@ impl Buffer {
                 format!("config.num_sms {} out of 1..=1024", c.num_sms),
             ));
         }
+        // Blocks past the GPU's SMs would only queue behind the others; ranks of this process
+        // sharing the GPU must fit on it together.
+        self.share.check("intranode config.num_sms", c.num_sms, 0)?;
         if c.block_threads < 32 || c.block_threads > k::PUSH_THREADS || c.block_threads % 32 != 0 {
             return Err(invalid(
                 self.rank,

@@ -21,6 +21,7 @@ use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
+use crate::residency::{GpuShare, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
 use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
@@ -393,6 +394,9 @@ pub struct LowLatencyBuffer {
     errors: Arc<ErrorReport>,
     group: Arc<dyn Exchange>,
     sms: u32,
+    /// Who shares this GPU; the default grid that keeps them co-resident.
+    share: GpuShare,
+    budget: u32,
     calls: u64,
     poisoned: Option<String>,
     shut_down: bool,
@@ -665,6 +669,11 @@ impl LowLatencyBuffer {
             .into_iter()
             .chain(agree)
             .collect();
+        // Who shares this GPU, so that ranks of this process on it are given grids that fit on
+        // it together (the kernels wait in every block).
+        let share = GpuShare::gather(ctx, &*group)?;
+        let reserved = if nics.is_some() { EMULATED_NIC_SMS } else { 0 };
+        let budget = share.default_budget("a low-latency buffer", reserved)?;
         let all = group.all_gather(&mine)?;
         for (r, v) in all.iter().enumerate() {
             if v.len() != mine.len() {
@@ -823,6 +832,8 @@ impl LowLatencyBuffer {
             errors,
             group,
             sms,
+            share,
+            budget,
             calls: 0,
             poisoned: None,
             shut_down: false,
@@ -856,9 +867,19 @@ impl LowLatencyBuffer {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
-    /// SMs of this GPU (the default grid).
+    /// SMs of this GPU.
     pub fn num_sms(&self) -> u32 {
         self.sms
+    }
+    /// The default grid (blocks, one per SM): every SM when this rank has its GPU to itself,
+    /// else the GPU's SMs split evenly among the ranks of this process that share it (their
+    /// kernels wait for each other and must all be resident: see [`crate::residency`]).
+    pub fn sm_budget(&self) -> u32 {
+        self.budget
+    }
+    /// Which ranks of the group share this rank's GPU.
+    pub fn gpu_share(&self) -> &GpuShare {
+        &self.share
     }
     /// The NIC-handler mode of the transport, or `None` when the data moves by NVLink.
     pub fn nic_handler(&self) -> Option<NicHandler> {
@@ -934,15 +955,26 @@ impl LowLatencyBuffer {
         Ok(())
     }
 
-    fn grid(&self, num_sms: Option<u32>) -> Result<u32, EpError> {
-        match num_sms {
-            None => Ok(self.sms),
-            Some(n) if n >= 1 && n <= self.sms => Ok(n),
-            Some(n) => Err(invalid(
-                self.rank,
-                format!("num_sms {n} out of 1..={} (one block per SM)", self.sms),
-            )),
-        }
+    /// The grid of a waiting kernel: `num_sms`, or the default budget; refused before launch
+    /// when it is out of range or the ranks of this process on this GPU would not fit together.
+    fn grid(&self, what: &str, num_sms: Option<u32>) -> Result<u32, EpError> {
+        let n = match num_sms {
+            None => return Ok(self.budget),
+            Some(n) if n >= 1 && n <= self.sms => n,
+            Some(n) => {
+                return Err(invalid(
+                    self.rank,
+                    format!("num_sms {n} out of 1..={} (one block per SM)", self.sms),
+                ))
+            }
+        };
+        let reserved = if self.transport.is_some() {
+            EMULATED_NIC_SMS
+        } else {
+            0
+        };
+        self.share.check(what, n, reserved)?;
+        Ok(n)
     }
 
     fn free_half(&self, region: &Arc<DeviceBuffer>, what: &'static str) -> Result<(), EpError> {
@@ -1017,7 +1049,7 @@ impl LowLatencyBuffer {
             Some(_) => k::FP8_BLOCK,
         };
         self.check_hidden(h, multiple, "hidden")?;
-        let grid = self.grid(args.num_sms)?;
+        let grid = self.grid("low-latency dispatch", args.num_sms)?;
 
         let half = self.dispatch_half;
         self.free_half(
@@ -1159,7 +1191,7 @@ impl LowLatencyBuffer {
         }
         self.shape_is(args.topk_idx, &[t, kk], "topk_idx")?;
         self.shape_is(args.topk_weights, &[t, kk], "topk_weights")?;
-        let grid = self.grid(args.num_sms)?;
+        let grid = self.grid("low-latency combine", args.num_sms)?;
 
         let half = self.combine_half;
         self.free_half(&self.combine_out[half], "low-latency combine output (half)")?;
