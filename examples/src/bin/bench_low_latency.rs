@@ -60,7 +60,26 @@ struct Args {
     transport: bool,
 }
 
+const USAGE: &str = "\
+usage: bench_low_latency [--procs] [--json PATH] [--ranks N] [--tokens N] [--hidden H]
+                         [--topk K] [--experts E] [--iters N] [--transport-iters N]
+                         [--transport-handler MODE] [--no-transport]
+
+Low-latency dispatch/combine latency (CUDA-graph replay) over NVLink, then over the IBGDA
+transport on the emulated NIC (NVLink disabled).
+  --procs               ranks as processes (CUDA IPC) instead of threads
+  --json PATH           write the records as JSON
+  --ranks N             ranks (default: one per visible GPU); ranks share GPUs round robin where
+                        there are fewer (such figures are not NVLink figures)
+  --tokens/--hidden/--topk/--experts   the problem (default 128 x 7168, top-8 of 288)
+  --iters N             operations per graph over NVLink (default 50)
+  --transport-iters N   operations per graph over the transport (default 10)
+  --transport-handler   gpu | cpu_host_memory | cpu | auto (default gpu)
+  --no-transport        skip the transport run
+";
+
 fn parse() -> Result<Args> {
+    ep_examples::exit_on_help(USAGE);
     let mut a = Args {
         procs: false,
         json: None,
