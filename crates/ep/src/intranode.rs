@@ -321,6 +321,17 @@ fn clamp_count(n: i32, cap: usize) -> usize {
     (n.max(0) as usize).min(cap)
 }
 
+/// `expert_alignment` is cast to `i32` for the kernels: only after this check.
+fn check_expert_alignment(rank: usize, a: usize) -> Result<(), EpError> {
+    if a > MAX_EXPERT_ALIGNMENT {
+        return Err(invalid(
+            rank,
+            format!("expert_alignment {a} above {MAX_EXPERT_ALIGNMENT}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Regions handed out as tensor storage: fixed slots of one allocation, made at creation (the
 /// receive regions are part of the window peers map), reused once nothing refers to them.
 #[derive(Debug)]
@@ -1519,15 +1530,7 @@ impl Buffer {
                 ));
             }
         }
-        if args.expert_alignment > MAX_EXPERT_ALIGNMENT {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "expert_alignment {} above {MAX_EXPERT_ALIGNMENT}",
-                    args.expert_alignment
-                ),
-            ));
-        }
+        check_expert_alignment(self.rank, args.expert_alignment)?;
         let capturing = self.is_capturing()?;
         if capturing && args.num_worst_tokens.is_none() {
             return Err(invalid(
@@ -1920,5 +1923,188 @@ impl Buffer {
             .map_err(self.cuda("cuMemcpyDtoDAsync"))?;
         }
         Ok(k::IN_WINDOW | staging as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(max_tokens: usize, hidden: usize, topk: usize, experts: usize) -> BufferOptions {
+        BufferOptions::new(max_tokens, hidden, topk, experts)
+    }
+
+    #[test]
+    fn plans_keep_their_sizes_for_ordinary_options() {
+        let o = opts(128, 7168, 8, 64);
+        let p = RegionPlan::new(&o, 4).unwrap();
+        assert_eq!(p.cap, 512);
+        // Meta + 16 local expert counts, then the sections, each 256-aligned.
+        assert_eq!(p.layout.x, 256);
+        assert_eq!(p.layout.scales, 256 + 512 * 7168 * 2);
+        assert_eq!(p.layout.topk_idx, p.layout.scales + 512 * 56 * 4);
+        assert_eq!(p.layout.topk_weights, p.layout.topk_idx + 512 * 8 * 4);
+        assert_eq!(p.bytes, p.layout.topk_weights as usize + 512 * 8 * 4);
+        let w = WindowPlan::new(&o, 4, true).unwrap();
+        assert_eq!(w.recv_bytes, p.bytes);
+        assert!(w.comb_x >= std::mem::size_of::<k::SignalHead>() + 4 * 4 * 16);
+        assert_eq!(w.staging_bytes(w.comb_x), 512 * 7168 * 2);
+        assert_eq!(w.bytes, w.recv_at + 4 * p.bytes);
+        let out = OutputPlan::new(&o).unwrap();
+        assert_eq!(out.weights, 128 * 7168 * 2);
+        assert_eq!(out.pool_bytes, 4 * out.bytes);
+        assert_eq!(o.recv_region_bytes(4), Some(p.bytes));
+    }
+
+    #[test]
+    fn plans_refuse_sizes_that_would_wrap() {
+        // Each product below overflows a usize: the plans must say so, not wrap (release) or
+        // panic (debug).
+        let huge_hidden = opts(1 << 20, (usize::MAX / 8) & !7, 8, 8);
+        assert!(RegionPlan::new(&huge_hidden, 8).is_err());
+        assert!(WindowPlan::new(&huge_hidden, 8, false).is_err());
+        assert!(OutputPlan::new(&huge_hidden).is_err());
+        assert_eq!(huge_hidden.recv_region_bytes(8), None);
+        assert_eq!(huge_hidden.combine_region_bytes(8), None);
+        let huge_topk = opts(1 << 20, 8, usize::MAX / 16, 8);
+        assert!(RegionPlan::new(&huge_topk, 8).is_err());
+        let mut many_regions = opts(1 << 20, MAX_HIDDEN, 8, 8);
+        many_regions.max_live_outputs = usize::MAX / 2;
+        let e = WindowPlan::new(&many_regions, 8, true).unwrap_err();
+        assert!(e.contains("does not fit"), "{e}");
+    }
+
+    #[test]
+    fn options_are_bounded_before_any_allocation() {
+        let ok = opts(4096, 7168, 8, 256);
+        assert!(Buffer::check_options(0, 8, &ok).is_ok());
+        for (o, what) in [
+            (opts(4096, MAX_HIDDEN + 8, 8, 256), "max_hidden"),
+            (opts(4096, (usize::MAX / 4) & !7, 8, 256), "max_hidden"),
+            (opts(4096, 7168, MAX_TOPK + 1, 256), "max_topk"),
+            (opts(4096, 7168, 8, 1 << 40), "num_experts"),
+            (
+                BufferOptions {
+                    max_live_outputs: MAX_LIVE_OUTPUTS + 1,
+                    ..ok.clone()
+                },
+                "max_live_outputs",
+            ),
+        ] {
+            match Buffer::check_options(3, 8, &o) {
+                Err(EpError::InvalidArgument { rank: 3, what: w }) => {
+                    assert!(w.contains(what), "{w}")
+                }
+                other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_i32_arguments_are_range_checked() {
+        assert!(check_expert_alignment(0, 0).is_ok());
+        assert!(check_expert_alignment(0, MAX_EXPERT_ALIGNMENT).is_ok());
+        assert!(check_expert_alignment(0, MAX_EXPERT_ALIGNMENT + 1).is_err());
+        // A usize that would wrap to a negative i32.
+        assert!(check_expert_alignment(0, 1usize << 31).is_err());
+        // Every row of a region is below i32::MAX, and so is a row's byte count.
+        let o = opts(i32::MAX as usize / k::MAX_RANKS, MAX_HIDDEN, 8, 8);
+        assert!(Buffer::check_options(0, 8, &o).is_ok());
+        assert!(RegionPlan::new(&o, 8).unwrap().cap <= i32::MAX as usize);
+        assert!(MAX_HIDDEN * 2 <= i32::MAX as usize);
+    }
+
+    #[test]
+    fn received_counts_are_clamped_to_the_region() {
+        assert_eq!(clamp_count(-7, 512), 0);
+        assert_eq!(clamp_count(300, 512), 300);
+        assert_eq!(clamp_count(i32::MAX, 512), 512);
+    }
+
+    fn word(code: u32, peer: u32, what: u32, epoch: u64, detail: u64) -> k::ErrorWord {
+        k::ErrorWord {
+            code,
+            rank: 2,
+            peer,
+            what,
+            epoch,
+            detail,
+        }
+    }
+
+    #[test]
+    fn device_errors_keep_their_values() {
+        let t = std::time::Duration::from_secs(1);
+        match device_error(
+            2,
+            &word(k::error_code::WORST_TOKENS_EXCEEDED, 2, 64, 9, 70),
+            t,
+        ) {
+            EpError::WorstTokensExceeded {
+                rank: 2,
+                received: 70,
+                worst: 64,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let e = device_error(
+            2,
+            &word(
+                k::error_code::BAD_ROUTING,
+                16,
+                k::routing_what::SEND_POSITION,
+                13,
+                (-3i64) as u64,
+            ),
+            t,
+        );
+        match &e {
+            EpError::CorruptRouting {
+                rank: 2,
+                what,
+                index: 13,
+                value: -3,
+                limit: 16,
+            } => assert!(what.starts_with("send position"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        match device_error(
+            2,
+            &word(k::error_code::TIMEOUT, 1, k::wait_what::COMBINE_DATA, 5, 4),
+            t,
+        ) {
+            EpError::PeerTimeout {
+                rank: 2,
+                peer: 1,
+                what: "combine data",
+                expert: None,
+                epoch: 5,
+                seen: 4,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        // An unknown code is not an argument error.
+        assert!(matches!(
+            device_error(2, &word(99, 0, 0, 0, 0), t),
+            EpError::Poisoned { .. }
+        ));
+    }
+
+    #[test]
+    fn a_bad_expert_id_is_named_with_its_token_slot_and_value() {
+        assert!(layout_invalid_error(0, &[0, i32::MAX, 0, 0], 4, 16).is_none());
+        match layout_invalid_error(1, &[3, 9, 77, 0], 4, 16) {
+            Some(EpError::ExpertIdOutOfRange {
+                rank: 1,
+                id: 77,
+                token: 2,
+                slot: Some(1),
+                count: Some(3),
+                num_experts: 16,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }

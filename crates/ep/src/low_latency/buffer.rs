@@ -1640,3 +1640,169 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ep_kernels::intranode::ErrorWord;
+
+    const CTX: DeviceErrorContext = DeviceErrorContext {
+        rank: 1,
+        num_experts: 64,
+        calls: 7,
+        timeout: Duration::from_secs(2),
+        mode: Some("cpu_host_memory"),
+    };
+
+    fn word(code: u32, peer: u32, what: u32, epoch: u64, detail: u64) -> ErrorWord {
+        ErrorWord {
+            code,
+            rank: 1,
+            peer,
+            what,
+            epoch,
+            detail,
+        }
+    }
+
+    #[test]
+    fn a_transport_failure_is_not_a_timeout() {
+        let w = word(
+            k::error_code::TRANSPORT,
+            3,
+            k::transport_what::QUIET,
+            0x5,
+            2,
+        );
+        match device_error(&CTX, &w, None) {
+            EpError::Transport {
+                rank: 1,
+                peer: Some(3),
+                what,
+                source: None,
+            } => {
+                assert!(what.contains("ibgda_quiet"), "{what}");
+                assert!(what.contains("status 0x5"), "{what}");
+                assert!(what.contains("QP key 2"), "{what}");
+                assert!(what.contains("cpu_host_memory"), "{what}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn setup_failures_are_transport_errors_with_their_cause() {
+        let e = transport_err(
+            2,
+            "connecting QPs to rank 1",
+            TransportError::Emu(ibgda_emu::EmuError::NoSuchQp {
+                nic: "emu0".into(),
+                qpn: 0x12,
+            }),
+        );
+        match &e {
+            EpError::Transport {
+                rank: 2,
+                peer: None,
+                what,
+                source: Some(_),
+            } => assert!(what.contains("connecting QPs to rank 1"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(std::error::Error::source(&e).is_some());
+    }
+
+    #[test]
+    fn a_bad_expert_id_is_named_with_its_token_slot_and_value() {
+        let w = word(
+            k::error_code::BAD_EXPERT,
+            1,
+            3 | k::BAD_EXPERT_IN_COMBINE,
+            (-9i64) as u64,
+            40,
+        );
+        match device_error(&CTX, &w, None) {
+            EpError::ExpertIdOutOfRange {
+                rank: 1,
+                op: "low-latency combine",
+                id: -9,
+                token: 40,
+                slot: Some(3),
+                count: None,
+                num_experts: 64,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let w = word(k::error_code::BAD_EXPERT, 1, 0, 64, 2);
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::ExpertIdOutOfRange {
+                op: "low-latency dispatch",
+                id: 64,
+                token: 2,
+                slot: Some(0),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn timeouts_name_the_expert_without_leaking_a_string() {
+        let w = word(ERR_TIMEOUT, 2, k::wait_what::COMBINE_RECV, 17, 3);
+        match device_error(&CTX, &w, None) {
+            EpError::PeerTimeout {
+                rank: 1,
+                peer: 2,
+                what: "low-latency combine receive: an expert's rows",
+                expert: Some(17),
+                epoch: 7,
+                seen: 3,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn corrupt_handles_and_mismatched_ids_are_named() {
+        let w = word(
+            k::error_code::BAD_ROUTING,
+            127,
+            k::routing_what::SRC_INFO,
+            300,
+            1_000_000,
+        );
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::CorruptRouting {
+                what: "src_info",
+                index: 300,
+                value: 1_000_000,
+                limit: 127,
+                ..
+            }
+        ));
+        let w = word(k::error_code::TOPK_MISMATCH, 1, 5, 12, (33u64 << 32) | 34);
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::TopkMismatch {
+                token: 12,
+                slot: 5,
+                dispatched: 33,
+                combined: 34,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn expert_counts_are_bounded() {
+        let ok = LowLatencyOptions::new(128, 7168, 8, 288);
+        assert!(check_options(0, 4, &ok).is_ok());
+        let many = LowLatencyOptions::new(128, 7168, 8, 1 << 40);
+        assert!(matches!(
+            check_options(0, 8, &many),
+            Err(EpError::InvalidArgument { .. })
+        ));
+    }
+}
