@@ -152,7 +152,7 @@ pub enum EpError {
         what: String,
         /// The QP group's record of the failure, where it kept one.
         #[source]
-        source: Option<crate::transport::TransportError>,
+        source: Option<Box<crate::transport::TransportError>>,
     },
     /// A tensor could not be made, read or written (no buffer involved, so no rank).
     #[error("tensor on GPU {gpu}: {what}")]

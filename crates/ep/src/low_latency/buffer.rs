@@ -1352,7 +1352,7 @@ impl LowLatencyBuffer {
                         "mode {}: the QP group recorded a failure",
                         self.nic_handler().map_or("?", NicHandler::name)
                     ),
-                    source: Some(e),
+                    source: Some(Box::new(e)),
                 };
                 self.poisoned = Some(err.to_string());
                 return Err(err);
@@ -1495,7 +1495,7 @@ pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpEr
         rank,
         peer: None,
         what: format!("low-latency transport: {doing}"),
-        source: Some(e),
+        source: Some(Box::new(e)),
     }
 }
 
@@ -1561,7 +1561,7 @@ fn device_error(
                 _ => "a transport call",
             };
             let (peer, source) = match record {
-                Some((r, e)) => (r, Some(e)),
+                Some((r, e)) => (r, Some(Box::new(e))),
                 None => (peer, None),
             };
             EpError::Transport {
