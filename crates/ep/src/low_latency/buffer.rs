@@ -672,7 +672,7 @@ impl LowLatencyBuffer {
                     .arena(net_plan.bytes)
                     .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
                 let net = a.device().cloned().ok_or_else(|| {
-                    invalid(rank, "the emulated NIC gave a host arena on a GPU rank")
+                    transport_setup(rank, "the emulated NIC gave a host arena on a GPU rank")
                 })?;
                 (net, Some(a))
             }
@@ -806,7 +806,10 @@ impl LowLatencyBuffer {
                 for (r, g) in groups.iter().enumerate() {
                     if let Some(g) = g {
                         table.descs[r] = g.descs().ok_or_else(|| {
-                            invalid(rank, "the emulated NIC gave host descriptors on a GPU rank")
+                            transport_setup(
+                                rank,
+                                "the emulated NIC gave host descriptors on a GPU rank",
+                            )
                         })?;
                     }
                 }
@@ -1496,6 +1499,16 @@ pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpEr
         peer: None,
         what: format!("low-latency transport: {doing}"),
         source: Some(Box::new(e)),
+    }
+}
+
+/// A transport set-up failure with no error of its own (a NIC that answered unexpectedly).
+fn transport_setup(rank: usize, what: &str) -> EpError {
+    EpError::Transport {
+        rank,
+        peer: None,
+        what: format!("low-latency transport: {what}"),
+        source: None,
     }
 }
 
