@@ -120,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
             int off = 0;
             for (int r = 0; r < p.rank; ++r) off += ld_volatile_i32(&mine->tokens[r][d]);
             meta->send_offset[d] = off;
+            meta->send_count[d] = ld_volatile_i32(&mine->tokens[p.rank][d]);
         }
         const int align = p.expert_alignment > 0 ? p.expert_alignment : 1;
         for (int l = threadIdx.x; l < L; l += blockDim.x) {
@@ -188,9 +189,9 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
         const int d = threadIdx.x;
         dst_base[d] = p.window[d] + ld_volatile_u64(&mine->recv_offset[d]);
         send_offset[d] = meta->send_offset[d];
-        // What this rank published to d (clamped by notify): its rows there are
-        // [send_offset, send_offset + count), inside d's region.
-        send_count[d] = ld_volatile_i32(&mine->tokens[p.rank][d]);
+        // What this rank published to d (clamped by notify; a cached dispatch's Meta keeps the
+        // original's): its rows there are [send_offset, send_offset + count), inside d's region.
+        send_count[d] = meta->send_count[d];
     }
     __syncthreads();
     if (abort) return;

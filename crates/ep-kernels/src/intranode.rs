@@ -157,8 +157,11 @@ pub struct Meta {
     pub recv_offset: [i32; MAX_RANKS + 1],
     /// Rows received.
     pub num_recv: i32,
+    /// Tokens this rank sends to each destination (as published, clamped): no row past
+    /// `send_offset + send_count` is written.
+    pub send_count: [i32; MAX_RANKS],
     /// Padding.
-    pub pad: [i32; 14],
+    pub pad: [i32; 6],
 }
 
 /// What the host waits for after the count exchange (`HostInfo`); expert counts follow it.
@@ -395,6 +398,7 @@ const _: () = {
     assert!(offset_of!(SignalHead, epoch) == 520);
     assert!(size_of::<Meta>() == 128);
     assert!(offset_of!(Meta, num_recv) == 68);
+    assert!(offset_of!(Meta, send_count) == 72);
     assert!(size_of::<HostInfo>() == 16);
     assert!(size_of::<LayoutParams>() == 64);
     assert!(offset_of!(SignalHead, recv_offset) == 64);

@@ -119,10 +119,14 @@ struct Meta {
     // recv_offset[src]: where tokens from src start in this rank's rows; [ranks] = total.
     int32_t recv_offset[kMaxRanks + 1];
     int32_t num_recv;
-    int32_t pad[14];
+    // How many tokens this rank sends to each destination (what it published, clamped): its rows
+    // there are [send_offset, send_offset + send_count); the push sends none past them.
+    int32_t send_count[kMaxRanks];
+    int32_t pad[6];
     // Followed by int32 expert_counts[num_local_experts] (rounded up to the alignment).
 };
 static_assert(sizeof(Meta) == 128, "Meta layout");
+static_assert(offsetof(Meta, send_count) == 72, "Meta layout");
 
 // What the host waits for after the count exchange, in host-mapped pinned memory.
 struct HostInfo {
