@@ -142,7 +142,11 @@ pub enum EpError {
     /// The IBGDA transport failed: a call in a kernel returned an error status (an error
     /// completion, a QP in error, a bounded wait in the protocol that ran out), or setting the
     /// transport up or down failed.
-    #[error("rank {rank}: IBGDA transport{}: {what}", .peer.map_or(String::new(), |p| format!(" to rank {p}")))]
+    #[error(
+        "rank {rank}: IBGDA transport{}: {what}{}",
+        .peer.map_or(String::new(), |p| format!(" to rank {p}")),
+        .source.as_ref().map_or(String::new(), |e| format!(": {e}"))
+    )]
     Transport {
         /// The rank.
         rank: usize,
@@ -155,7 +159,10 @@ pub enum EpError {
         source: Option<Box<crate::transport::TransportError>>,
     },
     /// A tensor could not be made, read or written (no buffer involved, so no rank).
-    #[error("tensor on GPU {gpu}: {what}")]
+    #[error(
+        "tensor on GPU {gpu}: {what}{}",
+        .source.as_ref().map_or(String::new(), |e| format!(": {e}"))
+    )]
     Tensor {
         /// The GPU ordinal of the tensor's context.
         gpu: usize,

@@ -23,6 +23,9 @@ fn scribble(ctx: &Arc<CudaContext>, addr: u64, words: &[i32]) {
     // `words.len()` i32 (the callers pass a tensor's own address and a prefix of its length);
     // the context is current and the copy is synchronous.
     unsafe { cudarc::driver::result::memcpy_htod_sync(addr, words) }.expect("cuMemcpyHtoD");
+    // A copy from pageable memory may still be in flight when it returns; the low-latency
+    // stream does not wait for the legacy stream.
+    ctx.synchronize().expect("cuCtxSynchronize");
 }
 
 fn bf16_rows(rng: &mut Rng, n: usize) -> Vec<Bf16> {
@@ -154,7 +157,7 @@ struct LlInputs {
 
 fn ll_inputs(ctx: &Arc<CudaContext>) -> LlInputs {
     let mut rng = Rng::new(seed());
-    LlInputs {
+    let inputs = LlInputs {
         x: Tensor::from_host(
             ctx,
             &bf16_rows(&mut rng, LL_TOKENS * LL_HIDDEN),
@@ -164,7 +167,10 @@ fn ll_inputs(ctx: &Arc<CudaContext>) -> LlInputs {
         ids: Tensor::from_host(ctx, &ll_ids(), &[LL_TOKENS, LL_TOPK]).unwrap(),
         weights: Tensor::from_host(ctx, &[0.5f32; LL_TOKENS * LL_TOPK], &[LL_TOKENS, LL_TOPK])
             .unwrap(),
-    }
+    };
+    // The uploads ran on the legacy stream, which the low-latency stream does not wait for.
+    ctx.synchronize().expect("cuCtxSynchronize");
+    inputs
 }
 
 #[test]
@@ -215,6 +221,7 @@ fn ll_combine_after(
         Some(v) => Tensor::from_host(ctx, v, &[LL_TOKENS, LL_TOPK]).unwrap(),
         None => inp.ids.clone(),
     };
+    ctx.synchronize().expect("cuCtxSynchronize");
     let cargs = LlCombineArgs::new(LlCombineX::ZeroCopy, &ids, &inp.weights, &out.handle);
     buf.combine(&cargs)?;
     buf.synchronize()

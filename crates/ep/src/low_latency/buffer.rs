@@ -1723,6 +1723,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(std::error::Error::source(&e).is_some());
+        assert!(e.to_string().contains("no QP 0x12"), "{e}");
     }
 
     #[test]
