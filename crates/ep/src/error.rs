@@ -77,7 +77,8 @@ pub enum EpError {
     /// A low-latency combine's `topk_idx` names an expert the dispatch did not send that token to
     /// (its rows there are stale): that copy was not summed.
     #[error(
-        "rank {rank}: low-latency combine: topk_idx[{token}][{slot}] is {combined}, the dispatch          sent that token to {dispatched} there: pass the dispatch's topk_idx (or -1 to skip a copy)"
+        "rank {rank}: low-latency combine: topk_idx[{token}][{slot}] is {combined}, the dispatch \
+         sent that token to {dispatched} there: pass the dispatch's topk_idx (or -1 to skip a copy)"
     )]
     TopkMismatch {
         /// The rank.

@@ -90,7 +90,8 @@ impl Sections {
 
 fn too_big(what: &str, o: &BufferOptions, ranks: usize) -> String {
     format!(
-        "{what} of {ranks} ranks × max_tokens_per_rank {} × max_hidden {} × max_topk {}          (× max_live_outputs {}) does not fit a usize",
+        "{what} of {ranks} ranks × max_tokens_per_rank {} × max_hidden {} × max_topk {} \
+         (× max_live_outputs {}) does not fit a usize",
         o.max_tokens_per_rank, o.max_hidden, o.max_topk, o.max_live_outputs
     )
 }
@@ -929,7 +930,8 @@ impl Buffer {
     fn leak_own(&mut self, why: &str) {
         tracing::error!(
             rank = self.rank,
-            "{why}: leaking this rank's window ({} bytes), combine outputs and error words, and              its mappings of the peers' windows, which its kernels may still write",
+            "{why}: leaking this rank's window ({} bytes), combine outputs and error words, and \
+             its mappings of the peers' windows, which its kernels may still write",
             self.wplan.bytes
         );
         std::mem::forget(std::mem::take(&mut self.peers));
