@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, PushKernelArg};
 use ep::bootstrap::ThreadGroup;
 use ep::{Buffer, BufferOptions, EpError};
 use ep_kernels::low_latency::LlSleepParams;
@@ -40,8 +40,8 @@ fn free_bytes(ctx: &Arc<CudaContext>) -> usize {
 }
 
 /// Keeps the buffer's communication stream busy for `d` (the low-latency sleep kernel, which
-/// touches no memory).
-fn keep_busy(ctx: &Arc<CudaContext>, buf: &Buffer, d: Duration) {
+/// touches no memory). Returns the kernel, whose module must stay loaded until it has run.
+fn keep_busy(ctx: &Arc<CudaContext>, buf: &Buffer, d: Duration) -> CudaFunction {
     let f = ep_kernels::load_function(ctx, ep_kernels::low_latency::MODULE, "ep_ll_sleep")
         .expect("loading ep_ll_sleep");
     let p = LlSleepParams {
@@ -57,6 +57,7 @@ fn keep_busy(ctx: &Arc<CudaContext>, buf: &Buffer, d: Duration) {
     // SAFETY: ep_ll_sleep takes one by-value LlSleepParams (its #[repr(C)] mirror) and touches
     // no memory.
     unsafe { b.launch(cfg) }.expect("launching ep_ll_sleep");
+    f
 }
 
 fn one_rank(ctx: &Arc<CudaContext>) -> Buffer {
@@ -92,9 +93,10 @@ fn gpu_intranode_teardown_never_frees_memory_under_a_busy_stream() {
     // Dropped while its stream is busy past the bound: leaked, not freed under the kernel.
     let start = free_bytes(ctx);
     let buf = one_rank(ctx);
-    keep_busy(ctx, &buf, busy);
+    let sleeper = keep_busy(ctx, &buf, busy);
     drop(buf);
     let leaked = start.saturating_sub(free_bytes(ctx));
+    drop(sleeper);
     assert!(
         leaked + SLACK >= want,
         "drop with a busy stream gave back memory: {leaked} bytes kept, expected about {want}"
@@ -107,7 +109,7 @@ fn gpu_intranode_teardown_never_frees_memory_under_a_busy_stream() {
         .expect("one rank");
     let start = free_bytes(ctx);
     let mut buf = Buffer::new(ctx, &comm, &options()).expect("create buffer");
-    keep_busy(ctx, &buf, busy);
+    let sleeper = keep_busy(ctx, &buf, busy);
     let e = buf.synchronize().expect_err("synchronize must time out");
     assert!(matches!(e, EpError::HostTimeout { .. }), "{e}");
     let e = buf
@@ -115,6 +117,7 @@ fn gpu_intranode_teardown_never_frees_memory_under_a_busy_stream() {
         .expect_err("shutdown must report the busy stream");
     assert!(matches!(e, EpError::HostTimeout { .. }), "{e}");
     let leaked = start.saturating_sub(free_bytes(ctx));
+    drop(sleeper);
     assert!(
         leaked + SLACK >= want,
         "shutdown after a timeout gave back memory: {leaked} bytes kept, expected about {want}"
