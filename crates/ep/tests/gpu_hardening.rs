@@ -325,3 +325,84 @@ fn gpu_ll_combine_checks_its_topk_ids() {
     ids[0] = -1;
     ll_combine_after(ctx, |_| {}, Some(&ids)).expect("a masked copy is skipped");
 }
+
+// ---- Errors that keep their values (item 9) ---------------------------------------------------
+
+#[test]
+fn gpu_intranode_worst_tokens_exceeded_names_both_counts() {
+    let Some(ctxs) = gpus(1) else { return };
+    let ctx = &ctxs[0];
+    let mut buf = intranode(ctx);
+    let mut rng = Rng::new(seed());
+    let ids: Vec<i32> = (0..TOKENS * 2).map(|i| (i % 4) as i32).collect();
+    let ids = Tensor::from_host(ctx, &ids, &[TOKENS, 2]).unwrap();
+    let x = Tensor::from_host(
+        ctx,
+        &bf16_rows(&mut rng, TOKENS * HIDDEN),
+        &[TOKENS, HIDDEN],
+    )
+    .unwrap();
+    let layout = buf.get_dispatch_layout(&ids).unwrap();
+    let mut args = DispatchArgs::new(DispatchX::Bf16(&x), &layout, 1);
+    args.num_worst_tokens = Some(2);
+    let out = buf.dispatch(&args);
+    let e = out.err().or_else(|| buf.synchronize().err());
+    match e {
+        Some(EpError::WorstTokensExceeded {
+            rank: 0,
+            received,
+            worst: 2,
+        }) => assert_eq!(received, TOKENS),
+        other => panic!("expected WorstTokensExceeded {{ received: 4, worst: 2 }}, got {other:?}"),
+    }
+}
+
+#[test]
+fn gpu_intranode_a_bad_expert_id_is_named_with_its_place() {
+    let Some(ctxs) = gpus(1) else { return };
+    let ctx = &ctxs[0];
+    let mut buf = intranode(ctx);
+    let mut ids: Vec<i32> = (0..TOKENS * 2).map(|i| (i % 4) as i32).collect();
+    ids[3 * 2 + 1] = -5;
+    ids[2] = 9;
+    let ids = Tensor::from_host(ctx, &ids, &[TOKENS, 2]).unwrap();
+    match buf.get_dispatch_layout(&ids) {
+        Err(EpError::ExpertIdOutOfRange {
+            op: "dispatch layout",
+            id: 9,
+            token: 1,
+            slot: Some(0),
+            count: Some(2),
+            num_experts: 4,
+            ..
+        }) => {}
+        other => panic!("expected the first bad id (9, token 1, slot 0) of 2, got {other:?}"),
+    }
+}
+
+#[test]
+fn gpu_ll_a_bad_expert_id_is_named_with_its_place() {
+    let Some(ctxs) = gpus(1) else { return };
+    let ctx = &ctxs[0];
+    let mut buf = low_latency(ctx);
+    let inp = ll_inputs(ctx);
+    let mut ids = ll_ids();
+    ids[5 * LL_TOPK + 1] = 99;
+    let ids = Tensor::from_host(ctx, &ids, &[LL_TOKENS, LL_TOPK]).unwrap();
+    ctx.synchronize().expect("cuCtxSynchronize");
+    let out = buf
+        .dispatch(&LlDispatchArgs::new(&inp.x, &ids))
+        .expect("dispatch");
+    match buf.synchronize() {
+        Err(EpError::ExpertIdOutOfRange {
+            op: "low-latency dispatch",
+            id: 99,
+            token: 5,
+            slot: Some(1),
+            count: None,
+            ..
+        }) => {}
+        other => panic!("expected ExpertIdOutOfRange(99, token 5, slot 1), got {other:?}"),
+    }
+    drop(out);
+}
