@@ -183,6 +183,28 @@ pub enum EpError {
         /// The fixed output rows.
         worst: usize,
     },
+    /// A CUDA driver call on an event of the caller's own stream ([`Event::on`](crate::Event::on),
+    /// [`Event::timed`](crate::Event::timed)) failed: no buffer, so no rank.
+    #[error("{call} failed on GPU {gpu}: {source}")]
+    Stream {
+        /// The GPU ordinal of the stream's context.
+        gpu: usize,
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// A host wait on an event of the caller's own stream ran past its time bound.
+    #[error("GPU {gpu}: host timed out after {timeout:?} waiting for {what}")]
+    StreamTimeout {
+        /// The GPU ordinal of the stream's context.
+        gpu: usize,
+        /// What it waited for.
+        what: &'static str,
+        /// The bound.
+        timeout: Duration,
+    },
     /// A host-side wait ran past its time bound.
     #[error("rank {rank}: host timed out after {timeout:?} waiting for {what}")]
     HostTimeout {
