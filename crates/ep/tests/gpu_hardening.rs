@@ -142,6 +142,28 @@ fn low_latency(ctx: &Arc<CudaContext>) -> LowLatencyBuffer {
         .expect("one rank")
 }
 
+/// Blocks per low-latency kernel: a few, so that the tests of this binary, which run at once on
+/// one GPU, all fit on it together (a low-latency kernel's blocks wait on each other, so each
+/// kernel's grid must be resident as a whole).
+const LL_SMS: u32 = 4;
+
+fn ll_dispatch_args<'a>(x: &'a Tensor<Bf16>, ids: &'a Tensor<i32>) -> LlDispatchArgs<'a> {
+    let mut a = LlDispatchArgs::new(x, ids);
+    a.num_sms = Some(LL_SMS);
+    a
+}
+
+fn ll_combine_args<'a>(
+    x: LlCombineX<'a>,
+    ids: &'a Tensor<i32>,
+    weights: &'a Tensor<f32>,
+    handle: &'a ep::low_latency::LlHandle,
+) -> LlCombineArgs<'a> {
+    let mut a = LlCombineArgs::new(x, ids, weights, handle);
+    a.num_sms = Some(LL_SMS);
+    a
+}
+
 /// Token t goes to experts t % 8 and (t + 3) % 8.
 fn ll_ids() -> Vec<i32> {
     (0..LL_TOKENS)
@@ -179,12 +201,12 @@ fn gpu_ll_combine_refuses_a_dispatch_whose_receive_never_ran() {
     let ctx = &ctxs[0];
     let mut buf = low_latency(ctx);
     let inp = ll_inputs(ctx);
-    let mut args = LlDispatchArgs::new(&inp.x, &inp.ids);
+    let mut args = ll_dispatch_args(&inp.x, &inp.ids);
     args.return_recv_hook = true;
     let mut out = buf.dispatch(&args).expect("dispatch");
     let hook = out.hook.take().expect("hook mode returns a hook");
     assert!(!out.handle.is_received());
-    let cargs = LlCombineArgs::new(LlCombineX::ZeroCopy, &inp.ids, &inp.weights, &out.handle);
+    let cargs = ll_combine_args(LlCombineX::ZeroCopy, &inp.ids, &inp.weights, &out.handle);
     match buf.combine(&cargs) {
         Err(EpError::InvalidArgument { what, .. }) => assert!(what.contains("hook"), "{what}"),
         other => panic!("combine before the receive hook: {other:?}"),
@@ -192,7 +214,7 @@ fn gpu_ll_combine_refuses_a_dispatch_whose_receive_never_ran() {
     // Once received, the same handle combines.
     hook.call().expect("receive");
     assert!(out.handle.is_received());
-    let cargs = LlCombineArgs::new(LlCombineX::ZeroCopy, &inp.ids, &inp.weights, &out.handle);
+    let cargs = ll_combine_args(LlCombineX::ZeroCopy, &inp.ids, &inp.weights, &out.handle);
     buf.combine(&cargs).expect("combine after the receive");
     buf.synchronize().expect("synchronize");
     buf.shutdown().expect("shutdown");
@@ -207,7 +229,7 @@ fn ll_combine_after(
 ) -> Result<(), EpError> {
     let mut buf = low_latency(ctx);
     let inp = ll_inputs(ctx);
-    let out = buf.dispatch(&LlDispatchArgs::new(&inp.x, &inp.ids))?;
+    let out = buf.dispatch(&ll_dispatch_args(&inp.x, &inp.ids))?;
     buf.synchronize()?;
     assert!(out.handle.src_info().is_read_only() && out.handle.layout_range().is_read_only());
     assert!(matches!(
@@ -222,7 +244,7 @@ fn ll_combine_after(
         None => inp.ids.clone(),
     };
     ctx.synchronize().expect("cuCtxSynchronize");
-    let cargs = LlCombineArgs::new(LlCombineX::ZeroCopy, &ids, &inp.weights, &out.handle);
+    let cargs = ll_combine_args(LlCombineX::ZeroCopy, &ids, &inp.weights, &out.handle);
     buf.combine(&cargs)?;
     buf.synchronize()
 }
@@ -391,7 +413,7 @@ fn gpu_ll_a_bad_expert_id_is_named_with_its_place() {
     let ids = Tensor::from_host(ctx, &ids, &[LL_TOKENS, LL_TOPK]).unwrap();
     ctx.synchronize().expect("cuCtxSynchronize");
     let out = buf
-        .dispatch(&LlDispatchArgs::new(&inp.x, &ids))
+        .dispatch(&ll_dispatch_args(&inp.x, &ids))
         .expect("dispatch");
     match buf.synchronize() {
         Err(EpError::ExpertIdOutOfRange {
