@@ -98,12 +98,25 @@ impl LowLatencyOptions {
         }
     }
 
-    /// Bytes of GPU memory a buffer of `ranks` ranks takes on each rank.
-    pub fn bytes_per_rank(&self, ranks: usize) -> usize {
+    /// Bytes of GPU memory a buffer of `ranks` ranks takes on each rank; `None` for options a
+    /// buffer would refuse (their sizes are only computed once the options are in range, where
+    /// none of them can overflow).
+    ///
+    /// ```
+    /// let o = ep::low_latency::LowLatencyOptions::new(128, 7168, 8, 288);
+    /// assert!(o.bytes_per_rank(4).is_some());
+    /// assert!(ep::low_latency::LowLatencyOptions::new(128, 1 << 40, 8, 288)
+    ///     .bytes_per_rank(4)
+    ///     .is_none());
+    /// ```
+    pub fn bytes_per_rank(&self, ranks: usize) -> Option<usize> {
+        check_options(0, ranks, self).ok()?;
         let d = self.dims(ranks);
-        NetPlan::new(&d).bytes
-            + 2 * OutPlan::new(&d).bytes
-            + 2 * self.max_tokens_per_rank * self.max_hidden * 2
+        Some(
+            NetPlan::new(&d).bytes
+                + 2 * OutPlan::new(&d).bytes
+                + 2 * self.max_tokens_per_rank * self.max_hidden * 2,
+        )
     }
 
     fn dims(&self, ranks: usize) -> Dims {
@@ -1631,7 +1644,11 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
             o.num_experts
         ));
     }
-    if o.max_tokens_per_rank == 0 || o.max_tokens_per_rank * ranks > i32::MAX as usize / 64 {
+    if o.max_tokens_per_rank == 0
+        || o.max_tokens_per_rank
+            .checked_mul(ranks)
+            .is_none_or(|rows| rows > i32::MAX as usize / 64)
+    {
         return bad(format!(
             "max_tokens_per_rank {} out of range",
             o.max_tokens_per_rank
@@ -1818,5 +1835,9 @@ mod tests {
             check_options(0, 8, &many),
             Err(EpError::InvalidArgument { .. })
         ));
+        // A token count whose product with the ranks overflows is refused, not a panic.
+        let huge = LowLatencyOptions::new(usize::MAX / 2, 7168, 8, 288);
+        assert!(check_options(0, 4, &huge).is_err());
+        assert_eq!(huge.bytes_per_rank(4), None);
     }
 }
