@@ -242,7 +242,16 @@ fn gpu_intranode_bad_inputs_are_errors_before_launch() {
     let bad_ids = Tensor::from_host(ctx, &[0, 4, 1, -1], &[2, 2]).unwrap();
     let e = err(buf.get_dispatch_layout(&bad_ids));
     assert!(
-        matches!(e, EpError::ExpertIdOutOfRange { count: 1, .. }),
+        matches!(
+            e,
+            EpError::ExpertIdOutOfRange {
+                count: Some(1),
+                id: 4,
+                token: 0,
+                slot: Some(1),
+                ..
+            }
+        ),
         "{e}"
     );
     let bad_ids = Tensor::from_host(ctx, &[0, -2, 1, -1], &[2, 2]).unwrap();

@@ -304,7 +304,7 @@ fn ready(a: &Args, n: usize, started: Instant) {
     println!(
         "  buffers ready in {:.1} ms ({} MiB receive region per rank)",
         started.elapsed().as_secs_f64() * 1e3,
-        options(a).recv_region_bytes(n) >> 20
+        options(a).recv_region_bytes(n).unwrap_or(0) >> 20
     );
 }
 

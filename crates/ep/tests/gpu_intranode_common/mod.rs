@@ -309,17 +309,17 @@ pub fn rank_body(
     let want_layout = reference::layout(&inp.topk_idx, c.topk, ranks, ranks * c.experts_per_rank);
     check_eq(
         "tokens_per_rank",
-        &layout.tokens_per_rank.to_host().map_err(e)?,
+        &layout.tokens_per_rank().to_host().map_err(e)?,
         &want_layout.tokens_per_rank,
     )?;
     check_eq(
         "tokens_per_expert",
-        &layout.tokens_per_expert.to_host().map_err(e)?,
+        &layout.tokens_per_expert().to_host().map_err(e)?,
         &want_layout.tokens_per_expert,
     )?;
     check_eq(
         "is_token_in_rank",
-        &layout.is_token_in_rank.to_host().map_err(e)?,
+        &layout.is_token_in_rank().to_host().map_err(e)?,
         &want_layout.is_token_in_rank,
     )?;
 
