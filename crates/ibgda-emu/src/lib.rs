@@ -105,6 +105,7 @@ mod ipc;
 mod mr;
 mod nic;
 mod qp;
+mod strict;
 
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
@@ -119,3 +120,4 @@ pub use ipc::MrExport;
 pub use mr::{Access, Mr, Place};
 pub use nic::{DirectDoorbell, HostQp, Nic, NicConfig, ProgressMode};
 pub use qp::{QpConfig, QpError, QpHandle, QpState, QpStatus, MAX_WQEBBS};
+pub use strict::{Reorder, StrictMode, DEFAULT_SEED, SEED_ENV, STRICT_ENV};
