@@ -3,8 +3,9 @@
 //! kernel launches anywhere, so the emulator progresses even when kernels fill every SM.
 //!
 //! Atomics on GPU memory are a read (device to pinned host), a compute on the host and a write
-//! back, on the QP's stream after its earlier writes, under one process-wide lock. See the crate
-//! docs for the atomicity this gives.
+//! back, on the QP's stream after its earlier writes, under a lock of the target word's stripe
+//! (atomics on one word exclude each other; on different words they run in parallel). See the
+//! crate docs for the atomicity this gives.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -17,8 +18,23 @@ use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 use crate::error::EmuError;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 
-/// Serialises every read-modify-write of GPU memory the emulator does in this process.
-static GPU_ATOMICS: Mutex<()> = Mutex::new(());
+/// Locks that serialise the emulator's read-modify-writes of GPU memory per target word: an
+/// atomic takes the stripe of its (8-byte aligned) address, so atomics on one word exclude each
+/// other while atomics on different words, from any QP or NIC of the process, run in parallel.
+static ATOMIC_STRIPES: [Mutex<()>; ATOMIC_STRIPE_COUNT] =
+    [const { Mutex::new(()) }; ATOMIC_STRIPE_COUNT];
+
+/// Stripes of [`ATOMIC_STRIPES`]: enough that unrelated words rarely share one.
+const ATOMIC_STRIPE_COUNT: usize = 256;
+
+/// The stripe of the GPU word at `addr` (4- and 8-byte words of one aligned 8 bytes share one,
+/// since a 4-byte masked atomic and an 8-byte atomic may overlap).
+fn atomic_stripe(addr: u64) -> &'static Mutex<()> {
+    let word = addr >> 3;
+    // Fibonacci hashing: neighbouring words (counters indexed by rank) land on different stripes.
+    let h = word.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
+    &ATOMIC_STRIPES[h as usize % ATOMIC_STRIPE_COUNT]
+}
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
 /// words); larger reads go in pieces.
@@ -336,7 +352,7 @@ impl Lane for CudaLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
-                let _serial = GPU_ATOMICS.lock().unwrap_or_else(|p| p.into_inner());
+                let _word = atomic_stripe(a).lock().unwrap_or_else(|p| p.into_inner());
                 let s = self.stream.raw;
                 // SAFETY: the caller guarantees the device word; the scratch is pinned and ours.
                 check("cuMemcpyDtoHAsync", unsafe {

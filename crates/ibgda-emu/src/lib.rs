@@ -35,7 +35,8 @@
 //! `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the first error in words.
 //!
 //! Choices where hardware is unspecified or unknowable here: the control segment's QPN and WQE
-//! index fields are not checked (the NIC uses its own counter for `wqe_counter`); a WQE whose DS
+//! index fields are checked only in [strict mode](#strict-mode) (the NIC uses its own counter
+//! for `wqe_counter` either way); a WQE whose DS
 //! reaches past the announced producer index fails with `LOCAL_QP_OP_ERR` (vendor
 //! [`vendor_syndrome::PAST_PRODUCER`]) instead of executing what lies beyond; the responder side
 //! of write-with-immediate (a receive WQE and a responder CQE at the peer) is not emulated; one
@@ -60,12 +61,23 @@
 //!
 //! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
 //! GPU memory is read (device to pinned host), computed and written back on the QP's stream,
-//! after the QP's earlier writes have landed, under one lock for the whole process. It is atomic
-//! with respect to every other emulator atomic *in this process*, and ordered after the QP's
+//! after the QP's earlier writes have landed, under the lock of the target word's stripe (one of
+//! 256, by address). It is atomic with respect to every other emulator atomic on the same word
+//! *in this process*, atomics on other words run in parallel, and it is ordered after the QP's
 //! earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
 //! nor to emulator atomics issued by another process: give each such word a single remote
 //! writer process (counters indexed by source rank do) or keep it in host memory, where
 //! atomics are CPU atomics and atomic against everything.
+//!
+//! # Strict mode
+//!
+//! [`StrictMode`] (on by default; `IBGDA_EMU_STRICT=0` turns it off, `IBGDA_EMU_SEED` picks the
+//! seed) holds device code to what the hardware promises: each control segment's QPN and WQE
+//! index are checked against the ring (`LOCAL_QP_OP_ERR`, vendor
+//! [`vendor_syndrome::CTRL_QPN`] / [`vendor_syndrome::CTRL_INDEX`]); a WQE without a fence may
+//! execute before an earlier atomic has been performed and its result written; the data of one
+//! write lands in shuffled chunks spread over progress rounds, interleaved with other QPs'.
+//! Decisions are seeded per QP, so a failure replays. See [`StrictMode`] for the table.
 //!
 //! # Wiring a QP (what device code and a proxy see)
 //!

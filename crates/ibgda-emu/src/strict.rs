@@ -44,7 +44,25 @@ pub const DEFAULT_SEED: u64 = 0x1bda_5eed;
 /// completes within a few rounds.
 const MAX_HOLD_STEPS: u32 = 3;
 
-/// How strict a NIC is (see the module docs).
+/// How strict a NIC is.
+///
+/// | after … | a later WQE without a fence | with a fence (any fence mode) |
+/// |---|---|---|
+/// | an RDMA write | a write lands after it; an atomic executes after it has landed | same |
+/// | an atomic | a write or NOP may execute, and land, before the atomic is performed and its result written locally; an atomic executes after it | waits until every earlier WQE has completed |
+///
+/// The data of one write lands in chunks, in a shuffled order spread over progress rounds
+/// (other QPs' writes land in between). CQEs stay in WQE order, each written once its WQE and
+/// every earlier one have completed. Checks (keys, ranges, rights, and here the control
+/// segment's QPN and WQE index) happen in WQE order, and every WQE before a failing one
+/// completes before its error CQE.
+///
+/// ```
+/// use ibgda_emu::{NicConfig, StrictMode};
+/// let cfg = NicConfig::named("a").strict(StrictMode::full(42));
+/// assert!(cfg.strict.check_ctrl);
+/// assert_eq!(cfg.strict.reorder.unwrap().seed, 42);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StrictMode {
     /// Check each control segment's QPN and WQE index against the ring.

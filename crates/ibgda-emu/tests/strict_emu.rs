@@ -219,7 +219,11 @@ fn cqes_stay_in_wqe_order_while_a_write_passes_an_atomic() {
             5,
         );
         p.post(fa.cqe(true).build());
-        p.post(InlineWrite::new(q, 1, ra(&rm, 8), b"after").cqe(true).build());
+        p.post(
+            InlineWrite::new(q, 1, ra(&rm, 8), b"after")
+                .cqe(true)
+                .build(),
+        );
         p.ring();
         loop {
             p.a.progress().unwrap();
