@@ -3,9 +3,8 @@
 //! kernel launches anywhere, so the emulator progresses even when kernels fill every SM.
 //!
 //! Atomics on GPU memory are a read (device to pinned host), a compute on the host and a write
-//! back, on the QP's stream after its earlier writes, under a lock of the target word's stripe
-//! (atomics on one word exclude each other; on different words they run in parallel). See the
-//! crate docs for the atomicity this gives.
+//! back, on the QP's stream after its earlier writes ([`crate::cuda_atomic`]: no process-wide
+//! lock, and only the read is waited for). See the crate docs for the atomicity this gives.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -15,26 +14,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, DriverError};
 
 use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
+use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
 use crate::error::EmuError;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
-
-/// Locks that serialise the emulator's read-modify-writes of GPU memory per target word: an
-/// atomic takes the stripe of its (8-byte aligned) address, so atomics on one word exclude each
-/// other while atomics on different words, from any QP or NIC of the process, run in parallel.
-static ATOMIC_STRIPES: [Mutex<()>; ATOMIC_STRIPE_COUNT] =
-    [const { Mutex::new(()) }; ATOMIC_STRIPE_COUNT];
-
-/// Stripes of [`ATOMIC_STRIPES`]: enough that unrelated words rarely share one.
-const ATOMIC_STRIPE_COUNT: usize = 256;
-
-/// The stripe of the GPU word at `addr` (4- and 8-byte words of one aligned 8 bytes share one,
-/// since a 4-byte masked atomic and an 8-byte atomic may overlap).
-fn atomic_stripe(addr: u64) -> &'static Mutex<()> {
-    let word = addr >> 3;
-    // Fibonacci hashing: neighbouring words (counters indexed by rank) land on different stripes.
-    let h = word.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
-    &ATOMIC_STRIPES[h as usize % ATOMIC_STRIPE_COUNT]
-}
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
 /// words); larger reads go in pieces.
@@ -167,6 +149,7 @@ impl MemoryBackend for CudaMemory {
             next_mark: 0,
             landed_upto: 0,
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
+            wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
             timeout: self.timeout,
         }))
@@ -232,8 +215,10 @@ struct CudaLane {
     free: Vec<Event>,
     next_mark: u64,
     landed_upto: u64,
-    /// Pinned bytes for atomics: [0, 8) the old value, [8, 16) the new one.
+    /// Pinned bytes for atomics: [0, 8) the old value.
     scratch: HostBuffer,
+    /// Recorded after each atomic's write-back (see [`crate::cuda_atomic`]).
+    wb: Arc<WriteBackEvent>,
     /// Whether stream batch memory operations work here (cleared after the first failure).
     memops: bool,
     timeout: Duration,
@@ -344,7 +329,6 @@ impl Lane for CudaLane {
         op: AtomicOp,
         timeout: Duration,
     ) -> Result<u64, EmuError> {
-        let w = op.width();
         match target {
             Loc::Host(a) => {
                 self.fence(timeout)?;
@@ -352,36 +336,17 @@ impl Lane for CudaLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
-                let _word = atomic_stripe(a).lock().unwrap_or_else(|p| p.into_inner());
-                let s = self.stream.raw;
-                // SAFETY: the caller guarantees the device word; the scratch is pinned and ours.
-                check("cuMemcpyDtoHAsync", unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(self.scratch.addr() as *mut c_void, a, w, s)
-                })?;
-                self.stream.wait(timeout, "the read of an atomic")?;
-                let old = if w == 8 {
-                    self.scratch.load_u64(0)
-                } else {
-                    self.scratch.load_u32(0) as u64
+                let stream = self.stream.raw;
+                let s = &self.stream;
+                let mut drain = || s.wait(timeout, "the read of an atomic");
+                // SAFETY: the caller guarantees an aligned, writable device word; the stream is
+                // live and its context current (the NIC binds its thread); the scratch is this
+                // lane's.
+                let old = unsafe {
+                    atomic_on_device(stream, &mut drain, &self.scratch, &self.wb, a, op)?
                 };
-                let new = op.apply(old);
-                if new != old {
-                    if w == 8 {
-                        self.scratch.store_u64(8, new);
-                    } else {
-                        self.scratch.store_u32(8, new as u32);
-                    }
-                    // SAFETY: as above.
-                    check("cuMemcpyHtoDAsync", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            a,
-                            (self.scratch.addr() + 8) as *const c_void,
-                            w,
-                            s,
-                        )
-                    })?;
-                    self.stream.wait(timeout, "the write of an atomic")?;
-                }
+                // Everything marked so far preceded the read, which has completed; the
+                // write-back, if any, follows every mark taken so far.
                 self.recycle_all();
                 Ok(old)
             }

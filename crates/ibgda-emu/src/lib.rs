@@ -62,9 +62,10 @@
 //! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
 //! GPU memory is read (device to pinned host), computed and written back on the QP's stream,
 //! after the QP's earlier writes have landed, under the lock of the target word's stripe (one of
-//! 256, by address). It is atomic with respect to every other emulator atomic on the same word
-//! *in this process*, atomics on other words run in parallel, and it is ordered after the QP's
-//! earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
+//! 256, by address); only the read is waited for, and the next atomic on the stripe from another
+//! stream waits on the GPU for the write-back. It is atomic with respect to every other emulator
+//! atomic on the same word *in this process*, atomics on other words run in parallel, and it is
+//! ordered after the QP's earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
 //! nor to emulator atomics issued by another process: give each such word a single remote
 //! writer process (counters indexed by source rank do) or keep it in host memory, where
 //! atomics are CPU atomics and atomic against everything.
@@ -105,6 +106,7 @@
 mod backend;
 mod cq;
 mod cuda;
+mod cuda_atomic;
 mod doorbell;
 mod error;
 mod exec;
