@@ -15,12 +15,12 @@ use cudarc::driver::{sys, CudaContext};
 use ep_kernels::testing::{gpus, seed, Rng};
 use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
 use ibgda_device::wire::{
-    cqe_opcode, CompareSwap64, Cqe64, FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, Nop,
-    RdmaWrite, RemoteAddr, Sge, WqeBB,
+    cqe_opcode, CompareSwap64, Cqe64, FenceMode, FetchAdd64, InlineWrite, LocalAddr,
+    MaskedFetchAdd32, Nop, RdmaWrite, RemoteAddr, Sge, WqeBB,
 };
 use ibgda_emu::{
     Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostQp, Loc, Mr, Nic, NicConfig, QpConfig,
-    QpInfo, QpState,
+    QpInfo, QpState, StrictMode,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -291,6 +291,110 @@ fn gpu_atomics() {
         assert!(!c.is_error(), "{c}");
     }
     assert_eq!(target.download::<u64>(128, 1).unwrap()[0], 800);
+}
+
+/// The fence test of `strict_emu.rs` on the CUDA backend, GPU memory on both sides: a fetch-add
+/// takes a ticket into a local word, then an RDMA write publishes that word. Without a fence the
+/// write may gather the word before the atomic's result is in it; strict mode (manual progress,
+/// fixed seeds) makes it do so. Returns the rounds that published a stale ticket.
+fn gpu_ticket_rounds(ctx: &Arc<CudaContext>, strict: StrictMode, fence: bool) -> Vec<u64> {
+    const ROUNDS: u64 = 48;
+    let fabric = Fabric::new();
+    let cfg = |n: &str| NicConfig::named(n).manual().strict(strict);
+    let a = fabric.cuda_nic(ctx, cfg("nic-a")).unwrap();
+    let b = fabric.cuda_nic(ctx, cfg("nic-b")).unwrap();
+    let local = Arc::new(DeviceBuffer::new(ctx, 64).unwrap());
+    let remote = Arc::new(DeviceBuffer::new(ctx, 8 + 8 * ROUNDS as usize).unwrap());
+    remote.fill_bytes(0).unwrap();
+    settle(std::slice::from_ref(ctx));
+    let lm = a
+        .register_device(&local, 0, 64, Access::LOCAL_WRITE)
+        .unwrap();
+    let rm = b
+        .register_device(&remote, 0, 8 + 8 * ROUNDS as usize, Access::ALL)
+        .unwrap();
+    let qp = a.create_host_qp(64, CqMode::Ring, 64).unwrap();
+    let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+        .unwrap();
+    let q = qp.qpn();
+    let mut wrong = Vec::new();
+    for r in 0..ROUNDS {
+        // The stale ticket the write copies if it runs first.
+        local.upload(0, &[u64::MAX]).unwrap();
+        settle(std::slice::from_ref(ctx));
+        let i = 2 * r;
+        let take = FetchAdd64::new(
+            q,
+            i as u16,
+            ra(&rm, 0),
+            LocalAddr {
+                addr: lm.addr,
+                lkey: lm.lkey,
+            },
+            1,
+        )
+        .build();
+        let publish = RdmaWrite::new(
+            q,
+            (i + 1) as u16,
+            ra(&rm, 8 + 8 * r),
+            Sge {
+                addr: lm.addr,
+                len: 8,
+                lkey: lm.lkey,
+            },
+        )
+        .cqe(true);
+        let publish = if fence {
+            publish.fence(FenceMode::SmallAndFence)
+        } else {
+            publish
+        };
+        qp.post(i, &take);
+        qp.post(i + 1, &publish.build());
+        qp.ring_dbr(i + 2);
+        let st = a.wait_idle(q, T).unwrap();
+        assert_eq!(st.state, QpState::Rts, "{:?}", st.first_error);
+        let c = wait_cqe(&qp, r);
+        assert!(!c.is_error(), "{c}");
+        if remote.download::<u64>(8 + 8 * r as usize, 1).unwrap()[0] != r {
+            wrong.push(r);
+        }
+    }
+    assert_eq!(
+        remote.download::<u64>(0, 1).unwrap()[0],
+        ROUNDS,
+        "every fetch-add landed"
+    );
+    a.destroy_qp(q).unwrap();
+    wrong
+}
+
+#[test]
+fn gpu_strict_mode_catches_a_missing_fence() {
+    let Some(ctxs) = gpus(1) else { return };
+    let unfenced = gpu_ticket_rounds(&ctxs[0], StrictMode::full(1), false);
+    assert!(
+        !unfenced.is_empty(),
+        "strict mode let no unfenced write overtake the atomic it depends on"
+    );
+    for seed in 0..4 {
+        assert_eq!(
+            gpu_ticket_rounds(&ctxs[0], StrictMode::full(seed), true),
+            Vec::<u64>::new(),
+            "fenced, seed {seed}"
+        );
+    }
+    assert_eq!(
+        gpu_ticket_rounds(&ctxs[0], StrictMode::off(), false),
+        Vec::<u64>::new(),
+        "in order, the missing fence goes unnoticed"
+    );
+    eprintln!(
+        "unfenced: {} of 48 rounds published a stale ticket",
+        unfenced.len()
+    );
 }
 
 #[test]
