@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, DriverError};
 
 use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
-use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
+use crate::cuda_atomic::{atomic_on_device, is_word, store_word, WriteBackEvent};
 use crate::error::EmuError;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 
@@ -151,6 +151,7 @@ impl MemoryBackend for CudaMemory {
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
             wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
+            memop_stores: true,
             timeout: self.timeout,
         }))
     }
@@ -221,6 +222,9 @@ struct CudaLane {
     wb: Arc<WriteBackEvent>,
     /// Whether stream batch memory operations work here (cleared after the first failure).
     memops: bool,
+    /// Whether single-word stream stores work here, for words and write-backs (cleared after the
+    /// first failure).
+    memop_stores: bool,
     timeout: Duration,
 }
 
@@ -310,16 +314,30 @@ impl Lane for CudaLane {
                 unsafe { std::ptr::copy(bytes.as_ptr(), d as *mut u8, bytes.len()) };
                 Ok(())
             }
-            // SAFETY: the caller guarantees the range. From pageable memory the driver stages
-            // the bytes before returning, so `bytes` need not outlive the call.
-            Loc::Device(d) => check("cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    d,
-                    bytes.as_ptr() as *const c_void,
-                    bytes.len(),
-                    self.stream.raw,
-                )
-            }),
+            Loc::Device(d) => {
+                if self.memop_stores && is_word(d, bytes.len()) {
+                    // An aligned 4- or 8-byte word (inline signals, atomic replies): one stream
+                    // store instead of a staged copy.
+                    // SAFETY: the caller guarantees the range; the stream is live.
+                    match unsafe { store_word(self.stream.raw, d, bytes) } {
+                        Ok(()) => return Ok(()),
+                        Err(e) => {
+                            tracing::warn!("word stores fall back to copies: {e}");
+                            self.memop_stores = false;
+                        }
+                    }
+                }
+                // SAFETY: the caller guarantees the range. From pageable memory the driver
+                // stages the bytes before returning, so `bytes` need not outlive the call.
+                check("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        d,
+                        bytes.as_ptr() as *const c_void,
+                        bytes.len(),
+                        self.stream.raw,
+                    )
+                })
+            }
         }
     }
 
@@ -343,7 +361,15 @@ impl Lane for CudaLane {
                 // live and its context current (the NIC binds its thread); the scratch is this
                 // lane's.
                 let old = unsafe {
-                    atomic_on_device(stream, &mut drain, &self.scratch, &self.wb, a, op)?
+                    atomic_on_device(
+                        stream,
+                        &mut drain,
+                        &self.scratch,
+                        &self.wb,
+                        &mut self.memop_stores,
+                        a,
+                        op,
+                    )?
                 };
                 // Everything marked so far preceded the read, which has completed; the
                 // write-back, if any, follows every mark taken so far.

@@ -84,10 +84,53 @@ fn stripe(addr: u64) -> &'static Mutex<Option<LastWrite>> {
     &STRIPES[h as usize % STRIPE_COUNT]
 }
 
+/// Enqueues on `stream` the store of `bytes` (4 bytes, 4-aligned, or 8 bytes, 8-aligned) at
+/// device address `addr` as a stream memory operation: one driver call, no staging, no SM, and
+/// one store of the whole word, after every earlier write of the stream (the default memory
+/// barrier). `Err` when the driver refuses it (no stream memory operations, an address they
+/// cannot reach); the caller then falls back to a copy.
+///
+/// # Safety
+/// `addr .. addr + bytes.len()` must be valid, writable device memory; `stream` a live stream of a
+/// context current on this thread.
+pub(crate) unsafe fn store_word(
+    stream: sys::CUstream,
+    addr: u64,
+    bytes: &[u8],
+) -> Result<(), EmuError> {
+    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+    match *bytes {
+        [a, b, c, d] => {
+            let v = u32::from_ne_bytes([a, b, c, d]);
+            // SAFETY: the caller guarantees the word and the stream.
+            check("cuStreamWriteValue32", unsafe {
+                sys::cuStreamWriteValue32_v2(stream, addr, v, flags)
+            })
+        }
+        [..] if bytes.len() == 8 => {
+            let v = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
+            // SAFETY: as above.
+            check("cuStreamWriteValue64", unsafe {
+                sys::cuStreamWriteValue64_v2(stream, addr, v, flags)
+            })
+        }
+        _ => Err(EmuError::BadConfig(format!(
+            "a stream store of {} bytes",
+            bytes.len()
+        ))),
+    }
+}
+
+/// Whether `bytes` at `addr` can be one stream store ([`store_word`]).
+pub(crate) fn is_word(addr: u64, len: usize) -> bool {
+    (len == 4 || len == 8) && addr % len as u64 == 0
+}
+
 /// Performs `op` on the GPU word at `target` from `stream`, after everything enqueued on
 /// `stream` before, and returns the old value. `drain` waits (bounded) until `stream` is idle;
 /// `scratch` is pinned host memory of at least 8 bytes that only this stream uses; `event` is
-/// the stream's write-back event.
+/// the stream's write-back event; `memops` says whether the write-back may be a stream store
+/// (cleared, and a copy used, when the driver refuses one).
 ///
 /// # Safety
 /// `target` must be a valid, writable device word aligned to `op.width()`; `stream` a live
@@ -97,6 +140,7 @@ pub(crate) unsafe fn atomic_on_device(
     drain: &mut dyn FnMut() -> Result<(), EmuError>,
     scratch: &HostBuffer,
     event: &Arc<WriteBackEvent>,
+    memops: &mut bool,
     target: u64,
     op: AtomicOp,
 ) -> Result<u64, EmuError> {
@@ -122,13 +166,27 @@ pub(crate) unsafe fn atomic_on_device(
     };
     let new = op.apply(old);
     if new != old {
+        // Little-endian: the low `w` bytes are the word.
         let bytes = new.to_ne_bytes();
-        // From pageable memory: the driver stages the bytes before it returns, so the local may
-        // go; the copy itself lands later, in stream order. Little-endian: the low `w` bytes.
-        // SAFETY: as above.
-        check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(target, bytes.as_ptr() as *const c_void, w, stream)
-        })?;
+        let mut stored = false;
+        if *memops {
+            // SAFETY: the caller guarantees the word (aligned to `w`) and the stream.
+            match unsafe { store_word(stream, target, &bytes[..w]) } {
+                Ok(()) => stored = true,
+                Err(e) => {
+                    tracing::warn!("atomic write-backs fall back to copies: {e}");
+                    *memops = false;
+                }
+            }
+        }
+        if !stored {
+            // From pageable memory: the driver stages the bytes before it returns, so the local
+            // may go; the copy itself lands later, in stream order.
+            // SAFETY: as above.
+            check("cuMemcpyHtoDAsync", unsafe {
+                sys::cuMemcpyHtoDAsync_v2(target, bytes.as_ptr() as *const c_void, w, stream)
+            })?;
+        }
         // SAFETY: a live event of this device and a live stream.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(event.raw, stream)
@@ -144,6 +202,12 @@ pub(crate) unsafe fn atomic_on_device(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn words_are_aligned_4_and_8_byte_stores() {
+        assert!(is_word(0x1000, 8) && is_word(0x1004, 4));
+        assert!(!is_word(0x1004, 8) && !is_word(0x1002, 4) && !is_word(0x1000, 12));
+    }
 
     #[test]
     fn neighbouring_words_spread_and_halves_share() {
