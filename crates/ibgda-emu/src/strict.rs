@@ -6,19 +6,13 @@
 //!   bits of its position in the ring; a mismatch fails the WQE with `LOCAL_QP_OP_ERR` (vendor
 //!   [`CTRL_QPN`](crate::vendor_syndrome::CTRL_QPN) /
 //!   [`CTRL_INDEX`](crate::vendor_syndrome::CTRL_INDEX)) and moves the QP to error.
-//! - **Relaxed ordering** ([`Reorder`], seeded, so a failure replays): what a QP guarantees is
-//!   kept, what it does not is shuffled.
-//!   | after … | a later WQE without a fence | with a fence (any fence mode) |
-//!   |---|---|---|
-//!   | an RDMA write | write: lands after it; atomic: executes after it has landed | same |
-//!   | an atomic | write, NOP: may execute (and complete its data) *before* the atomic has been performed and its result written locally; atomic: after it | waits until every earlier WQE has completed |
+//! - **Relaxed ordering** ([`Reorder`], seeded per QP, so a failure replays): what an RC QP
+//!   guarantees is kept, what it does not is shuffled (the table is on [`StrictMode`]). Held
+//!   atomics and the chunks of writes wait in a per-QP [`Pipeline`] until their turn.
 //!
-//!   The data of one write is cut into chunks that land in a shuffled order, spread over
-//!   several progress rounds, so other QPs' writes land in between. CQEs stay in WQE order and
-//!   a CQE is written only once its WQE and every earlier one have completed, as on hardware.
-//!
-//! Checks (keys, ranges, rights) still happen in WQE order: an error CQE, and the flushes after
-//! it, come where they would without strict mode; every WQE before a failing one completes first.
+//! RDMA read is not executed by this NIC at all, so the read half of the fence rule has nothing
+//! to act on; fence modes are not told apart (any but none, undefined ones included, waits for
+//! every earlier WQE).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
