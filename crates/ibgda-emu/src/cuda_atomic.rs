@@ -98,27 +98,43 @@ pub(crate) unsafe fn store_word(
     addr: u64,
     bytes: &[u8],
 ) -> Result<(), EmuError> {
-    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-    match *bytes {
-        [a, b, c, d] => {
-            let v = u32::from_ne_bytes([a, b, c, d]);
-            // SAFETY: the caller guarantees the word and the stream.
-            check("cuStreamWriteValue32", unsafe {
-                sys::cuStreamWriteValue32_v2(stream, addr, v, flags)
-            })
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as WriteValue;
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as Value;
+    // One batch of one write, as the CQE path writes CQEs (cuStreamBatchMemOp: the entry point
+    // that path already relies on). Flags 0: the write keeps its memory barrier.
+    let (operation, value) = match *bytes {
+        [a, b, c, d] => (
+            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_32,
+            Value {
+                value: u32::from_ne_bytes([a, b, c, d]),
+            },
+        ),
+        [..] if bytes.len() == 8 => (
+            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+            Value {
+                value64: u64::from_ne_bytes(bytes.try_into().expect("8 bytes")),
+            },
+        ),
+        _ => {
+            return Err(EmuError::BadConfig(format!(
+                "a stream store of {} bytes",
+                bytes.len()
+            )))
         }
-        [..] if bytes.len() == 8 => {
-            let v = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
-            // SAFETY: as above.
-            check("cuStreamWriteValue64", unsafe {
-                sys::cuStreamWriteValue64_v2(stream, addr, v, flags)
-            })
-        }
-        _ => Err(EmuError::BadConfig(format!(
-            "a stream store of {} bytes",
-            bytes.len()
-        ))),
-    }
+    };
+    let mut op = sys::CUstreamBatchMemOpParams {
+        writeValue: WriteValue {
+            operation,
+            address: addr,
+            __bindgen_anon_1: value,
+            flags: 0,
+            alias: 0,
+        },
+    };
+    // SAFETY: one write of an aligned word the caller vouched for, on a live stream.
+    check("cuStreamBatchMemOp", unsafe {
+        sys::cuStreamBatchMemOp_v2(stream, 1, &mut op, 0)
+    })
 }
 
 /// Whether `bytes` at `addr` can be one stream store ([`store_word`]).

@@ -54,7 +54,7 @@
 //! is host memory, every operation happens at once on the NIC's thread, atomics are CPU atomics.
 //! [`CudaMemory`]: one non-blocking stream per QP keeps reliable-connection order; data moves by
 //! `cuMemcpyAsync` (peer copies over NVLink between GPUs of a host), aligned 4- and 8-byte words
-//! (inline signals, atomic replies and write-backs) by stream stores (`cuStreamWriteValue*`, a
+//! (inline signals, atomic replies and write-backs) by stream stores (`cuStreamBatchMemOp`, a
 //! copy where the driver refuses one); CQEs in GPU memory are
 //! written by `cuStreamBatchMemOp` writes behind the data on the same stream (owner word last);
 //! CQEs in host memory are written by the NIC thread once an event recorded after the data has
