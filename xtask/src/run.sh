@@ -64,7 +64,7 @@ run_one() { # name, command...
   fi
   # A test that passed without taking GPUs from the harness (no "gpus:"/"ranks:" line) and
   # without a skip ran no case: that is a failure, not a pass.
-  if [ $result = PASS ] && [ "${name#example::}" = "$name" ] && ! grep -Eq '^(gpus|ranks): ' "$tmp"; then
+  if [ $result = PASS ] && [ "${name#example::}" = "$name" ] && ! grep -Eq '(gpus: [0-9]+ of [0-9]+ visible|ranks: [0-9]+ ranks? on [0-9]+ GPU)' "$tmp"; then
     result=NOCASE
   fi
   # A skip the machine could not have run is not a failure.

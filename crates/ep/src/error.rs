@@ -244,6 +244,25 @@ pub enum EpError {
         /// The pool's limit.
         limit: usize,
     },
+    /// Ranks of this process sharing this rank's GPU did not all reach the launch of a kernel
+    /// that waits for them within the bound (see [`crate::residency::LaunchGate`]); nothing of
+    /// this operation was launched by this rank.
+    #[error(
+        "rank {rank}: ranks {missing:?} sharing GPU {gpu} in this process did not reach {what} \
+         within {timeout:?} (every rank on a shared GPU must make the same calls in the same order)"
+    )]
+    SharedGpuTimeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The operation about to launch.
+        what: &'static str,
+        /// The ranks that did not arrive.
+        missing: Vec<usize>,
+        /// The GPU's ordinal in this process.
+        gpu: usize,
+        /// The bound.
+        timeout: Duration,
+    },
     /// Ranks of one process sharing a GPU would not fit on it together with this SM budget:
     /// their waiting kernels could not all be resident, so nothing was launched.
     #[error(

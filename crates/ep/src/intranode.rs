@@ -39,7 +39,7 @@ use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::{backoff, Event};
 use crate::rendezvous::Exchange;
-use crate::residency::GpuShare;
+use crate::residency::{gated, GpuShare, LaunchGate};
 use crate::tensor::{Region, Tensor};
 
 const ALIGN: usize = 256;
@@ -656,6 +656,12 @@ pub struct Buffer {
     poisoned: Option<String>,
     /// Who shares this GPU: ranks of this process on it must fit on it together.
     share: GpuShare,
+    /// Where the ranks of this process sharing this GPU meet around every launch of a kernel
+    /// that waits for them (`None`: this rank has its GPU to itself).
+    gate: Option<Arc<LaunchGate>>,
+    /// Set when a rank sharing the GPU never came to the gate: the peers' flags are then in an
+    /// unknown state, as after a timeout.
+    gate_failure: std::sync::OnceLock<String>,
     /// Set by [`Buffer::shutdown`], which did the teardown; drop then only frees what it left.
     shut_down: bool,
 }
@@ -830,6 +836,19 @@ impl Buffer {
         // waits, so the ranks of this process on one GPU must fit on it together.
         let share = GpuShare::gather(ctx, group)?;
         share.default_budget("an intranode buffer", 0)?;
+        let gate = share.gate();
+        // Ranks of this process on one GPU each get their own compute stream: the context's
+        // legacy stream is shared by all of them, and ordering one rank's operation after it
+        // would chain it behind another rank's, whose kernels wait for this one.
+        let compute = if gate.is_some() {
+            ctx.new_stream().map_err(|source| EpError::Cuda {
+                rank,
+                call: "cuStreamCreate (compute stream)",
+                source,
+            })?
+        } else {
+            ctx.default_stream()
+        };
         let mut peer_window = [0u64; k::MAX_RANKS];
         for p in &peers {
             if p.len() != wplan.bytes || p.rank() >= ranks {
@@ -854,7 +873,7 @@ impl Buffer {
             ranks,
             ctx: ctx.clone(),
             comm: parts.comm,
-            compute: ctx.default_stream(),
+            compute,
             opts: opts.clone(),
             num_local_experts: opts.num_experts / ranks,
             kernels: parts.kernels,
@@ -878,6 +897,8 @@ impl Buffer {
             epoch: 0,
             poisoned: None,
             share,
+            gate,
+            gate_failure: std::sync::OnceLock::new(),
             shut_down: false,
         })
     }
@@ -1071,7 +1092,9 @@ impl Buffer {
     pub fn comm_stream(&self) -> &Arc<CudaStream> {
         &self.comm
     }
-    /// The stream operations order against by default (the context's default stream).
+    /// The stream operations order against by default: the context's default stream, or, where
+    /// ranks of this process share the GPU, a stream of this rank's own (the default stream is
+    /// shared by all of them). Queue work that feeds an operation here, or pass an event.
     pub fn compute_stream(&self) -> &Arc<CudaStream> {
         &self.compute
     }
@@ -1085,7 +1108,7 @@ impl Buffer {
     }
 
     fn usable(&self) -> Result<(), EpError> {
-        match &self.poisoned {
+        match self.poisoned.as_ref().or(self.gate_failure.get()) {
             Some(first) => Err(EpError::Poisoned {
                 rank: self.rank,
                 first: first.clone(),
@@ -1128,7 +1151,32 @@ impl Buffer {
         Ok(())
     }
 
+    /// Launches a kernel that waits for the other ranks: through the launch gate where ranks of
+    /// this process share the GPU ([`crate::residency`]).
     fn launch<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        p: &P,
+        call: &'static str,
+    ) -> Result<(), EpError> {
+        let r = gated(
+            self.gate.as_deref(),
+            self.rank,
+            call,
+            self.opts.timeout,
+            || self.launch_local(f, grid, block, smem, p, call),
+        );
+        if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
+            let _ = self.gate_failure.set(e.to_string());
+        }
+        r
+    }
+
+    /// Launches a kernel that waits for no other rank.
+    fn launch_local<P: DeviceRepr>(
         &self,
         f: &CudaFunction,
         grid: u32,
@@ -1332,7 +1380,7 @@ impl Buffer {
             ranks: r as i32,
             num_experts: e as i32,
         };
-        self.launch(
+        self.launch_local(
             &self.kernels.layout,
             r as u32 + 1,
             k::LAYOUT_THREADS,

@@ -9,13 +9,23 @@
 //! configuration that does not fit is refused before launch with [`EpError::SmBudget`], naming
 //! the numbers, never left to time out.
 //!
+//! Co-residency is not enough for ranks that share a context: many driver calls (a device or
+//! pinned allocation, a free, a module load) wait for, or queue behind, the work already in the
+//! context, so a rank that allocates while another rank's kernel spins waiting for it would
+//! stall both until the bound runs out. The [`LaunchGate`] closes that gap: the ranks of this
+//! process on one GPU meet on the host right before each launch of a waiting kernel (so every one
+//! has finished its own preparation) and again right after (so every one has launched before any
+//! goes on to free or allocate).
+//!
 //! Ranks in *other processes* on the same GPU are not co-resident with ours at all: without MPS
 //! the GPU time-slices between processes, and a spinning kernel is preempted at the end of its
 //! slice. That is correct but slow (about 4.6 ms per handshake round on an H200, measured
 //! 2026-12-01), so it is logged once per buffer, and the time bounds are seconds, not
 //! microseconds.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -41,12 +51,15 @@ pub struct GpuShare {
     pub threads: Vec<usize>,
     /// Ranks on this GPU in other processes: time-sliced with this process's kernels.
     pub processes: Vec<usize>,
+    /// The key of this GPU's launch gate in this group (the same on every rank of `threads`).
+    gate_key: u64,
 }
 
-/// What a rank publishes so the others can tell who shares its GPU: the GPU's UUID (two words)
-/// and the process (host name hash and process id: the same pid on two hosts is two processes,
-/// and those never share a GPU anyway).
-fn identity(ctx: &CudaContext, rank: usize) -> Result<[u64; 3], EpError> {
+/// What a rank publishes so the others can tell who shares its GPU: the GPU's UUID (two words),
+/// the process (host name hash and process id: the same pid on two hosts is two processes, and
+/// those never share a GPU anyway), and a random word that names the group's gate (the lowest
+/// co-resident rank's word is the key every rank of that GPU picks).
+fn identity(ctx: &CudaContext, rank: usize) -> Result<[u64; 4], EpError> {
     let uuid = ctx.uuid().map_err(|source| EpError::Cuda {
         rank,
         call: "cuDeviceGetUuid",
@@ -55,7 +68,17 @@ fn identity(ctx: &CudaContext, rank: usize) -> Result<[u64; 3], EpError> {
     let b: Vec<u8> = uuid.bytes.iter().map(|&c| c as u8).collect();
     let lo = u64::from_le_bytes(b[..8].try_into().unwrap_or_default());
     let hi = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
-    Ok([lo, hi, process_key()])
+    Ok([lo, hi, process_key(), gate_nonce()])
+}
+
+/// A word no other gate of this process has: a counter mixed with the clock.
+fn gate_nonce() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (NEXT.fetch_add(1, Ordering::Relaxed) << 40) ^ t
 }
 
 fn process_key() -> u64 {
@@ -100,10 +123,10 @@ impl GpuShare {
         })?;
         let (mut threads, mut processes) = (Vec::new(), Vec::new());
         for (r, id) in all.iter().enumerate() {
-            if id.len() != 3 {
+            if id.len() != 4 {
                 return Err(EpError::Rendezvous {
                     rank,
-                    what: format!("rank {r} sent a GPU identity of {} words, not 3", id.len()),
+                    what: format!("rank {r} sent a GPU identity of {} words, not 4", id.len()),
                 });
             }
             if id[..2] != mine[..2] {
@@ -115,12 +138,14 @@ impl GpuShare {
                 processes.push(r);
             }
         }
+        let gate_key = all[threads[0]][3];
         let share = GpuShare {
             rank,
             ordinal,
             sms,
             threads,
             processes,
+            gate_key,
         };
         if !share.processes.is_empty() {
             tracing::warn!(
@@ -132,6 +157,19 @@ impl GpuShare {
             );
         }
         Ok(share)
+    }
+
+    /// The launch gate of the ranks of this process on this GPU, or `None` when this rank has
+    /// it to itself (then nothing is gated).
+    pub fn gate(&self) -> Option<Arc<LaunchGate>> {
+        if self.threads.len() < 2 {
+            return None;
+        }
+        Some(LaunchGate::shared(
+            self.gate_key,
+            &self.threads,
+            self.ordinal,
+        ))
     }
 
     /// Ranks of this process on this GPU (at least 1: this one).
@@ -179,11 +217,133 @@ impl GpuShare {
     }
 }
 
+/// The host rendezvous of the ranks of one process that share a GPU (module docs: why), one per
+/// GPU and group. Every rank of the group on that GPU holds the same gate.
+#[derive(Debug)]
+pub struct LaunchGate {
+    /// The ranks that meet here, in rank order.
+    ranks: Vec<usize>,
+    gpu: usize,
+    state: Mutex<Round>,
+    turned: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Round {
+    /// Completed rounds: a waiter is released when it moves past the one it joined.
+    generation: u64,
+    /// Ranks waiting in the current round.
+    present: Vec<usize>,
+}
+
+/// The gates of this process, by key; dropped with the last buffer that holds one.
+fn registry() -> &'static Mutex<HashMap<u64, Weak<LaunchGate>>> {
+    static GATES: std::sync::OnceLock<Mutex<HashMap<u64, Weak<LaunchGate>>>> =
+        std::sync::OnceLock::new();
+    GATES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl LaunchGate {
+    fn shared(key: u64, ranks: &[usize], gpu: usize) -> Arc<LaunchGate> {
+        let mut map = registry().lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, w| w.strong_count() > 0);
+        if let Some(g) = map.get(&key).and_then(Weak::upgrade) {
+            return g;
+        }
+        let g = Arc::new(LaunchGate::new(ranks.to_vec(), gpu));
+        map.insert(key, Arc::downgrade(&g));
+        g
+    }
+
+    /// A gate for `ranks` (the ranks of one process on GPU `gpu`).
+    pub fn new(ranks: Vec<usize>, gpu: usize) -> LaunchGate {
+        LaunchGate {
+            ranks,
+            gpu,
+            state: Mutex::new(Round::default()),
+            turned: Condvar::new(),
+        }
+    }
+
+    /// Waits, at most `timeout`, until every rank of the gate has called `meet` for this round.
+    /// On timeout this rank leaves the round and the error names the ranks that never came.
+    pub fn meet(&self, rank: usize, what: &'static str, timeout: Duration) -> Result<(), EpError> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let joined = st.generation;
+        st.present.push(rank);
+        if st.present.len() >= self.ranks.len() {
+            st.present.clear();
+            st.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now().checked_add(timeout);
+        while st.generation == joined {
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            if left.is_zero() {
+                st.present.retain(|&r| r != rank);
+                let missing = self
+                    .ranks
+                    .iter()
+                    .copied()
+                    .filter(|r| *r != rank && !st.present.contains(r))
+                    .collect();
+                return Err(EpError::SharedGpuTimeout {
+                    rank,
+                    what,
+                    missing,
+                    gpu: self.gpu,
+                    timeout,
+                });
+            }
+            st = self
+                .turned
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Runs `launch` between two rounds of the gate: after every rank has arrived (all have
+    /// finished their preparation) and before any goes on (all have launched).
+    pub fn around<T>(
+        &self,
+        rank: usize,
+        what: &'static str,
+        timeout: Duration,
+        launch: impl FnOnce() -> Result<T, EpError>,
+    ) -> Result<T, EpError> {
+        self.meet(rank, what, timeout)?;
+        let out = launch();
+        // Also after a failed launch: the others are already on their way to this round.
+        self.meet(rank, what, timeout)?;
+        out
+    }
+}
+
+/// `launch` through `gate` when there is one (ranks of this process share the GPU), else
+/// directly.
+pub(crate) fn gated<T>(
+    gate: Option<&LaunchGate>,
+    rank: usize,
+    what: &'static str,
+    timeout: Duration,
+    launch: impl FnOnce() -> Result<T, EpError>,
+) -> Result<T, EpError> {
+    match gate {
+        Some(g) => g.around(rank, what, timeout, launch),
+        None => launch(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn share(rank: usize, ids: &[[u64; 3]]) -> GpuShare {
+    fn share(rank: usize, ids: &[[u64; 4]]) -> GpuShare {
         let all: Vec<Vec<u64>> = ids.iter().map(|i| i.to_vec()).collect();
         GpuShare::from_identities(rank, 0, 132, &all).unwrap()
     }
@@ -191,7 +351,13 @@ mod tests {
     #[test]
     fn ranks_are_grouped_by_gpu_and_process() {
         // Ranks 0, 1, 3 on GPU A in process 7; rank 2 on GPU A in process 8; rank 4 on GPU B.
-        let ids = [[1, 1, 7], [1, 1, 7], [1, 1, 8], [1, 1, 7], [2, 2, 7]];
+        let ids = [
+            [1, 1, 7, 10],
+            [1, 1, 7, 11],
+            [1, 1, 8, 12],
+            [1, 1, 7, 13],
+            [2, 2, 7, 14],
+        ];
         let s = share(1, &ids);
         assert_eq!(s.threads, vec![0, 1, 3]);
         assert_eq!(s.processes, vec![2]);
@@ -202,7 +368,7 @@ mod tests {
 
     #[test]
     fn the_budget_fits_every_co_resident_rank() {
-        let ids = [[1, 1, 7]; 8];
+        let ids = [[1, 1, 7, 3]; 8];
         let s = share(0, &ids);
         assert_eq!(s.default_budget("x", 0).unwrap(), 16);
         assert_eq!(s.default_budget("x", 4).unwrap(), 16);
@@ -231,7 +397,7 @@ mod tests {
 
     #[test]
     fn more_ranks_than_sms_is_refused_by_name() {
-        let ids = [[1, 1, 7]; 3];
+        let ids = [[1, 1, 7, 3]; 3];
         let all: Vec<Vec<u64>> = ids.iter().map(|i| i.to_vec()).collect();
         let s = GpuShare::from_identities(0, 0, 2, &all).unwrap();
         assert!(matches!(
@@ -242,7 +408,7 @@ mod tests {
 
     #[test]
     fn ranks_in_other_processes_do_not_count_against_the_budget() {
-        let ids = [[1, 1, 7], [1, 1, 8], [1, 1, 9]];
+        let ids = [[1, 1, 7, 1], [1, 1, 8, 2], [1, 1, 9, 3]];
         let s = share(0, &ids);
         assert_eq!(s.co_resident(), 1);
         assert_eq!(s.default_budget("x", 0).unwrap(), 132);
@@ -250,10 +416,71 @@ mod tests {
 
     #[test]
     fn a_malformed_identity_is_a_rendezvous_error() {
-        let all = vec![vec![1, 1, 7], vec![1, 1]];
+        let all = vec![vec![1, 1, 7, 1], vec![1, 1, 7]];
         assert!(matches!(
             GpuShare::from_identities(0, 0, 132, &all),
             Err(EpError::Rendezvous { .. })
         ));
+    }
+
+    #[test]
+    fn co_resident_ranks_share_one_gate_keyed_by_the_lowest_rank() {
+        let ids = [[1, 1, 7, 10], [1, 1, 7, 11], [2, 2, 7, 12]];
+        let (a, b) = (share(0, &ids), share(1, &ids));
+        assert_eq!(a.gate_key, 10);
+        let (ga, gb) = (a.gate().unwrap(), b.gate().unwrap());
+        assert!(Arc::ptr_eq(&ga, &gb));
+        assert!(share(2, &ids).gate().is_none(), "alone on its GPU: no gate");
+    }
+
+    #[test]
+    fn the_gate_releases_every_rank_together_round_after_round() {
+        let gate = Arc::new(LaunchGate::new(vec![0, 1, 2], 0));
+        let launched = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for r in 0..3 {
+                let (gate, launched) = (gate.clone(), &launched);
+                s.spawn(move || {
+                    for round in 0..100usize {
+                        gate.around(r, "x", Duration::from_secs(10), || {
+                            launched.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            Ok(())
+                        })
+                        .unwrap();
+                        // After the second meeting, all three launched this round.
+                        let n = launched.load(std::sync::atomic::Ordering::SeqCst);
+                        assert!(n >= 3 * (round + 1), "round {round}: {n}");
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_is_named_within_the_bound() {
+        let gate = LaunchGate::new(vec![0, 1, 2], 3);
+        let t0 = Instant::now();
+        let e = gate
+            .meet(1, "low-latency dispatch", Duration::from_millis(50))
+            .unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        match &e {
+            EpError::SharedGpuTimeout {
+                rank: 1,
+                missing,
+                gpu: 3,
+                ..
+            } => assert_eq!(missing, &vec![0, 2]),
+            other => panic!("{other}"),
+        }
+        assert!(e.to_string().contains("low-latency dispatch"), "{e}");
+        // The round is left clean: a later complete round still passes.
+        let gate = Arc::new(gate);
+        std::thread::scope(|s| {
+            for r in 0..3 {
+                let gate = gate.clone();
+                s.spawn(move || gate.meet(r, "y", Duration::from_secs(10)).unwrap());
+            }
+        });
     }
 }

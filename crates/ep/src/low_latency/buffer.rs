@@ -21,7 +21,7 @@ use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
-use crate::residency::{GpuShare, EMULATED_NIC_SMS};
+use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
 use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
@@ -327,6 +327,8 @@ pub struct RecvHook {
     stream: Arc<CudaStream>,
     grid: u32,
     rank: usize,
+    /// The launch gate of ranks sharing this GPU, and its bound (`None`: not shared).
+    gate: Option<(Arc<LaunchGate>, Duration)>,
     _keep: Vec<Arc<DeviceBuffer>>,
     _keep_routing: Option<(Tensor<i32>, Tensor<f32>)>,
     _mapped: Arc<MappedHost>,
@@ -345,8 +347,10 @@ impl std::fmt::Debug for RecvHook {
 impl RecvHook {
     /// Queues the receive on the buffer's stream (no host wait).
     pub fn call(self) -> Result<(), EpError> {
+        let gate = self.gate.as_ref().map(|(g, t)| (&**g, *t));
         let queued = match &self.params {
             HookParams::Dispatch(p) => launch(
+                gate,
                 &self.stream,
                 &self.func,
                 self.grid,
@@ -355,6 +359,7 @@ impl RecvHook {
                 "cuLaunchKernel(ep_ll_dispatch recv)",
             ),
             HookParams::Combine(p) => launch(
+                gate,
                 &self.stream,
                 &self.func,
                 self.grid,
@@ -376,6 +381,8 @@ impl RecvHook {
 pub struct LlGraph {
     graph: CudaGraph,
     rank: usize,
+    /// The launch gate of ranks sharing this GPU, and its bound (`None`: not shared).
+    gate: Option<(Arc<LaunchGate>, Duration)>,
 }
 
 impl std::fmt::Debug for LlGraph {
@@ -387,17 +394,46 @@ impl std::fmt::Debug for LlGraph {
 }
 
 impl LlGraph {
-    /// Queues one replay (no host wait). Every rank replays its graph the same number of times.
+    /// Queues one replay (no host wait). Every rank replays its graph the same number of times;
+    /// ranks of this process sharing a GPU meet around each replay, as around every launch.
     pub fn replay(&self) -> Result<(), EpError> {
-        self.graph.launch().map_err(|source| EpError::Cuda {
-            rank: self.rank,
-            call: "cuGraphLaunch",
-            source,
-        })
+        let go = || {
+            self.graph.launch().map_err(|source| EpError::Cuda {
+                rank: self.rank,
+                call: "cuGraphLaunch",
+                source,
+            })
+        };
+        match &self.gate {
+            Some((g, t)) => g.around(self.rank, "cuGraphLaunch (low-latency graph)", *t, go),
+            None => go(),
+        }
     }
 }
 
+/// Where ranks of this process sharing a GPU meet around a launch, and for how long at most.
+type Gate<'a> = Option<(&'a LaunchGate, Duration)>;
+
+/// Launches a low-latency kernel (they all wait for other ranks), through `gate` where ranks of
+/// this process share the GPU.
 fn launch<P: DeviceRepr>(
+    gate: Gate<'_>,
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: u32,
+    p: &P,
+    rank: usize,
+    call: &'static str,
+) -> Result<(), EpError> {
+    match gate {
+        Some((g, timeout)) => g.around(rank, call, timeout, || {
+            launch_now(stream, f, grid, p, rank, call)
+        }),
+        None => launch_now(stream, f, grid, p, rank, call),
+    }
+}
+
+fn launch_now<P: DeviceRepr>(
     stream: &CudaStream,
     f: &CudaFunction,
     grid: u32,
@@ -448,6 +484,11 @@ pub struct LowLatencyBuffer {
     sms: u32,
     /// Who shares this GPU; the default grid that keeps them co-resident.
     share: GpuShare,
+    /// Where the ranks of this process sharing this GPU meet around every launch
+    /// ([`crate::residency`]); `None` when this rank has its GPU to itself.
+    launch_gate: Option<Arc<LaunchGate>>,
+    /// Inside [`capture`](Self::capture): nothing is launched, so nothing is gated (replays are).
+    capturing: bool,
     budget: u32,
     calls: u64,
     poisoned: Option<String>,
@@ -887,7 +928,9 @@ impl LowLatencyBuffer {
             errors,
             group,
             sms,
+            launch_gate: share.gate(),
             share,
+            capturing: false,
             budget,
             calls: 0,
             poisoned: None,
@@ -1155,14 +1198,16 @@ impl LowLatencyBuffer {
             msg_bytes: msg_bytes(h, fp8.is_some()) as i32,
             half: half as i32,
         };
-        launch(
+        let launched = launch(
+            self.gate(),
             &self.stream,
             &self.dispatch_fn,
             grid,
             &p,
             self.rank,
             "cuLaunchKernel(ep_ll_dispatch)",
-        )?;
+        );
+        self.poison_on_gate_timeout(launched)?;
         self.dispatch_half ^= 1;
         self.calls += 1;
 
@@ -1196,6 +1241,7 @@ impl LowLatencyBuffer {
             stream: self.stream.clone(),
             grid,
             rank: self.rank,
+            gate: self.gate_for_hook(),
             _keep: vec![region.clone(), self.net.clone(), self.state.clone()],
             _keep_routing: None,
             _mapped: self.mapped.clone(),
@@ -1300,14 +1346,16 @@ impl LowLatencyBuffer {
                 },
             half: half as i32,
         };
-        launch(
+        let launched = launch(
+            self.gate(),
             &self.stream,
             &self.combine_fn,
             grid,
             &p,
             self.rank,
             "cuLaunchKernel(ep_ll_combine)",
-        )?;
+        );
+        self.poison_on_gate_timeout(launched)?;
         self.combine_half ^= 1;
         self.calls += 1;
         let mut recv = p;
@@ -1319,6 +1367,7 @@ impl LowLatencyBuffer {
             stream: self.stream.clone(),
             grid,
             rank: self.rank,
+            gate: self.gate_for_hook(),
             // The dispatch's region too: the receive reads its top-k ids.
             _keep: vec![
                 out.clone(),
@@ -1348,7 +1397,9 @@ impl LowLatencyBuffer {
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| cuda("cuStreamBeginCapture", e))?;
+        self.capturing = true;
         let r = f(self);
+        self.capturing = false;
         let g = self
             .stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
@@ -1359,9 +1410,34 @@ impl LowLatencyBuffer {
             LlGraph {
                 graph,
                 rank: self.rank,
+                gate: self.gate_for_hook(),
             },
             r,
         ))
+    }
+
+    /// The launch gate for a launch now (none while capturing or when the GPU is not shared).
+    fn gate(&self) -> Gate<'_> {
+        match (&self.launch_gate, self.capturing) {
+            (Some(g), false) => Some((&**g, self.opts.timeout)),
+            _ => None,
+        }
+    }
+
+    /// The launch gate for a launch later (a hook, a graph replay).
+    fn gate_for_hook(&self) -> Option<(Arc<LaunchGate>, Duration)> {
+        self.launch_gate
+            .as_ref()
+            .map(|g| (g.clone(), self.opts.timeout))
+    }
+
+    /// Marks the buffer unusable when the launch gate ran out (the peers' flags are then in an
+    /// unknown state, as after a timeout in a kernel).
+    fn poison_on_gate_timeout(&mut self, r: Result<(), EpError>) -> Result<(), EpError> {
+        if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
+            self.poisoned = Some(e.to_string());
+        }
+        r
     }
 
     /// Queues a kernel that keeps the stream busy for `duration` (benchmarks queue timed work
