@@ -48,24 +48,30 @@ mod cq;
 pub mod cuda;
 mod device;
 mod devx;
+mod driver;
 mod error;
 mod ffi;
 mod mr;
 mod pd;
 pub mod prm;
 mod qp;
+pub mod rdma_core;
 mod uar;
 mod umem;
 
 pub use cq::{Cq, CqBuilder, CQE_SIZE, CQ_DBR_SIZE};
 pub use device::{
-    format_gid, list_devices, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context,
+    format_gid, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context,
     DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState,
     SYSFS_INFINIBAND,
+};
+pub use driver::{
+    AhRoute, DmaBufRange, Driver, DriverMr, DriverObj, DriverPd, DriverUar, DriverUmem, MemRange,
 };
 pub use error::{Result, VerbsError, PEER_MAPPING_HINT};
 pub use mr::{Access, GpuPath, MemoryKind, MemoryRegion};
 pub use pd::ProtectionDomain;
+pub use rdma_core::list_devices;
 pub use qp::{
     random_psn, resolve_roce_mac, roce_udp_sport, ConnectInfo, Init, InitAttrs, PathKind, Qp,
     QpBuilder, QpState, Reset, Rtr, RtrAttrs, Rts, RtsAttrs, TransitionError, QP_DBR_SIZE,
