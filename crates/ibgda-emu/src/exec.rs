@@ -38,6 +38,8 @@ pub mod vendor_syndrome {
     pub const INJECTED: u8 = 0xea;
     /// The QP is connected to no peer.
     pub const NO_PEER: u8 = 0xeb;
+    /// The responder QP was not granted the right (`qpc.rwe` / `rre` / `rae` off).
+    pub const REMOTE_QP_ACCESS: u8 = 0xec;
     /// The backend failed (a CUDA call, a bounded wait).
     pub const BACKEND: u8 = 0xef;
 }
@@ -77,6 +79,9 @@ impl Outcome {
 pub(crate) struct ExecCtx<'a> {
     pub local: &'a Registry,
     pub remote: Option<&'a Registry>,
+    /// What the responder QP grants its peers (`None`: the QP was connected directly, without
+    /// firmware access flags, and only registrations are checked).
+    pub remote_qp_access: Option<Access>,
     pub fetch_order: FetchOrder,
     pub timeout: Duration,
 }
@@ -88,6 +93,26 @@ fn local_denied(d: Denied) -> Outcome {
         Denied::Access => vendor_syndrome::LOCAL_ACCESS,
     };
     Outcome::failed(syndrome::LOCAL_PROT_ERR, vendor)
+}
+
+/// Checks a remote range against the peer's registrations, then the right against what the
+/// responder QP grants.
+fn remote_check(
+    cx: &ExecCtx<'_>,
+    peer: &Registry,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    need: Access,
+) -> Result<Loc, Outcome> {
+    let loc = peer.check(rkey, addr, len, need).map_err(remote_denied)?;
+    if cx.remote_qp_access.is_some_and(|granted| !granted.contains(need)) {
+        return Err(Outcome::failed(
+            syndrome::REMOTE_ACCESS_ERR,
+            vendor_syndrome::REMOTE_QP_ACCESS,
+        ));
+    }
+    Ok(loc)
 }
 
 fn remote_denied(d: Denied) -> Outcome {
@@ -154,9 +179,16 @@ pub(crate) fn execute(
             let Some(peer) = cx.remote else {
                 return Ok(no_peer());
             };
-            let dst = match peer.check(remote.rkey, remote.addr, total, Access::REMOTE_WRITE) {
+            let dst = match remote_check(
+                cx,
+                peer,
+                remote.rkey,
+                remote.addr,
+                total,
+                Access::REMOTE_WRITE,
+            ) {
                 Ok(loc) => loc,
-                Err(d) => return Ok(remote_denied(d)),
+                Err(denied) => return Ok(denied),
             };
             let mut off = 0;
             for (src, len) in srcs {
@@ -177,7 +209,7 @@ pub(crate) fn execute(
                 return Ok(no_peer());
             };
             let len = data.len() as u64;
-            match peer.check(remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
+            match remote_check(cx, peer, remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
                 Ok(dst) => {
                     // SAFETY: the range was checked against a live registration.
                     unsafe { lane.put(dst, data)? };
@@ -185,7 +217,7 @@ pub(crate) fn execute(
                         byte_count: len as u32,
                     })
                 }
-                Err(d) => Ok(remote_denied(d)),
+                Err(denied) => Ok(denied),
             }
         }
         WqeOp::FetchAdd64 { remote, fetch, add } => {
@@ -305,9 +337,9 @@ fn atomic(
     let Some(peer) = cx.remote else {
         return Ok(no_peer());
     };
-    let target = match peer.check(remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
+    let target = match remote_check(cx, peer, remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
         Ok(loc) => loc,
-        Err(d) => return Ok(remote_denied(d)),
+        Err(denied) => return Ok(denied),
     };
     if remote.addr % w != 0 {
         return Ok(Outcome::failed(

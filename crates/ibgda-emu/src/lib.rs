@@ -98,6 +98,7 @@ mod error;
 mod exec;
 mod fabric;
 mod fault;
+pub mod firmware;
 #[doc(hidden)]
 pub mod fuzzing;
 mod host;

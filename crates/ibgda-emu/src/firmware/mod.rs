@@ -1,0 +1,27 @@
+//! The emulated NIC as firmware: the PRM command images `ibgda-verbs` sends a ConnectX,
+//! decoded from the PRM field layout and answered with the firmware's status and syndrome.
+//!
+//! [`EmuSubnet`] opens [`EmuDevice`]s, each an implementation of `ibgda-verbs`' driver seam:
+//! verbs objects built on one (PD, MR, umem, UAR, CQ, QP, RST→INIT→RTR→RTS) become the same
+//! engine QPs [`Nic::create_qp`](crate::Nic::create_qp) makes, placed where the commands say:
+//! the send ring at the work queue umem's offset (after the receive queue), the doorbell record
+//! and CQ from their umems, the UAR page the QP context names. A QP's `rre`/`rwe`/`rae` are
+//! checked at every WQE a peer sends it, like a responder's; a command with a field the
+//! device does not accept gets [`status`] and [`syndrome`] in its output mailbox.
+
+mod bits;
+mod caps;
+mod cq_command;
+mod driver;
+#[allow(clippy::module_inception)]
+mod firmware;
+mod layout;
+mod qp_command;
+mod qp_transition;
+mod refusal;
+mod subnet;
+
+pub use caps::EmuCaps;
+pub use driver::EmuDevice;
+pub use refusal::{status, syndrome, Refused};
+pub use subnet::EmuSubnet;
