@@ -106,7 +106,10 @@ fn remote_check(
     need: Access,
 ) -> Result<Loc, Outcome> {
     let loc = peer.check(rkey, addr, len, need).map_err(remote_denied)?;
-    if cx.remote_qp_access.is_some_and(|granted| !granted.contains(need)) {
+    if cx
+        .remote_qp_access
+        .is_some_and(|granted| !granted.contains(need))
+    {
         return Err(Outcome::failed(
             syndrome::REMOTE_ACCESS_ERR,
             vendor_syndrome::REMOTE_QP_ACCESS,
@@ -209,7 +212,14 @@ pub(crate) fn execute(
                 return Ok(no_peer());
             };
             let len = data.len() as u64;
-            match remote_check(cx, peer, remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
+            match remote_check(
+                cx,
+                peer,
+                remote.rkey,
+                remote.addr,
+                len,
+                Access::REMOTE_WRITE,
+            ) {
                 Ok(dst) => {
                     // SAFETY: the range was checked against a live registration.
                     unsafe { lane.put(dst, data)? };

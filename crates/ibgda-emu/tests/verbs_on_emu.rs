@@ -8,9 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ibgda_device::wire::{
-    cqe_opcode, db_bytes, dbr_send_word, opcode, syndrome as cqe_syndrome, CompareSwap64,
-    Cqe64, FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, RdmaWrite, RemoteAddr, Sge,
-    WqeBB,
+    cqe_opcode, db_bytes, dbr_send_word, opcode, syndrome as cqe_syndrome, CompareSwap64, Cqe64,
+    FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, RdmaWrite, RemoteAddr, Sge, WqeBB,
 };
 use ibgda_emu::firmware::{syndrome, EmuDevice, EmuSubnet};
 use ibgda_emu::{vendor_syndrome, HostBuffer};
@@ -76,12 +75,7 @@ impl Side {
         let data = Arc::new(HostBuffer::new(DATA_BYTES));
         // SAFETY: as for `queues`.
         let mr = unsafe {
-            MemoryRegion::register_host(
-                &pd,
-                data.addr() as *mut u8,
-                DATA_BYTES,
-                Access::rdma(),
-            )
+            MemoryRegion::register_host(&pd, data.addr() as *mut u8, DATA_BYTES, Access::rdma())
         }
         .unwrap();
         Self {
@@ -237,14 +231,7 @@ fn verbs_bring_up_carries_writes_and_atomics() {
     let mut a = Side::open(&subnet, "emu_a");
     let mut b = Side::open(&subnet, "emu_b");
     let (qa, qb) = (a.qp(), b.qp());
-    let (qa, qb) = connect(
-        &a,
-        qa,
-        all_rights(&a.ctx),
-        &b,
-        qb,
-        all_rights(&b.ctx),
-    );
+    let (qa, qb) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
     let (na, nb) = (qa.qpn(), qb.qpn());
 
     // A → B: a gathered RDMA write, an inline write, then atomics on B's words with their old
@@ -255,13 +242,7 @@ fn verbs_bring_up_carries_writes_and_atomics() {
     b.data.store_u64(4104, 7);
     b.data.store_u32(4112, 0x0001_ffff);
     let w0 = a.post(
-        RdmaWrite::new_gather(
-            na,
-            0,
-            b.remote(1024),
-            [a.sge(0, 300), a.sge(400, 112)],
-        )
-        .build(),
+        RdmaWrite::new_gather(na, 0, b.remote(1024), [a.sge(0, 300), a.sge(400, 112)]).build(),
     );
     let w1 = a.post(
         InlineWrite::new(na, 1, b.remote(2000), b"over the firmware path")
@@ -286,25 +267,41 @@ fn verbs_bring_up_carries_writes_and_atomics() {
     assert_eq!(b.data.read_vec(2000, 22), b"over the firmware path");
     assert_eq!(b.data.load_u64(4096), 42);
     assert_eq!(b.data.load_u64(4104), 99);
-    assert_eq!(b.data.load_u32(4112), 0x0002_0000, "carry stopped at the field boundary");
+    assert_eq!(
+        b.data.load_u32(4112),
+        0x0002_0000,
+        "carry stopped at the field boundary"
+    );
     assert_eq!(a.data.load_u64(6000), 40, "fetch-add returns the old value");
     assert_eq!(a.data.load_u64(6008), 7);
     assert_eq!(a.data.read_vec(6016, 4), 0x0001_ffffu32.to_be_bytes());
     // The CQEs land in the CQ ring the CREATE_CQ image placed, in order.
     assert_done(&a.cqe(0), 1, opcode::RDMA_WRITE, 22);
     assert_done(&a.cqe(1), 4, opcode::ATOMIC_MASKED_FA, 4);
-    assert_eq!(a.cqe(2).opcode(), cqe_opcode::INVALID, "nothing else completed");
+    assert_eq!(
+        a.cqe(2).opcode(),
+        cqe_opcode::INVALID,
+        "nothing else completed"
+    );
 
     // B → A on the other QP of the pair.
     b.data.write(0, b"and back");
-    b.post(RdmaWrite::new(nb, 0, a.remote(3000), b.sge(0, 8)).cqe(true).build());
+    b.post(
+        RdmaWrite::new(nb, 0, a.remote(3000), b.sge(0, 8))
+            .cqe(true)
+            .build(),
+    );
     b.ring(nb);
     b.wait(nb);
     assert_eq!(a.data.read_vec(3000, 8), b"and back");
     assert_done(&b.cqe(0), 0, opcode::RDMA_WRITE, 8);
 
     let st = a.dev.nic().qp_status(na).unwrap();
-    assert_eq!(st.peer.map(|p| p.1), Some(nb), "A's engine QP points at B's QP");
+    assert_eq!(
+        st.peer.map(|p| p.1),
+        Some(nb),
+        "A's engine QP points at B's QP"
+    );
     assert!(st.first_error.is_none());
 }
 
@@ -314,14 +311,7 @@ fn the_uar_page_the_qp_names_rings_it() {
     let mut a = Side::open(&subnet, "emu_a");
     let b = Side::open(&subnet, "emu_b");
     let (qa, qb) = (a.qp(), b.qp());
-    let (qa, _qb) = connect(
-        &a,
-        qa,
-        all_rights(&a.ctx),
-        &b,
-        qb,
-        all_rights(&b.ctx),
-    );
+    let (qa, _qb) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
     let na = qa.qpn();
     a.post(
         InlineWrite::new(na, 0, b.remote(64), b"uar")

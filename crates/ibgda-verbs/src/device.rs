@@ -8,8 +8,8 @@ use crate::devx;
 use crate::driver::Driver;
 use crate::error::{Result, VerbsError};
 use crate::ffi;
-use crate::rdma_core;
 use crate::prm::{capability_page, AtomicCaps, GeneralCaps, HcaCap, QueryHcaCap};
+use crate::rdma_core;
 
 /// Where the kernel lists RDMA devices.
 pub const SYSFS_INFINIBAND: &str = "/sys/class/infiniband";

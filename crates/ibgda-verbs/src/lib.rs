@@ -61,9 +61,8 @@ mod umem;
 
 pub use cq::{Cq, CqBuilder, CQE_SIZE, CQ_DBR_SIZE};
 pub use device::{
-    format_gid, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context,
-    DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState,
-    SYSFS_INFINIBAND,
+    format_gid, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context, DeviceAttrs,
+    DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState, SYSFS_INFINIBAND,
 };
 pub use driver::{
     AhRoute, DmaBufRange, Driver, DriverMr, DriverObj, DriverPd, DriverUar, DriverUmem, MemRange,
@@ -71,11 +70,11 @@ pub use driver::{
 pub use error::{Result, VerbsError, PEER_MAPPING_HINT};
 pub use mr::{Access, GpuPath, MemoryKind, MemoryRegion};
 pub use pd::ProtectionDomain;
-pub use rdma_core::list_devices;
 pub use qp::{
     random_psn, resolve_roce_mac, roce_udp_sport, ConnectInfo, Init, InitAttrs, PathKind, Qp,
     QpBuilder, QpState, Reset, Rtr, RtrAttrs, Rts, RtsAttrs, TransitionError, QP_DBR_SIZE,
     WQEBB_SIZE,
 };
+pub use rdma_core::list_devices;
 pub use uar::{GpuUarMapping, Uar, UarKind, DOORBELL_OFFSET, UAR_PAGE_SIZE};
 pub use umem::{Umem, UmemAt};

@@ -86,7 +86,11 @@ mod tests {
         assert_eq!(get(&buf, Bits::new("a", 0, 8)), 0x12);
         assert_eq!(get(&buf, Bits::new("b", 4, 8)), 0x23);
         assert_eq!(get(&buf, Bits::new("c", 8, 24)), 0x34_5678);
-        assert_eq!(get(&buf, Bits::new("d", 0x20, 16)), 0x9a00, "past the end reads zero");
+        assert_eq!(
+            get(&buf, Bits::new("d", 0x20, 16)),
+            0x9a00,
+            "past the end reads zero"
+        );
         assert!(flag(&buf, Bits::new("e", 3, 1)));
         let mut out = [0u8; 4];
         put(&mut out, Bits::new("f", 0x1c, 4), 0xf5);

@@ -49,16 +49,36 @@ impl EmuCaps {
     pub(crate) fn general_page(&self) -> Vec<u8> {
         let mut p = vec![0u8; PAGE_BYTES];
         let set = |p: &mut Vec<u8>, f, v: u64| put(p, f, v);
-        set(&mut p, cmd_hca_cap::LOG_MAX_QP_SZ, u64::from(self.log_max_qp_sz));
+        set(
+            &mut p,
+            cmd_hca_cap::LOG_MAX_QP_SZ,
+            u64::from(self.log_max_qp_sz),
+        );
         set(&mut p, cmd_hca_cap::LOG_MAX_QP, 16);
-        set(&mut p, cmd_hca_cap::LOG_MAX_CQ_SZ, u64::from(self.log_max_cq_sz));
+        set(
+            &mut p,
+            cmd_hca_cap::LOG_MAX_CQ_SZ,
+            u64::from(self.log_max_cq_sz),
+        );
         set(&mut p, cmd_hca_cap::LOG_MAX_CQ, 16);
-        set(&mut p, cmd_hca_cap::LOG_MAX_RA_REQ_QP, u64::from(self.log_max_ra_req_qp));
-        set(&mut p, cmd_hca_cap::LOG_MAX_RA_RES_QP, u64::from(self.log_max_ra_res_qp));
+        set(
+            &mut p,
+            cmd_hca_cap::LOG_MAX_RA_REQ_QP,
+            u64::from(self.log_max_ra_req_qp),
+        );
+        set(
+            &mut p,
+            cmd_hca_cap::LOG_MAX_RA_RES_QP,
+            u64::from(self.log_max_ra_res_qp),
+        );
         // InfiniBand: QPs are addressed by LID in the emulated subnet.
         set(&mut p, cmd_hca_cap::PORT_TYPE, 0);
         set(&mut p, cmd_hca_cap::NUM_PORTS, 1);
-        set(&mut p, cmd_hca_cap::LOG_MAX_MSG, u64::from(self.log_max_msg));
+        set(
+            &mut p,
+            cmd_hca_cap::LOG_MAX_MSG,
+            u64::from(self.log_max_msg),
+        );
         set(&mut p, cmd_hca_cap::CQE_VERSION, 1);
         set(&mut p, cmd_hca_cap::ATOMIC, 1);
         set(&mut p, cmd_hca_cap::CQ_OI, 1);

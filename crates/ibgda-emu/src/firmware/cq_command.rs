@@ -63,7 +63,10 @@ impl Firmware {
             return Err(bad(
                 status::BAD_PARAM,
                 syndrome::CQE_SIZE,
-                format!("cqe_sz {} (the emulator writes 64-byte CQEs only)", img.cqe_sz),
+                format!(
+                    "cqe_sz {} (the emulator writes 64-byte CQEs only)",
+                    img.cqe_sz
+                ),
             ));
         }
         if img.log_cq_size > self.caps.log_max_cq_sz {
@@ -107,8 +110,24 @@ impl Firmware {
             ));
         }
         let ncqes = 1u64 << img.log_cq_size;
-        let ring = umem_range(t, CMD, "CQ ring", img.cq_umem_id, img.cq_umem_offset, ncqes * CQE_BYTES, 4096 << img.log_page_size)?;
-        umem_range(t, CMD, "CQ doorbell record", img.dbr_umem_id, img.dbr_offset, 8, 8)?;
+        let ring = umem_range(
+            t,
+            CMD,
+            "CQ ring",
+            img.cq_umem_id,
+            img.cq_umem_offset,
+            ncqes * CQE_BYTES,
+            4096 << img.log_page_size,
+        )?;
+        umem_range(
+            t,
+            CMD,
+            "CQ doorbell record",
+            img.dbr_umem_id,
+            img.dbr_offset,
+            8,
+            8,
+        )?;
         let cfg = if img.collapsed {
             CqConfig::collapsed(ring)
         } else {
@@ -150,12 +169,21 @@ impl Firmware {
         Firmware::check_object(Q, input, cqn)?;
         let t = self.tables();
         let rec = t.cqs.get(&cqn).ok_or_else(|| {
-            Refused::new(Q, status::BAD_RESOURCE, syndrome::WRONG_OBJECT, "no such CQ")
+            Refused::new(
+                Q,
+                status::BAD_RESOURCE,
+                syndrome::WRONG_OBJECT,
+                "no such CQ",
+            )
         })?;
         out.fill(0);
         let c = |f: super::bits::Bits| f.within(query_cq::CQ_CONTEXT);
         put(out, c(cqc::DBR_UMEM_VALID), 1);
-        put(out, c(cqc::CC), u64::from(rec.cfg.mode == CqMode::Collapsed));
+        put(
+            out,
+            c(cqc::CC),
+            u64::from(rec.cfg.mode == CqMode::Collapsed),
+        );
         put(out, c(cqc::OI), u64::from(rec.overrun_ignore));
         put(out, c(cqc::DBR_UMEM_ID), u64::from(rec.dbr_umem_id));
         put(out, c(cqc::LOG_CQ_SIZE), u64::from(rec.log_cq_size));

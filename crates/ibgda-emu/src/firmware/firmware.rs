@@ -320,7 +320,13 @@ impl Firmware {
 
     fn query_hca_cap(&self, input: &[u8], out: &mut [u8]) -> Result<(), Refused> {
         const CMD: &str = "QUERY_HCA_CAP";
-        need_len(CMD, input, cmd_in::SHORT_BYTES, out, query_hca_cap::OUT_BYTES)?;
+        need_len(
+            CMD,
+            input,
+            cmd_in::SHORT_BYTES,
+            out,
+            query_hca_cap::OUT_BYTES,
+        )?;
         let op_mod = get(input, cmd_in::OP_MOD) as u16;
         // Current and maximum values are the same on the emulated device.
         let page = match op_mod >> 1 {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::bits::{flag, get, put, Bits};
 use super::cq_command::umem_range;
-use super::firmware::{need_len, FwQpState, Firmware, QpRec, Tables};
+use super::firmware::{need_len, Firmware, FwQpState, QpRec, Tables};
 use super::layout::{ads, cmd_in, cmd_out, qp_cmd, qp_state, qpc};
 use super::refusal::{status, syndrome, Refused};
 use crate::doorbell::DoorbellConfig;
@@ -192,7 +192,15 @@ impl Firmware {
             img.rq_bytes() + sq_bytes,
             4096 << img.log_page_size,
         )?;
-        let dbr = umem_range(t, CMD, "QP doorbell record", img.dbr_umem_id, img.dbr_offset, 8, 8)?;
+        let dbr = umem_range(
+            t,
+            CMD,
+            "QP doorbell record",
+            img.dbr_umem_id,
+            img.dbr_offset,
+            8,
+            8,
+        )?;
         Ok(Placed {
             cfg: QpConfig {
                 sq: wq.offset(img.rq_bytes()),
@@ -282,7 +290,12 @@ impl Firmware {
         let engine = self.nic.qp_status(qpn).ok();
         let t = self.tables();
         let r = t.qps.get(&qpn).ok_or_else(|| {
-            Refused::new(Q, status::BAD_RESOURCE, syndrome::WRONG_OBJECT, "no such QP")
+            Refused::new(
+                Q,
+                status::BAD_RESOURCE,
+                syndrome::WRONG_OBJECT,
+                "no such QP",
+            )
         })?;
         let state = match (r.state, engine.as_ref().map(|e| e.state)) {
             (_, Some(QpState::Error)) | (FwQpState::Err, _) => qp_state::ERR,
@@ -318,9 +331,18 @@ impl Firmware {
             (q(qpc::CQN_SND), u64::from(r.cqn_snd)),
             (q(qpc::LOG_RRA_MAX), u64::from(r.log_rra_max)),
             (q(qpc::ATOMIC_MODE), u64::from(r.atomic_mode)),
-            (q(qpc::RRE), u64::from(access & crate::mr::Access::REMOTE_READ.bits() != 0)),
-            (q(qpc::RWE), u64::from(access & crate::mr::Access::REMOTE_WRITE.bits() != 0)),
-            (q(qpc::RAE), u64::from(access & crate::mr::Access::REMOTE_ATOMIC.bits() != 0)),
+            (
+                q(qpc::RRE),
+                u64::from(access & crate::mr::Access::REMOTE_READ.bits() != 0),
+            ),
+            (
+                q(qpc::RWE),
+                u64::from(access & crate::mr::Access::REMOTE_WRITE.bits() != 0),
+            ),
+            (
+                q(qpc::RAE),
+                u64::from(access & crate::mr::Access::REMOTE_ATOMIC.bits() != 0),
+            ),
             (q(qpc::MIN_RNR_NAK), u64::from(r.min_rnr_nak)),
             (q(qpc::NEXT_RCV_PSN), u64::from(r.next_rcv_psn)),
             (q(qpc::CQN_RCV), u64::from(r.cqn_rcv)),

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::bits::{bytes, flag, get, Bits};
-use super::firmware::{need_len, FwQpState, Firmware};
+use super::firmware::{need_len, Firmware, FwQpState};
 use super::layout::{ads, cmd_in, cmd_out, opcode, qp_cmd, qpc};
 use super::qp_command::q;
 use super::refusal::{status, syndrome, Refused};
@@ -152,7 +152,12 @@ impl Firmware {
             .get(&qpn)
             .map(|r| r.state)
             .ok_or_else(|| {
-                Refused::new(cmd, status::BAD_RESOURCE, syndrome::WRONG_OBJECT, "no such QP")
+                Refused::new(
+                    cmd,
+                    status::BAD_RESOURCE,
+                    syndrome::WRONG_OBJECT,
+                    "no such QP",
+                )
             })?;
         if let Some(from) = from_state(op) {
             if state != from {
@@ -259,7 +264,10 @@ impl Firmware {
         if img.mtu == 0 || img.mtu > self.caps.max_mtu {
             return Err(bad(
                 syndrome::MTU,
-                format!("mtu code {} (the port's largest is {})", img.mtu, self.caps.max_mtu),
+                format!(
+                    "mtu code {} (the port's largest is {})",
+                    img.mtu, self.caps.max_mtu
+                ),
             ));
         }
         if img.log_msg_max > self.caps.log_max_msg {
@@ -328,7 +336,8 @@ impl Firmware {
             let r = t.qps.get(&qpn).expect("checked by the caller");
             (r.remote_lid, r.remote_qpn)
         };
-        let gone = |why: String| Refused::new(CMD, status::BAD_PARAM, syndrome::NO_SUCH_REMOTE_QP, why);
+        let gone =
+            |why: String| Refused::new(CMD, status::BAD_PARAM, syndrome::NO_SUCH_REMOTE_QP, why);
         let peer = self
             .subnet
             .by_lid(remote_lid)

@@ -5,11 +5,10 @@ use std::ptr::NonNull;
 
 use super::handles::{RcDevxObj, RcMr, RcPd, RcUar, RcUmem};
 use crate::device::{
-    AtomicCap, DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo,
-    PortState,
+    AtomicCap, DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState,
 };
 use crate::driver::{
-    AhRoute, DmaBufRange, Driver, DriverObj, DriverPd, DriverUar, DriverUmem, DriverMr, MemRange,
+    AhRoute, DmaBufRange, Driver, DriverMr, DriverObj, DriverPd, DriverUar, DriverUmem, MemRange,
 };
 use crate::error::{rc_error, Result, VerbsError};
 use crate::ffi;
@@ -258,14 +257,8 @@ impl Driver for RdmaCoreDevice {
         let pd = self.own_pd(pd)?;
         // SAFETY: the caller guarantees the range is live for the handle's lifetime; for GPU
         // memory the kernel (nvidia-peermem) validates and pins it.
-        let mr = unsafe {
-            ffi::ibv_reg_mr(
-                pd.raw(),
-                mem.addr as *mut _,
-                mem.len,
-                access.bits() as i32,
-            )
-        };
+        let mr =
+            unsafe { ffi::ibv_reg_mr(pd.raw(), mem.addr as *mut _, mem.len, access.bits() as i32) };
         let mr = NonNull::new(mr).ok_or_else(|| VerbsError::last_os("ibv_reg_mr"))?;
         Ok(Box::new(RcMr::new(mr)))
     }

@@ -228,7 +228,10 @@ impl Drop for RcDevxObj {
         // referencing a CQ) are gone first, their owners holding Arcs of its owner.
         let rc = unsafe { ffi::mlx5dv_devx_obj_destroy(self.0.as_ptr()) };
         if rc != 0 {
-            tracing::error!("destroying a DEVX object: {}", rc_error("mlx5dv_devx_obj_destroy", rc));
+            tracing::error!(
+                "destroying a DEVX object: {}",
+                rc_error("mlx5dv_devx_obj_destroy", rc)
+            );
         }
     }
 }
