@@ -13,7 +13,7 @@ use ibgda_device::wire::{
 };
 use ibgda_emu::firmware::{syndrome, EmuDevice, EmuSubnet};
 use ibgda_emu::{vendor_syndrome, HostBuffer};
-use ibgda_verbs::prm::{AtomicMode, RemoteAccess};
+use ibgda_verbs::prm::{AtomicMode, FirmwareQpState, Mtu, RemoteAccess};
 use ibgda_verbs::{
     random_psn, Access, Context, Cq, CqBuilder, InitAttrs, MemoryRegion, ProtectionDomain, Qp,
     QpBuilder, Reset, RtrAttrs, Rts, RtsAttrs, Uar, Umem, VerbsError,
@@ -169,7 +169,7 @@ fn connect(
     b: &Side,
     qb: Qp<Reset>,
     access_b: RemoteAccess,
-) -> (Qp<Rts>, Qp<Rts>) {
+) -> (Qp<Rts>, Qp<Rts>, (u32, u32)) {
     let (port_a, port_b) = (a.ctx.port(1).unwrap(), b.ctx.port(1).unwrap());
     let (psn_a, psn_b) = (random_psn(), random_psn());
     let info_a = qa.connect_info(&port_a, None, psn_a);
@@ -189,7 +189,7 @@ fn connect(
         .unwrap();
     let qa = qa.rts(&RtsAttrs::new(psn_a)).unwrap();
     let qb = qb.rts(&RtsAttrs::new(psn_b)).unwrap();
-    (qa, qb)
+    (qa, qb, (psn_a, psn_b))
 }
 
 fn all_rights(ctx: &Context) -> RemoteAccess {
@@ -231,7 +231,7 @@ fn verbs_bring_up_carries_writes_and_atomics() {
     let mut a = Side::open(&subnet, "emu_a");
     let mut b = Side::open(&subnet, "emu_b");
     let (qa, qb) = (a.qp(), b.qp());
-    let (qa, qb) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
+    let (qa, qb, psns) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
     let (na, nb) = (qa.qpn(), qb.qpn());
 
     // A → B: a gathered RDMA write, an inline write, then atomics on B's words with their old
@@ -303,6 +303,18 @@ fn verbs_bring_up_carries_writes_and_atomics() {
         "A's engine QP points at B's QP"
     );
     assert!(st.first_error.is_none());
+
+    // QUERY_QP, parsed by verbs' own table: what the firmware kept from the commands.
+    let (ca, cb) = (qa.query().unwrap(), qb.query().unwrap());
+    assert_eq!(ca.state, FirmwareQpState::Rts);
+    assert_eq!((ca.remote_qpn, cb.remote_qpn), (nb, na));
+    assert_eq!(ca.next_send_psn, psns.0, "A sends from the PSN it told B");
+    assert_eq!(ca.next_rcv_psn, psns.1, "and expects B's");
+    assert_eq!(cb.next_rcv_psn, psns.0);
+    assert_eq!(ca.mtu, Some(Mtu::Mtu4096));
+    assert_eq!(ca.send_cqn, a.cq.cqn());
+    assert_eq!(ca.remote_access, (true, true, true));
+    assert_eq!(ca.hw_sq_wqebb_counter, 5, "the NIC read five WQEBBs");
 }
 
 #[test]
@@ -311,7 +323,7 @@ fn the_uar_page_the_qp_names_rings_it() {
     let mut a = Side::open(&subnet, "emu_a");
     let b = Side::open(&subnet, "emu_b");
     let (qa, qb) = (a.qp(), b.qp());
-    let (qa, _qb) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
+    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
     let na = qa.qpn();
     a.post(
         InlineWrite::new(na, 0, b.remote(64), b"uar")
@@ -336,7 +348,7 @@ fn rights_the_responder_qp_was_not_granted_fail_like_hardware() {
         write: false,
         atomic: None,
     };
-    let (qa, _qb) = connect(&a, qa, all_rights(&a.ctx), &b, qb, read_only);
+    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, read_only);
     let na = qa.qpn();
     b.data.store_u64(0, 5);
     a.post(
@@ -365,6 +377,7 @@ fn rights_the_responder_qp_was_not_granted_fail_like_hardware() {
     assert_eq!(b.data.load_u64(0), 5, "nothing added");
     let st = a.dev.nic().qp_status(na).unwrap();
     assert!(st.first_error.is_some(), "{st:?}");
+    assert_eq!(qa.query().unwrap().state, FirmwareQpState::Error);
 }
 
 #[test]

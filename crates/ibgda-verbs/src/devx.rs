@@ -42,7 +42,6 @@ pub(crate) fn general_cmd(
 pub(crate) struct DevxObj {
     // Declared first: destroyed before the context is released.
     obj: Box<dyn DriverObj>,
-    what: &'static str,
     // Keeps the context open for as long as the object exists.
     _ctx: Arc<Context>,
 }
@@ -63,7 +62,6 @@ impl DevxObj {
         };
         let obj = Self {
             obj,
-            what: command,
             _ctx: ctx.clone(),
         };
         // A created object with a failed status cannot happen, but check rather than trust.
@@ -87,7 +85,6 @@ impl DevxObj {
     }
 
     /// Sends a query command (`QUERY_QP`, `QUERY_CQ`) to the object and returns its output.
-    #[allow(dead_code)] // the objects do not query themselves yet; the seam carries it
     pub(crate) fn query(
         &self,
         command: &'static str,
@@ -100,12 +97,6 @@ impl DevxObj {
         }
         command_done(command, &out)?;
         Ok(out)
-    }
-
-    /// What created the object (for messages).
-    #[allow(dead_code)]
-    pub(crate) fn what(&self) -> &'static str {
-        self.what
     }
 }
 

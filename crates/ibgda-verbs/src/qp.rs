@@ -31,8 +31,8 @@ use crate::driver::AhRoute;
 use crate::error::{Result, VerbsError};
 use crate::pd::ProtectionDomain;
 use crate::prm::{
-    parse_create_qp_out, parse_modify_qp_out, AddressPath, CreateQp, Grh, Init2Rtr, Mtu,
-    RemoteAccess, RqSpec, Rst2Init, Rtr2Rts, TsFormat,
+    parse_create_qp_out, parse_modify_qp_out, parse_query_qp_out, AddressPath, CreateQp, Grh,
+    Init2Rtr, Mtu, QpContext, QueryQp, RemoteAccess, RqSpec, Rst2Init, Rtr2Rts, TsFormat,
 };
 use crate::uar::Uar;
 use crate::umem::UmemAt;
@@ -346,6 +346,17 @@ impl<S: QpState> Qp<S> {
     /// The protection domain.
     pub fn pd(&self) -> &Arc<ProtectionDomain> {
         &self.inner.pd
+    }
+
+    /// The QP's context as firmware holds it (`QUERY_QP`): state, peer, PSNs, MTU, rights, and
+    /// how far the NIC has read the send queue.
+    pub fn query(&self) -> Result<QpContext> {
+        let out = self.inner.obj.query(
+            "QUERY_QP",
+            &QueryQp::new(self.inner.qpn).build(),
+            QueryQp::OUT_LEN,
+        )?;
+        parse_query_qp_out(&out).map_err(|f| VerbsError::firmware(f, 0))
     }
 
     /// What to tell the peer so it can connect to this QP.
