@@ -85,6 +85,18 @@
 //! processes — CUDA IPC exports of GPU registrations), [`Nic::connect`]. Keys and addresses go in
 //! the WQEs as with hardware.
 //!
+//! # The firmware path
+//!
+//! [`firmware::EmuSubnet`] opens emulated devices that implement `ibgda-verbs`' driver seam, so
+//! the real verbs code (PD, MR, umem, UAR, `CREATE_CQ`, `CREATE_QP`, RST→INIT→RTR→RTS) runs on
+//! the emulator unchanged. The firmware decodes each PRM command image by the `mlx5_ifc.h`
+//! layout, refuses a bad field with the PRM status and its own syndrome, and builds the engine
+//! QP from what the commands say: the send ring at the work queue umem's offset, the doorbell
+//! record and CQ from their umems, the UAR page named in the QP context (shared by every QP
+//! on it), the peer from the path's LID and remote QPN. The responder QP's `rre`/`rwe`/`rae`
+//! are checked at every WQE besides the registration's rights (vendor syndrome
+//! [`vendor_syndrome::REMOTE_QP_ACCESS`]).
+//!
 //! # Faults and shaping
 //!
 //! [`FaultPlan`]: an error CQE on the n-th WQE of a QP, completions delayed, the n-th doorbell

@@ -9,6 +9,10 @@
 //!
 //! # Layers
 //!
+//! - [`Driver`]: the one seam every rdma-core / mlx5dv / DEVX call goes through (open and query,
+//!   PD, MR and umem registration, UAR allocation, DEVX objects with PRM command bytes in and
+//!   out). [`rdma_core`] implements it for a real ConnectX; `ibgda-emu`'s emulated firmware
+//!   implements it too, and [`Context::with_driver`] runs everything below on either.
 //! - [`prm`]: firmware command images (`CREATE_CQ`, `CREATE_QP`, the QP transitions,
 //!   `QUERY_HCA_CAP`) built with a big-endian bit-field writer to the mlx5 PRM offsets. Pure
 //!   data, tested byte by byte without hardware.
