@@ -8,31 +8,32 @@
 
 use std::sync::Arc;
 
-use ibgda_emu::firmware::{status, syndrome, EmuDevice, EmuSubnet};
+use ibgda_emu::firmware::{status, syndrome, EmuSubnet};
 use ibgda_emu::HostBuffer;
 use ibgda_verbs::{
     Access, Context, Cq, CqBuilder, DriverObj, ProtectionDomain, Uar, Umem, VerbsError,
 };
 
-/// The objects an image names, made through verbs on the emulated device.
+/// The objects an image names, made through verbs on the emulated device. Fields drop in
+/// order: the CQ and the umem before the memory under them.
 struct Fixture {
-    _dev: EmuDevice,
     ctx: Arc<Context>,
     pd: Arc<ProtectionDomain>,
     uar: Arc<Uar>,
-    _mem: Arc<HostBuffer>,
-    umem: Arc<Umem>,
     cq: Arc<Cq>,
+    umem: Arc<Umem>,
+    _mem: Arc<HostBuffer>,
 }
 
 fn fixture(subnet: &EmuSubnet, name: &str) -> Fixture {
     let dev = subnet.open_host(name).unwrap();
-    let ctx = Context::with_driver(dev.clone());
+    let ctx = Context::with_driver(dev);
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let uar = Uar::alloc(&ctx).unwrap();
     let mem = Arc::new(HostBuffer::new(1 << 16));
-    // SAFETY: `mem` outlives the umem (both live in the fixture, the umem dropped first is not
-    // required: the emulator only touches it while objects placed in it exist).
+    // SAFETY: the fixture keeps `mem` until after the umem and every object placed in it are
+    // gone (field order; the tests' raw objects are locals dropped before the fixture), and
+    // touches it only through HostBuffer's copies.
     let umem =
         unsafe { Umem::register_host(&ctx, mem.addr() as *mut u8, 1 << 16, Access::LOCAL_WRITE) }
             .unwrap();
@@ -40,13 +41,12 @@ fn fixture(subnet: &EmuSubnet, name: &str) -> Fixture {
         .create()
         .unwrap();
     Fixture {
-        _dev: dev,
         ctx,
         pd,
         uar,
-        _mem: mem,
-        umem,
         cq,
+        umem,
+        _mem: mem,
     }
 }
 

@@ -31,17 +31,18 @@ const QP_DBR: u64 = 8200;
 const QUEUE_BYTES: usize = 12288;
 const DATA_BYTES: usize = 8192;
 
-/// One device and everything one QP needs on it.
+/// One device and everything one QP needs on it. Fields drop in order: registrations and the
+/// objects placed in them before the memory under them.
 struct Side {
     dev: EmuDevice,
     ctx: Arc<Context>,
     pd: Arc<ProtectionDomain>,
     uar: Arc<Uar>,
-    queues: Arc<HostBuffer>,
-    umem: Arc<Umem>,
     cq: Arc<Cq>,
-    data: Arc<HostBuffer>,
+    umem: Arc<Umem>,
     mr: MemoryRegion,
+    queues: Arc<HostBuffer>,
+    data: Arc<HostBuffer>,
     /// Next WQEBB index.
     pi: u64,
 }
@@ -57,8 +58,9 @@ impl Side {
         for i in 0..(1u64 << LOG_CQ) {
             queues.write((CQ_RING + i * 64 + 63) as usize, &[0xf1]);
         }
-        // SAFETY: `queues` is kept alive by this value for longer than the umem and is only
-        // touched through HostBuffer's copies and atomics.
+        // SAFETY: `queues` outlives the umem and the CQ and QPs placed in it (field order; the
+        // tests' QPs are locals dropped first) and is only touched through HostBuffer's copies
+        // and atomics.
         let umem = unsafe {
             Umem::register_host(
                 &ctx,
@@ -73,7 +75,7 @@ impl Side {
             .create()
             .unwrap();
         let data = Arc::new(HostBuffer::new(DATA_BYTES));
-        // SAFETY: as for `queues`.
+        // SAFETY: as for `queues`: `data` outlives the registration.
         let mr = unsafe {
             MemoryRegion::register_host(&pd, data.addr() as *mut u8, DATA_BYTES, Access::rdma())
         }
@@ -83,11 +85,11 @@ impl Side {
             ctx,
             pd,
             uar,
-            queues,
-            umem,
             cq,
-            data,
+            umem,
             mr,
+            queues,
+            data,
             pi: 0,
         }
     }

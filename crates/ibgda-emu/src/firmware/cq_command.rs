@@ -3,8 +3,8 @@
 
 use super::bits::{flag, get, put};
 use super::caps::EQN_BASE;
-use super::firmware::{need_len, CqRec, Firmware, Tables};
 use super::layout::{cmd_in, cmd_out, cqc, create_cq, query_cq};
+use super::objects::{need_len, CqRec, Firmware, Tables};
 use super::refusal::{status, syndrome, Refused};
 use crate::cq::{CqConfig, CqMode, CQE_BYTES};
 

@@ -11,7 +11,7 @@ use ibgda_verbs::{
 };
 
 use super::caps::{EmuCaps, EQN_BASE};
-use super::firmware::{write_refusal, Firmware, ObjKind, UmemRec};
+use super::objects::{write_refusal, Firmware, ObjKind, UmemRec};
 use super::refusal::Refused;
 use super::subnet::port_gid;
 use crate::backend::Loc;

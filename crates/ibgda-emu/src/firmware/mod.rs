@@ -13,9 +13,8 @@ mod bits;
 mod caps;
 mod cq_command;
 mod driver;
-#[allow(clippy::module_inception)]
-mod firmware;
 mod layout;
+mod objects;
 mod qp_command;
 mod qp_transition;
 mod refusal;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use super::bits::{flag, get, put, Bits};
 use super::cq_command::umem_range;
-use super::firmware::{need_len, Firmware, FwQpState, QpRec, Tables};
 use super::layout::{ads, cmd_in, cmd_out, qp_cmd, qp_state, qpc};
+use super::objects::{need_len, Firmware, FwQpState, QpRec, Tables};
 use super::refusal::{status, syndrome, Refused};
 use crate::doorbell::DoorbellConfig;
 use crate::qp::{QpConfig, QpState};

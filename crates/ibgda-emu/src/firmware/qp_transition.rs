@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::bits::{bytes, flag, get, Bits};
-use super::firmware::{need_len, Firmware, FwQpState};
 use super::layout::{ads, cmd_in, cmd_out, opcode, qp_cmd, qpc};
+use super::objects::{need_len, Firmware, FwQpState};
 use super::qp_command::q;
 use super::refusal::{status, syndrome, Refused};
 use crate::fabric::QpInfo;

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::caps::EmuCaps;
 use super::driver::EmuDevice;
-use super::firmware::Firmware;
+use super::objects::Firmware;
 use crate::error::EmuError;
 use crate::fabric::Fabric;
 use crate::nic::{Nic, NicConfig};

@@ -1,4 +1,4 @@
-//! The emulated firmware of one device: its object tables (PDs, umems, UAR pages, CQs, QPs)
+//! The emulated firmware of one device ([`Firmware`]): its object tables (PDs, umems, UAR pages, CQs, QPs)
 //! and the dispatch of command images to the decoders.
 //!
 //! A command either completes (status 0 and its outputs in the mailbox) or is refused with a
