@@ -311,3 +311,33 @@ fn capability_pages_sit_at_their_prm_offsets() {
         "atomic_size_qp: 4 and 8 bytes (bit 0xb0)"
     );
 }
+
+#[test]
+fn error_and_reset_transitions_move_the_qp_from_any_state() {
+    let subnet = EmuSubnet::new();
+    let f = fixture(&subnet, "emu_0");
+    let (r, out) = create(&f, &create_qp_image(&f, f.cq.cqn()));
+    let qp = r.unwrap();
+    let qpn = u32::from_be_bytes([0, out[9], out[10], out[11]]);
+    let state = |qp: &dyn DriverObj| {
+        let mut q = vec![0u8; 272];
+        qp.query(&query_qp_image(qpn), &mut q).unwrap();
+        q[0x18] >> 4
+    };
+    let short = |op: [u8; 2]| {
+        let mut img = vec![0u8; 16];
+        patch(&mut img, 0, &op);
+        patch(&mut img, 9, &be24(qpn));
+        img
+    };
+    let mut out = vec![0u8; 16];
+    qp.modify(&rst2init_image(qpn, 0x40, 0), &mut out).unwrap();
+    assert_eq!(state(&*qp), 1, "INIT");
+    qp.modify(&short([0x05, 0x07]), &mut out).unwrap(); // 2ERR_QP (0x507)
+    assert_eq!(state(&*qp), 6, "ERR");
+    qp.modify(&short([0x05, 0x0a]), &mut out).unwrap(); // 2RST_QP (0x50a)
+    assert_eq!(state(&*qp), 0, "RST");
+    // From RESET the QP starts over.
+    qp.modify(&rst2init_image(qpn, 0x40, 0), &mut out).unwrap();
+    assert_eq!(state(&*qp), 1, "INIT again");
+}

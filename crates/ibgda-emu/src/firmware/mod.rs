@@ -9,6 +9,8 @@
 //! checked at every WQE a peer sends it, like a responder's; a command with a field the
 //! device does not accept gets [`status`] and [`syndrome`] in its output mailbox.
 
+#[cfg(test)]
+mod agreement_tests;
 mod bits;
 mod caps;
 mod cq_command;
