@@ -185,6 +185,13 @@ pub trait DriverUar: Send + Sync {
 
     /// CPU address of the start of the page (null when the driver does not report it).
     fn page_ptr(&self) -> *mut u8;
+
+    /// The GPU address of the page when the driver has mapped it into the GPUs already (the
+    /// emulated NIC's page is pinned host memory mapped for every GPU); `None` when it must be
+    /// registered as I/O memory ([`Uar::map_into_gpu`](crate::Uar::map_into_gpu) does).
+    fn gpu_page(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A firmware object created through DEVX; destroyed when dropped (the driver builds the

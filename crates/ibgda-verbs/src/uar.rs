@@ -129,14 +129,26 @@ impl Uar {
     ///
     /// Fails with [`VerbsError::GpuDoorbellMappingNotPermitted`] when the NVIDIA driver does not
     /// allow it (no `PeerMappingOverride=1`); the CPU NIC-handler modes are the way out.
+    ///
+    /// A page its driver has mapped for the GPUs already (the emulated NIC's) is used as it is.
     pub fn map_into_gpu(self: &Arc<Self>, cuda: &Arc<CudaContext>) -> Result<GpuUarMapping> {
         let page = self.page_ptr();
+        if let Some(device_page) = self.uar.gpu_page() {
+            return Ok(GpuUarMapping {
+                device_page,
+                host_page: page,
+                registered: false,
+                uar: self.clone(),
+                cuda: cuda.clone(),
+            });
+        }
         // SAFETY: the page is the UAR's live, page-aligned mapping; the returned mapping holds
         // the Arc<Uar> and unregisters before the UAR can be freed.
         let device_page = unsafe { cuda::register_io_memory(cuda, page, UAR_PAGE_SIZE)? };
         Ok(GpuUarMapping {
             device_page,
             host_page: page,
+            registered: true,
             uar: self.clone(),
             cuda: cuda.clone(),
         })
@@ -152,6 +164,8 @@ impl Uar {
 pub struct GpuUarMapping {
     device_page: u64,
     host_page: *mut u8,
+    /// Registered by `map_into_gpu` (and so unregistered on drop), not mapped by the driver.
+    registered: bool,
     uar: Arc<Uar>,
     cuda: Arc<CudaContext>,
 }
@@ -189,6 +203,9 @@ impl GpuUarMapping {
 
 impl Drop for GpuUarMapping {
     fn drop(&mut self) {
+        if !self.registered {
+            return;
+        }
         // SAFETY: the page was registered by `map_into_gpu`; the owner guarantees no kernel still
         // rings through it (it dropped the mapping).
         if let Err(e) = unsafe { cuda::unregister_io_memory(&self.cuda, self.host_page) } {

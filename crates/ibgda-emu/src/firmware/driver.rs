@@ -381,6 +381,10 @@ impl DriverUar for EmuUar {
     fn page_ptr(&self) -> *mut u8 {
         self.page.addr() as *mut u8
     }
+
+    fn gpu_page(&self) -> Option<u64> {
+        self.page.device_addr()
+    }
 }
 
 impl Drop for EmuUar {

@@ -8,6 +8,20 @@
 //! and CQ from their umems, the UAR page the QP context names. A QP's `rre`/`rwe`/`rae` are
 //! checked at every WQE a peer sends it, like a responder's; a command with a field the
 //! device does not accept gets [`status`] and [`syndrome`] in its output mailbox.
+//!
+//! Where the emulator differs from a ConnectX, on purpose or for now:
+//! - it is stricter at `INIT2RTR_QP`: a path to a LID or QP number that does not exist is
+//!   refused (hardware accepts it and times out later), so a wrong connection record is a clean
+//!   error instead of a hang;
+//! - a ring CQ serves one QP's send queue (the engine writes each QP's CQEs in its own order);
+//!   collapsed CQs may be shared;
+//! - QPs sharing a UAR page share one emulated register, so a doorbell overwritten before the
+//!   NIC polled it is made good by the doorbell record, which every ringer writes first
+//!   (hardware takes every store);
+//! - RC only, no receive queue work, no SRQ, 64-byte CQEs, one port, InfiniBand addressing;
+//!   PSNs, MTU, retry counts and timeouts are kept and reported by `QUERY_QP` but do not change
+//!   how the engine moves bytes; RDMA read is not executed (the engine's limit), so `rre` is
+//!   kept but never consulted.
 
 #[cfg(test)]
 mod agreement_tests;
