@@ -7,6 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ibgda_device::protocol::HostQp;
+use ibgda_device::qp_desc::{NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
 use ibgda_device::wire::{
     cqe_opcode, db_bytes, dbr_send_word, opcode, syndrome as cqe_syndrome, CompareSwap64, Cqe64,
     FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, RdmaWrite, RemoteAddr, Sge, WqeBB,
@@ -440,4 +442,58 @@ fn teardown_releases_the_firmware_objects() {
     // The CQ serves no QP any more, so a new QP may use it as its send CQ again.
     let again = a.qp();
     assert_ne!(again.qpn(), qpn);
+}
+
+#[test]
+fn the_submit_protocol_drives_a_verbs_qp_in_mode_gpu() {
+    let subnet = EmuSubnet::new();
+    let a = Side::open(&subnet, "emu_a");
+    let b = Side::open(&subnet, "emu_b");
+    let (qa, qb) = (a.qp(), b.qp());
+    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
+    // The descriptor device code reads, filled from the verbs objects alone.
+    let desc = QpDesc {
+        wq_base: qa.sq().addr(),
+        dbr: qa.doorbell_record().addr(),
+        db_reg: qa.uar().register_ptr() as u64,
+        producer_slot: 0,
+        nwqes: qa.sq_wqebbs(),
+        qpn: qa.qpn(),
+        handler_mode: NicHandler::Gpu as u32,
+        lkey: a.mr.lkey(),
+        cq_base: qa.send_cq().ring().addr(),
+        cq_dbr: 0,
+        ncqes: 1 << qa.send_cq().log_cq_size(),
+        flags: QP_FLAG_EMULATED,
+        rank: 0,
+        qp_index: 0,
+        peer_rank: 1,
+        reserved0: 0,
+        timeout_ns: T.as_nanos() as u64,
+        error_record: 0,
+        scratch: a.mr.addr() + (DATA_BYTES - 64) as u64,
+        reserved1: [0; 2],
+        counters: QpCounters::default(),
+    };
+    let store = HostBuffer::new(std::mem::size_of::<QpDesc>());
+    store.write(0, bytemuck::bytes_of(&desc));
+    // SAFETY: `store` is 4096-aligned and outlives `hq`; every address in the descriptor is
+    // live memory of `a` (ring, CQ, doorbell record, UAR register, MR), which outlives `hq` too;
+    // the counters are touched only through `hq`.
+    let hq = unsafe { HostQp::new(store.addr() as *mut QpDesc) }.unwrap();
+    hq.check_desc().unwrap();
+
+    let src: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+    a.data.write(0, &src);
+    // 8 WQEs of up to 128 bytes, then a fenced signal: doorbell record, then the UAR register
+    // the QP context named, by the protocol's own mode-gpu path.
+    hq.put_chunked(b.remote(0), a.mr.addr(), 1000, 128, true)
+        .unwrap();
+    hq.signal_add(b.remote(4096), 3, true, true).unwrap();
+    hq.quiet().unwrap();
+    assert_eq!(b.data.read_vec(0, 1000), src);
+    assert_eq!(b.data.load_u64(4096), 3);
+    let c = hq.counters();
+    assert_eq!((c.ready_head, c.cons_idx), (9, 9), "{c:?}");
+    assert_eq!(qa.query().unwrap().hw_sq_wqebb_counter, 9);
 }
