@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ibgda_device::protocol::HostQp;
+use ibgda_device::proxy::{Mlx5UarDoorbell, ProducerSlot, Proxy, ProxyConfig, ProxyQp};
 use ibgda_device::qp_desc::{NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
+use ibgda_device::wire::DoorbellRecord;
 use ibgda_device::wire::{
-    cqe_opcode, db_bytes, dbr_send_word, opcode, syndrome as cqe_syndrome, CompareSwap64, Cqe64,
-    FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, RdmaWrite, RemoteAddr, Sge, WqeBB,
+    cqe_opcode, db_bytes, db_word, dbr_send_word, opcode, syndrome as cqe_syndrome, CompareSwap64,
+    Cqe64, FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, RdmaWrite, RemoteAddr, Sge, WqeBB,
 };
 use ibgda_emu::firmware::{syndrome, EmuDevice, EmuSubnet};
 use ibgda_emu::{vendor_syndrome, HostBuffer};
@@ -444,22 +446,21 @@ fn teardown_releases_the_firmware_objects() {
     assert_ne!(again.qpn(), qpn);
 }
 
-#[test]
-fn the_submit_protocol_drives_a_verbs_qp_in_mode_gpu() {
-    let subnet = EmuSubnet::new();
-    let a = Side::open(&subnet, "emu_a");
-    let b = Side::open(&subnet, "emu_b");
-    let (qa, qb) = (a.qp(), b.qp());
-    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
-    // The descriptor device code reads, filled from the verbs objects alone.
-    let desc = QpDesc {
+/// The descriptor device code reads, filled from the verbs objects alone: in mode `gpu` it
+/// names the UAR register, in the CPU modes the producer slot at `slot`.
+fn descriptor(a: &Side, qa: &Qp<Rts>, mode: NicHandler, slot: u64) -> QpDesc {
+    QpDesc {
         wq_base: qa.sq().addr(),
         dbr: qa.doorbell_record().addr(),
-        db_reg: qa.uar().register_ptr() as u64,
-        producer_slot: 0,
+        db_reg: if mode.uses_proxy() {
+            0
+        } else {
+            qa.uar().register_ptr() as u64
+        },
+        producer_slot: if mode.uses_proxy() { slot } else { 0 },
         nwqes: qa.sq_wqebbs(),
         qpn: qa.qpn(),
-        handler_mode: NicHandler::Gpu as u32,
+        handler_mode: mode as u32,
         lkey: a.mr.lkey(),
         cq_base: qa.send_cq().ring().addr(),
         cq_dbr: 0,
@@ -474,7 +475,17 @@ fn the_submit_protocol_drives_a_verbs_qp_in_mode_gpu() {
         scratch: a.mr.addr() + (DATA_BYTES - 64) as u64,
         reserved1: [0; 2],
         counters: QpCounters::default(),
-    };
+    }
+}
+
+#[test]
+fn the_submit_protocol_drives_a_verbs_qp_in_mode_gpu() {
+    let subnet = EmuSubnet::new();
+    let a = Side::open(&subnet, "emu_a");
+    let b = Side::open(&subnet, "emu_b");
+    let (qa, qb) = (a.qp(), b.qp());
+    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
+    let desc = descriptor(&a, &qa, NicHandler::Gpu, 0);
     let store = HostBuffer::new(std::mem::size_of::<QpDesc>());
     store.write(0, bytemuck::bytes_of(&desc));
     // SAFETY: `store` is 4096-aligned and outlives `hq`; every address in the descriptor is
@@ -496,4 +507,57 @@ fn the_submit_protocol_drives_a_verbs_qp_in_mode_gpu() {
     let c = hq.counters();
     assert_eq!((c.ready_head, c.cons_idx), (9, 9), "{c:?}");
     assert_eq!(qa.query().unwrap().hw_sq_wqebb_counter, 9);
+}
+
+#[test]
+fn the_proxy_rings_a_verbs_qp_through_the_mlx5_uar_doorbell() {
+    let subnet = EmuSubnet::new();
+    let a = Side::open(&subnet, "emu_a");
+    let b = Side::open(&subnet, "emu_b");
+    let (qa, qb) = (a.qp(), b.qp());
+    let (qa, _qb, _) = connect(&a, qa, all_rights(&a.ctx), &b, qb, all_rights(&b.ctx));
+    // Mode cpu_host_memory: the submitter raises a producer slot in host memory; the proxy
+    // rings with the real-NIC doorbell (doorbell record, then the UAR's BlueFlame register).
+    let slot = HostBuffer::new(64);
+    let desc = descriptor(&a, &qa, NicHandler::CpuHostMemory, slot.addr());
+    let store = HostBuffer::new(std::mem::size_of::<QpDesc>());
+    store.write(0, bytemuck::bytes_of(&desc));
+    // SAFETY: as in the mode-gpu test; the slot buffer outlives `hq` and the proxy too.
+    let hq = unsafe { HostQp::new(store.addr() as *mut QpDesc) }.unwrap();
+    // SAFETY: the QP's doorbell record (in `a`'s queue umem) and the UAR register stay mapped
+    // until the proxy is stopped below; only the proxy rings this QP.
+    let doorbell = unsafe {
+        Mlx5UarDoorbell::new(
+            qa.doorbell_record().addr() as *mut DoorbellRecord,
+            qa.uar().register_ptr().cast::<u64>(),
+            qa.qpn(),
+        )
+    }
+    .unwrap();
+    // SAFETY: `slot` is live and 8-byte aligned until the proxy stops; `hq` writes it whole.
+    let producer = unsafe { ProducerSlot::new(slot.addr() as *const u64) }.unwrap();
+    let proxy = Proxy::start(
+        vec![ProxyQp {
+            slot: producer,
+            doorbell: Box::new(doorbell),
+            rung_from: 0,
+            rank: 0,
+            qp_index: 0,
+        }],
+        ProxyConfig::default(),
+    )
+    .unwrap();
+    a.data.write(0, b"rung by the proxy");
+    hq.put(b.remote(100), a.mr.addr(), 17, true).unwrap();
+    hq.signal_add(b.remote(4096), 5, true, true).unwrap();
+    hq.quiet().unwrap();
+    let report = proxy.stop().unwrap();
+    assert_eq!(b.data.read_vec(100, 17), b"rung by the proxy");
+    assert_eq!(b.data.load_u64(4096), 5);
+    assert!(report.doorbells >= 1, "{report:?}");
+    assert_eq!(hq.counters().cons_idx, 2);
+    // The last doorbell went to the register of the UAR page the QP context named.
+    // SAFETY: the UAR's live, 8-byte aligned register; the proxy that wrote it has stopped.
+    let word = unsafe { (qa.uar().register_ptr() as *const u64).read_volatile() };
+    assert_eq!(word, db_word(qa.qpn(), 2));
 }
