@@ -97,6 +97,18 @@ impl EmuSubnet {
         Ok(self.attach(name, nic, caps))
     }
 
+    /// A device on the CUDA backend of `ctx`'s GPU: rings, CQs and registrations may be GPU
+    /// memory, UAR pages are pinned host memory mapped for every GPU.
+    pub fn open_cuda(
+        &self,
+        name: &str,
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        caps: EmuCaps,
+    ) -> Result<EmuDevice, EmuError> {
+        let nic = self.inner.fabric.cuda_nic(ctx, NicConfig::named(name))?;
+        Ok(self.attach(name, nic, caps))
+    }
+
     /// A device over an existing NIC of this subnet's [`fabric`](EmuSubnet::fabric) (a CUDA
     /// NIC, for example).
     pub fn attach(&self, name: &str, nic: Nic, caps: EmuCaps) -> EmuDevice {
