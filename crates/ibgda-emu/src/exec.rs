@@ -95,8 +95,10 @@ fn local_denied(d: Denied) -> Outcome {
     Outcome::failed(syndrome::LOCAL_PROT_ERR, vendor)
 }
 
-/// Checks a remote range against the peer's registrations, then the right against what the
-/// responder QP grants.
+/// Checks the right against what the responder QP grants, then the remote range against the
+/// peer's registrations. A QP not enabled for the operation rejects the request itself before
+/// any key is looked at: Remote Invalid Request, as `ibv_poll_cq(3)` describes for
+/// `qp_access_flags` that do not allow the operation.
 fn remote_check(
     cx: &ExecCtx<'_>,
     peer: &Registry,
@@ -105,17 +107,16 @@ fn remote_check(
     len: u64,
     need: Access,
 ) -> Result<Loc, Outcome> {
-    let loc = peer.check(rkey, addr, len, need).map_err(remote_denied)?;
     if cx
         .remote_qp_access
         .is_some_and(|granted| !granted.contains(need))
     {
         return Err(Outcome::failed(
-            syndrome::REMOTE_ACCESS_ERR,
+            syndrome::REMOTE_INVAL_REQ_ERR,
             vendor_syndrome::REMOTE_QP_ACCESS,
         ));
     }
-    Ok(loc)
+    peer.check(rkey, addr, len, need).map_err(remote_denied)
 }
 
 fn remote_denied(d: Denied) -> Outcome {

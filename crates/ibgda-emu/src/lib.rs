@@ -28,7 +28,8 @@
 //!
 //! A failed WQE gets an error CQE (opcode 13) with the real syndrome at byte 55 —
 //! `LOCAL_PROT_ERR` for a bad lkey, range or local right, `REMOTE_ACCESS_ERR` for a bad rkey,
-//! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic, `LOCAL_LENGTH_ERR` for a
+//! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic or an operation the
+//! responder QP was not enabled for, `LOCAL_LENGTH_ERR` for a
 //! bad length, `LOCAL_QP_OP_ERR` for a WQE that does not decode — and an emulator vendor syndrome
 //! at byte 54 ([`vendor_syndrome`]) saying which check failed. The QP moves to
 //! [`QpState::Error`]; every later WQE, already posted or posted later, completes with
@@ -94,8 +95,8 @@
 //! QP from what the commands say: the send ring at the work queue umem's offset, the doorbell
 //! record and CQ from their umems, the UAR page named in the QP context (shared by every QP
 //! on it), the peer from the path's LID and remote QPN. The responder QP's `rre`/`rwe`/`rae`
-//! are checked at every WQE besides the registration's rights (vendor syndrome
-//! [`vendor_syndrome::REMOTE_QP_ACCESS`]).
+//! are checked at every WQE before the registration's rights (`REMOTE_INVAL_REQ_ERR`, vendor
+//! syndrome [`vendor_syndrome::REMOTE_QP_ACCESS`]).
 //!
 //! # Faults and shaping
 //!

@@ -374,7 +374,7 @@ fn rights_the_responder_qp_was_not_granted_fail_like_hardware() {
     assert_eq!(
         (c.syndrome(), c.vendor_syndrome()),
         (
-            cqe_syndrome::REMOTE_ACCESS_ERR,
+            cqe_syndrome::REMOTE_INVAL_REQ_ERR,
             vendor_syndrome::REMOTE_QP_ACCESS
         ),
         "{c}"

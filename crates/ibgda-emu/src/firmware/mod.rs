@@ -6,7 +6,7 @@
 //! engine QPs [`Nic::create_qp`](crate::Nic::create_qp) makes, placed where the commands say:
 //! the send ring at the work queue umem's offset (after the receive queue), the doorbell record
 //! and CQ from their umems, the UAR page the QP context names. A QP's `rre`/`rwe`/`rae` are
-//! checked at every WQE a peer sends it, like a responder's; a command with a field the
+//! checked at every WQE a peer sends it, like a responder's (Remote Invalid Request when off); a command with a field the
 //! device does not accept gets [`status`] and [`syndrome`] in its output mailbox.
 //!
 //! Where the emulator differs from a ConnectX, on purpose or for now:
