@@ -30,9 +30,10 @@
 //! `LOCAL_PROT_ERR` for a bad lkey, range or local right, `REMOTE_ACCESS_ERR` for a bad rkey,
 //! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic or an operation the
 //! responder QP was not enabled for, `LOCAL_LENGTH_ERR` for a bad length, `LOCAL_QP_OP_ERR` for
-//! a WQE that does not decode — and an emulator vendor syndrome at byte 54 ([`vendor_syndrome`]) saying which check failed. The QP moves to
-//! [`QpState::Error`]; every later WQE, already posted or posted later, completes with
-//! `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the first error in words.
+//! a WQE that does not decode — and an emulator vendor syndrome at byte 54 ([`vendor_syndrome`])
+//! saying which check failed. The QP moves to [`QpState::Error`]; every later WQE, already
+//! posted or posted later, completes with `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the
+//! first error in words.
 //!
 //! Choices where hardware is unspecified or unknowable here: the control segment's QPN and WQE
 //! index fields are not checked (the NIC uses its own counter for `wqe_counter`); a WQE whose DS
