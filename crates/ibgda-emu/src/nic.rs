@@ -503,8 +503,10 @@ impl Nic {
         self.create_qp_with_uar(cfg, uar, false, keep)
     }
 
-    /// Creates a QP that rings through `uar`, a UAR page other QPs may share (the firmware
-    /// path's UAR objects): doorbell words naming another QP are then expected, not suspect.
+    /// Creates a QP whose UAR page and CQ are firmware objects: `uar` may be shared by other
+    /// QPs (doorbell words naming another QP are then expected, not suspect), and the CQ was
+    /// initialised by its owner before `CREATE_CQ` and may serve other QPs, so it is not
+    /// rewritten here.
     ///
     /// # Safety
     /// As [`create_qp`](Nic::create_qp).
@@ -517,11 +519,12 @@ impl Nic {
         self.create_qp_with_uar(cfg, Some(uar), true, keep)
     }
 
+    /// `from_firmware`: see [`create_qp_on_page`](Nic::create_qp_on_page).
     fn create_qp_with_uar(
         &self,
         cfg: QpConfig,
         uar: Option<Arc<HostBuffer>>,
-        shared_uar: bool,
+        from_firmware: bool,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
     ) -> Result<QpHandle, EmuError> {
         let backend = &*self.shared.backend;
@@ -533,7 +536,11 @@ impl Nic {
         // The NIC owns the CQ's contents: start with every entry invalid (opcode 15, owner 0),
         // which a poller reads as empty on the first pass.
         let invalid = Cqe64::invalid();
-        let n = cfg.cq.bytes() / CQE_BYTES;
+        let n = if from_firmware {
+            0
+        } else {
+            cfg.cq.bytes() / CQE_BYTES
+        };
         for i in 0..n {
             // SAFETY: the caller of `create_qp` vouched for the CQ memory; `i < n` keeps the
             // write inside it.
@@ -545,7 +552,7 @@ impl Nic {
             };
         }
         lane.fence(self.shared.cfg.op_timeout)?;
-        let db = DoorbellState::new(cfg.doorbell, uar, shared_uar);
+        let db = DoorbellState::new(cfg.doorbell, uar, from_firmware);
         let handle = QpHandle {
             qpn,
             uar: db.uar_info(),

@@ -561,3 +561,61 @@ fn the_proxy_rings_a_verbs_qp_through_the_mlx5_uar_doorbell() {
     let word = unsafe { (qa.uar().register_ptr() as *const u64).read_volatile() };
     assert_eq!(word, db_word(qa.qpn(), 2));
 }
+
+#[test]
+fn qps_share_a_collapsed_cq_and_a_uar_page() {
+    let subnet = EmuSubnet::new();
+    let a = Side::open(&subnet, "emu_a");
+    let b = Side::open(&subnet, "emu_b");
+    let responder = b.qp().init(&InitAttrs::new(&b.ctx, 1)).unwrap();
+    let port_b = b.ctx.port(1).unwrap();
+    let to_b = responder.connect_info(&port_b, None, 0x42);
+
+    // One collapsed CQ (a single entry, initialised by its owner) for two QPs on one UAR.
+    let mem = Arc::new(HostBuffer::new(16384));
+    mem.write(63, &[0xf1]);
+    // SAFETY: `mem` outlives the umem and the CQ and QPs placed in it (locals declared after it
+    // drop first); only HostBuffer's copies touch it.
+    let umem =
+        unsafe { Umem::register_host(&a.ctx, mem.addr() as *mut u8, 16384, Access::LOCAL_WRITE) }
+            .unwrap();
+    let cq = CqBuilder::new(&a.uar, umem.at(0), umem.at(12288), 0)
+        .create()
+        .unwrap();
+    assert!(cq.is_collapsed());
+    let port_a = a.ctx.port(1).unwrap();
+    let bring_up = |sq: u64, dbr: u64| {
+        let qp = QpBuilder::new(&a.pd, &a.uar, &cq, &cq, umem.at(sq), umem.at(dbr), 4)
+            .create()
+            .unwrap();
+        qp.init(&InitAttrs::new(&a.ctx, 1))
+            .unwrap()
+            .rtr(&to_b, &RtrAttrs::for_port(&port_a, None).unwrap())
+            .unwrap()
+            .rts(&RtsAttrs::new(7))
+            .unwrap()
+    };
+    let entry0 = || Cqe64::from_bytes(&mem.read_vec(0, 64).try_into().unwrap());
+    let write = |qp: &Qp<Rts>, sq: u64, off: u64, bytes: &[u8]| {
+        let wqe = InlineWrite::new(qp.qpn(), 0, b.remote(off), bytes)
+            .cqe(true)
+            .build();
+        mem.write(sq as usize, wqe.as_bytes());
+        a.uar.ring_doorbell(db_bytes(qp.qpn(), 1));
+        a.dev.nic().wait_idle(qp.qpn(), T).unwrap();
+    };
+
+    let q1 = bring_up(4096, 12296);
+    write(&q1, 4096, 0, b"first");
+    assert_eq!(entry0().qpn(), q1.qpn());
+    // A second QP on the same CQ leaves its contents alone: the first CQE is still there.
+    let q2 = bring_up(8192, 12304);
+    assert_eq!(entry0().qpn(), q1.qpn());
+    assert_done(&entry0(), 0, opcode::RDMA_WRITE, 5);
+    // The page's register last named q1; q2's doorbell on the same page reaches q2.
+    write(&q2, 8192, 8, b"second");
+    assert_eq!(entry0().qpn(), q2.qpn());
+    assert_done(&entry0(), 0, opcode::RDMA_WRITE, 6);
+    assert_eq!(b.data.read_vec(0, 5), b"first");
+    assert_eq!(b.data.read_vec(8, 6), b"second");
+}
