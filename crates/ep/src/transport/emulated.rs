@@ -32,7 +32,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaStream};
 use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::protocol::{
-    check_record, select, HandlerChoice, HandlerProbe, HostQp, ModePlan, NicKind, SlotPlacement,
+    check_record, select, HandlerChoice, HandlerProbe, HostQp, ModePlan, NicImpl, SlotPlacement,
 };
 use ibgda_device::proxy::{ProducerSlot, Proxy, ProxyConfig, ProxyQp, ProxyReport};
 use ibgda_device::qp_desc::{ErrorRecord, NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
@@ -575,7 +575,7 @@ impl QpGroup {
             )));
         }
         let mode = cfg.handler;
-        let plan = ModePlan::new(mode, NicKind::Emulated);
+        let plan = ModePlan::new(mode, NicImpl::Emulated);
         // Say what is missing before allocating anything.
         plan.check(&me.probe())?;
         let (nwqes, ncqes) = (cfg.nwqes, cfg.nwqes);
@@ -845,7 +845,7 @@ impl QpGroup {
 
     /// CPU address of QP `i`'s producer slot (pinned host memory; `None` in other modes).
     pub fn producer_slot_cpu(&self, i: usize) -> Option<u64> {
-        (ModePlan::new(self.mode, NicKind::Emulated).producer_slot
+        (ModePlan::new(self.mode, NicImpl::Emulated).producer_slot
             == Some(SlotPlacement::PinnedHost))
         .then(|| self.host.addr() + (self.layout.slots + 8 * i) as u64)
     }

@@ -28,7 +28,7 @@ pub use handler::{
     select, HandlerChoice, HandlerProbe, HandlerUnavailable, UnknownHandler, HANDLER_ENV,
 };
 pub use host::{HostQp, Step, Ticket};
-pub use plan::{ModePlan, NicKind, Placement, Requirement, SlotPlacement};
+pub use plan::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};
 pub use status::{
     check_record, describe_kind, DeviceFailure, Stopped, DEFAULT_TIMEOUT_NS, ERROR_INVALID_DESC,
     MAX_NWQES, STATUS_ABORTED, STATUS_OK,

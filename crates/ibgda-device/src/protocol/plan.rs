@@ -13,10 +13,10 @@
 //! | needs | the UAR mappable into the GPU (real NIC) | GDRCopy | nothing |
 //!
 //! ```
-//! use ibgda_device::protocol::{ModePlan, NicKind, Placement, Requirement, SlotPlacement};
+//! use ibgda_device::protocol::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};
 //! use ibgda_device::qp_desc::NicHandler;
 //!
-//! let plan = ModePlan::new(NicHandler::Cpu, NicKind::Mlx5);
+//! let plan = ModePlan::new(NicHandler::Cpu, NicImpl::Mlx5);
 //! assert_eq!(plan.producer_slot, Some(SlotPlacement::GpuViaGdrCopy));
 //! assert_eq!(plan.doorbell_record, Placement::PinnedHost);
 //! assert!(plan.proxy && !plan.uar_in_gpu);
@@ -26,9 +26,9 @@
 use crate::protocol::handler::{HandlerChoice, HandlerProbe, HandlerUnavailable};
 use crate::qp_desc::NicHandler;
 
-/// Which NIC serves the QPs.
+/// Which implementation of the NIC executes the QPs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum NicKind {
+pub enum NicImpl {
     /// A ConnectX through `ibgda-verbs`.
     Mlx5,
     /// The software NIC (`ibgda-emu`): it reads rings and doorbell words wherever they are, and
@@ -70,7 +70,7 @@ pub struct ModePlan {
     /// The mode.
     pub mode: NicHandler,
     /// The NIC.
-    pub nic: NicKind,
+    pub nic: NicImpl,
     /// Where the send ring and the CQ live by default (the emulated NIC also reads them from
     /// pinned host memory: [`ModePlan::host_rings_allowed`]).
     pub rings: Placement,
@@ -89,8 +89,8 @@ pub struct ModePlan {
 
 impl ModePlan {
     /// The plan of `mode` on `nic`.
-    pub const fn new(mode: NicHandler, nic: NicKind) -> Self {
-        let emulated = matches!(nic, NicKind::Emulated);
+    pub const fn new(mode: NicHandler, nic: NicImpl) -> Self {
+        let emulated = matches!(nic, NicImpl::Emulated);
         let (producer_slot, requires): (_, &'static [Requirement]) = match mode {
             NicHandler::Gpu if emulated => (None, &[]),
             NicHandler::Gpu => (None, &[Requirement::GpuDoorbellMapping]),
@@ -118,7 +118,7 @@ impl ModePlan {
 
     /// Whether the rings may live in pinned host memory instead of GPU memory.
     pub const fn host_rings_allowed(&self) -> bool {
-        matches!(self.nic, NicKind::Emulated)
+        matches!(self.nic, NicImpl::Emulated)
     }
 
     /// `Ok` when `probe` says the machine provides everything the mode requires, else the first
@@ -145,7 +145,7 @@ mod tests {
     use super::*;
 
     const MODES: [NicHandler; 3] = [NicHandler::Gpu, NicHandler::Cpu, NicHandler::CpuHostMemory];
-    const NICS: [NicKind; 2] = [NicKind::Mlx5, NicKind::Emulated];
+    const NICS: [NicImpl; 2] = [NicImpl::Mlx5, NicImpl::Emulated];
 
     #[test]
     fn plans_agree_with_what_a_valid_descriptor_holds() {
@@ -158,7 +158,7 @@ mod tests {
                 assert_eq!(p.uar_in_gpu, !mode.uses_proxy(), "{p:?}");
                 assert_eq!(p.proxy, mode.uses_proxy(), "{p:?}");
                 assert_eq!(p.rings, Placement::Gpu);
-                assert_eq!(p.host_rings_allowed(), nic == NicKind::Emulated);
+                assert_eq!(p.host_rings_allowed(), nic == NicImpl::Emulated);
                 if p.proxy {
                     assert_eq!(
                         p.doorbell_record,
@@ -169,7 +169,7 @@ mod tests {
             }
         }
         assert_eq!(
-            ModePlan::new(NicHandler::Gpu, NicKind::Mlx5).doorbell_record,
+            ModePlan::new(NicHandler::Gpu, NicImpl::Mlx5).doorbell_record,
             Placement::Gpu
         );
     }
@@ -180,13 +180,13 @@ mod tests {
             gpu_doorbell: Err("error 800".into()),
             gdrcopy: Err("no /dev/gdrdrv".into()),
         };
-        let e = ModePlan::new(NicHandler::Gpu, NicKind::Mlx5)
+        let e = ModePlan::new(NicHandler::Gpu, NicImpl::Mlx5)
             .check(&nothing)
             .unwrap_err();
         assert_eq!(e.mode, HandlerChoice::Gpu);
         assert_eq!(e.missing, "error 800");
         // The emulated UAR page is mapped already: gpu needs nothing there.
-        assert!(ModePlan::new(NicHandler::Gpu, NicKind::Emulated)
+        assert!(ModePlan::new(NicHandler::Gpu, NicImpl::Emulated)
             .check(&nothing)
             .is_ok());
         for nic in NICS {

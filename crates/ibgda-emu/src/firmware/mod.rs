@@ -19,7 +19,8 @@
 //!   NIC polled it is made good by the doorbell record, which every ringer writes first
 //!   (hardware takes every store);
 //! - RC only, no receive queue work, no SRQ, 64-byte CQEs, one port, InfiniBand addressing;
-//!   PSNs, MTU, retry counts and timeouts are kept and reported by `QUERY_QP` but do not change
+//!   `2RST_QP` restarts the QP's completions at CQ entry 0 (the engine keeps a CQ position per
+//!   QP); PSNs, MTU, retry counts and timeouts are kept and reported by `QUERY_QP` but do not change
 //!   how the engine moves bytes; RDMA read is not executed (the engine's limit), so `rre` is
 //!   kept but never consulted.
 
