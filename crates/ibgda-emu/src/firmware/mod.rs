@@ -6,8 +6,9 @@
 //! engine QPs [`Nic::create_qp`](crate::Nic::create_qp) makes, placed where the commands say:
 //! the send ring at the work queue umem's offset (after the receive queue), the doorbell record
 //! and CQ from their umems, the UAR page the QP context names. A QP's `rre`/`rwe`/`rae` are
-//! checked at every WQE a peer sends it, like a responder's (Remote Invalid Request when off); a command with a field the
-//! device does not accept gets [`status`] and [`syndrome`] in its output mailbox.
+//! checked at every WQE a peer sends it, like a responder's (Remote Invalid Request when off);
+//! a command with a field the device does not accept gets [`status`] and [`syndrome`] in its
+//! output mailbox.
 //!
 //! Where the emulator differs from a ConnectX, on purpose or for now:
 //! - it is stricter at `INIT2RTR_QP`: a path to a LID or QP number that does not exist is
@@ -20,9 +21,9 @@
 //!   (hardware takes every store);
 //! - RC only, no receive queue work, no SRQ, 64-byte CQEs, one port, InfiniBand addressing;
 //!   `2RST_QP` restarts the QP's completions at CQ entry 0 (the engine keeps a CQ position per
-//!   QP); PSNs, MTU, retry counts and timeouts are kept and reported by `QUERY_QP` but do not change
-//!   how the engine moves bytes; RDMA read is not executed (the engine's limit), so `rre` is
-//!   kept but never consulted.
+//!   QP); PSNs, MTU, retry counts and timeouts are kept and reported by `QUERY_QP` but do not
+//!   change how the engine moves bytes; RDMA read is not executed (the engine's limit), so `rre`
+//!   is kept but never consulted.
 
 #[cfg(test)]
 mod agreement_tests;
