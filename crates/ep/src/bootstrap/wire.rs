@@ -2,15 +2,25 @@
 //! by a deadline.
 //!
 //! Frame: `u32` little-endian payload length, then the payload, whose first byte is the kind.
+//! A frame's length is checked against the limit of the step before anything is allocated, and
+//! its payload buffer grows only as bytes arrive: a peer announcing a large frame and sending
+//! nothing costs nothing.
 
 use std::io::{self, Read as _, Write as _};
 use std::net::TcpStream;
 use std::time::Instant;
 
-use super::JobToken;
+use super::token::Tag;
 
-/// Opens every hello, so a connection from anything else is recognised and turned away.
-const MAGIC: [u8; 8] = *b"EPBOOT01";
+/// Opens every handshake message, so a connection from anything else is recognised and turned
+/// away. Bumped with the handshake: a process of an older version is told it speaks another one.
+pub(crate) const MAGIC: [u8; 8] = *b"EPBOOT02";
+
+/// Bytes of a handshake nonce.
+pub(crate) const NONCE_BYTES: usize = 32;
+
+/// A handshake nonce: fresh random bytes per connection and side.
+pub(crate) type Nonce = [u8; NONCE_BYTES];
 
 /// No bootstrap message is larger: a length beyond it means the other side is not speaking this
 /// protocol (or is broken), and reading on would only allocate garbage.
@@ -64,14 +74,19 @@ impl RejectCode {
 /// One message.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Msg {
-    /// Joining rank → rank 0.
+    /// Joining rank → rank 0: who it claims to be, whether it holds a token, its nonce.
     Hello {
-        token: JobToken,
+        authenticated: bool,
         rank: u32,
         world: u32,
+        nonce: Nonce,
     },
-    /// Rank 0 → every rank, once all have joined.
-    Welcome,
+    /// Rank 0 → joining rank: rank 0's nonce.
+    Challenge { nonce: Nonce },
+    /// Joining rank → rank 0: its tag over the handshake (see `tcp::proof`).
+    Proof { tag: Tag },
+    /// Rank 0 → every rank, once all have joined: rank 0's own tag over the handshake.
+    Welcome { tag: Tag },
     /// Rank 0 → a process it turns away; `value` is rank 0's world size for `WorldSize`.
     Reject {
         code: RejectCode,
@@ -96,6 +111,8 @@ const K_REJECT: u8 = 3;
 const K_CONTRIB: u8 = 4;
 const K_GATHERED: u8 = 5;
 const K_ABORT: u8 = 6;
+const K_CHALLENGE: u8 = 7;
+const K_PROOF: u8 = 8;
 
 /// Why a message could not be read or written.
 #[derive(Debug)]
@@ -115,16 +132,33 @@ impl Msg {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut p = vec![0u8; 4];
         match self {
-            Msg::Hello { token, rank, world } => {
+            Msg::Hello {
+                authenticated,
+                rank,
+                world,
+                nonce,
+            } => {
                 p.push(K_HELLO);
                 p.extend_from_slice(&MAGIC);
-                p.extend_from_slice(token.as_bytes());
+                p.push(u8::from(*authenticated));
                 p.extend_from_slice(&rank.to_le_bytes());
                 p.extend_from_slice(&world.to_le_bytes());
+                p.extend_from_slice(nonce);
             }
-            Msg::Welcome => {
+            Msg::Challenge { nonce } => {
+                p.push(K_CHALLENGE);
+                p.extend_from_slice(&MAGIC);
+                p.extend_from_slice(nonce);
+            }
+            Msg::Proof { tag } => {
+                p.push(K_PROOF);
+                p.extend_from_slice(&MAGIC);
+                p.extend_from_slice(tag);
+            }
+            Msg::Welcome { tag } => {
                 p.push(K_WELCOME);
                 p.extend_from_slice(&MAGIC);
+                p.extend_from_slice(tag);
             }
             Msg::Reject { code, value, text } => {
                 p.push(K_REJECT);
@@ -164,19 +198,38 @@ impl Msg {
         let mut r = Reader(payload);
         let kind = r.u8()?;
         let msg = match kind {
-            K_HELLO | K_WELCOME | K_REJECT => {
-                if r.take(MAGIC.len())? != MAGIC {
-                    return Err(WireError::Malformed(
-                        "not an ep bootstrap message (bad magic)".into(),
-                    ));
+            K_HELLO | K_WELCOME | K_REJECT | K_CHALLENGE | K_PROOF => {
+                let magic = r.take(MAGIC.len())?;
+                if magic != MAGIC {
+                    return Err(WireError::Malformed(if magic.starts_with(b"EPBOOT") {
+                        format!(
+                            "the peer speaks bootstrap protocol {:?}, this process {:?} (different \
+                             versions of ep?)",
+                            String::from_utf8_lossy(magic),
+                            String::from_utf8_lossy(&MAGIC)
+                        )
+                    } else {
+                        "not an ep bootstrap message (bad magic)".into()
+                    }));
                 }
                 match kind {
                     K_HELLO => Msg::Hello {
-                        token: JobToken::from_bytes(r.array()?),
+                        authenticated: match r.u8()? {
+                            0 => false,
+                            1 => true,
+                            v => {
+                                return Err(WireError::Malformed(format!(
+                                    "hello with authentication flag {v}"
+                                )))
+                            }
+                        },
                         rank: r.u32()?,
                         world: r.u32()?,
+                        nonce: r.array()?,
                     },
-                    K_WELCOME => Msg::Welcome,
+                    K_CHALLENGE => Msg::Challenge { nonce: r.array()? },
+                    K_PROOF => Msg::Proof { tag: r.array()? },
+                    K_WELCOME => Msg::Welcome { tag: r.array()? },
                     _ => Msg::Reject {
                         code: RejectCode::from_u8(r.u8()?)
                             .ok_or_else(|| WireError::Malformed("unknown rejection code".into()))?,
@@ -305,8 +358,11 @@ fn read_exact_by(
     Ok(())
 }
 
-/// The largest hello: what rank 0 accepts from a connection it knows nothing about yet.
-pub(crate) const MAX_HELLO: usize = 64;
+/// The largest handshake message: what either side accepts from a peer not yet authenticated.
+pub(crate) const MAX_HANDSHAKE: usize = 128;
+
+/// The first allocation for a frame's payload; it doubles as more bytes arrive.
+const READ_CHUNK: usize = 64 << 10;
 
 /// Reads one message, giving up at `deadline`.
 pub(crate) fn read_msg(s: &mut TcpStream, deadline: Instant) -> Result<Msg, WireError> {
@@ -328,8 +384,14 @@ pub(crate) fn read_msg_max(
             "frame length {len} outside 1..={max} (not an ep bootstrap peer?)"
         )));
     }
-    let mut payload = vec![0u8; len];
-    read_exact_by(s, &mut payload, deadline, &mut moved)?;
+    // Grow the buffer as the bytes come, so the announced length is not allocated up front.
+    let mut payload = Vec::with_capacity(len.min(READ_CHUNK));
+    while payload.len() < len {
+        let have = payload.len();
+        let step = (len - have).min(READ_CHUNK.max(have));
+        payload.resize(have + step, 0);
+        read_exact_by(s, &mut payload[have..], deadline, &mut moved)?;
+    }
     Msg::decode(&payload)
 }
 
@@ -406,11 +468,14 @@ mod tests {
     fn every_message_round_trips() {
         let msgs = [
             Msg::Hello {
-                token: JobToken::from_bytes([7; 16]),
+                authenticated: true,
                 rank: 3,
                 world: 8,
+                nonce: [7; NONCE_BYTES],
             },
-            Msg::Welcome,
+            Msg::Challenge { nonce: [8; 32] },
+            Msg::Proof { tag: [9; 32] },
+            Msg::Welcome { tag: [10; 32] },
             Msg::Reject {
                 code: RejectCode::WorldSize,
                 value: 4,
@@ -439,13 +504,47 @@ mod tests {
     }
 
     #[test]
-    fn hello_fits_the_hello_limit() {
-        let hello = Msg::Hello {
-            token: JobToken::UNSET,
-            rank: u32::MAX,
-            world: u32::MAX,
-        };
-        assert!(hello.encode().len() - 4 <= MAX_HELLO);
+    fn handshake_messages_fit_the_handshake_limit() {
+        for m in [
+            Msg::Hello {
+                authenticated: false,
+                rank: u32::MAX,
+                world: u32::MAX,
+                nonce: [0xff; NONCE_BYTES],
+            },
+            Msg::Challenge { nonce: [0; 32] },
+            Msg::Proof { tag: [0; 32] },
+            Msg::Welcome { tag: [0; 32] },
+        ] {
+            assert!(m.encode().len() - 4 <= MAX_HANDSHAKE, "{m:?}");
+        }
+    }
+
+    #[test]
+    fn an_announced_length_is_capped_and_not_allocated_up_front() {
+        use std::io::Write as _;
+        use std::net::{TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        // Beyond the step's limit: refused after the 4 length bytes, before any payload.
+        tx.write_all(&(MAX_HANDSHAKE as u32 + 1).to_le_bytes()).unwrap();
+        match read_msg_max(&mut rx, soon(), MAX_HANDSHAKE) {
+            Err(WireError::Malformed(m)) => assert!(m.contains("outside 1..=128"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // Within the limit (1 GiB) but never sent: the reader waits for bytes with a small
+        // buffer and reports the close, instead of zeroing a GiB first.
+        tx.write_all(&(MAX_FRAME as u32).to_le_bytes()).unwrap();
+        tx.write_all(&[K_ABORT, b'x']).unwrap();
+        drop(tx);
+        let t = Instant::now();
+        assert!(matches!(
+            read_msg_max(&mut rx, soon(), MAX_FRAME),
+            Err(WireError::Closed)
+        ));
+        assert!(t.elapsed() < std::time::Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
@@ -457,7 +556,11 @@ mod tests {
             &[
                 K_GATHERED, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0,
             ][..],
-            &[K_WELCOME, b'E', b'P', b'B', b'O', b'O', b'T', b'0', b'1', 0][..],
+            &[K_WELCOME, b'E', b'P', b'B', b'O', b'O', b'T', b'0', b'2', 0][..],
+            &[K_WELCOME, b'E', b'P', b'B', b'O', b'O', b'T', b'0', b'1'][..],
+            &[
+                K_HELLO, b'E', b'P', b'B', b'O', b'O', b'T', b'0', b'2', 2, 0, 0, 0, 0, 0, 0, 0, 0,
+            ][..],
         ] {
             assert!(
                 matches!(Msg::decode(bad), Err(WireError::Malformed(_))),
