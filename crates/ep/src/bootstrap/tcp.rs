@@ -144,9 +144,14 @@ impl TcpCommunicator {
         Ok(Self::new(cfg, role))
     }
 
-    /// Joins the job the environment describes ([`RankConfig::from_env`]).
+    /// Joins the job the environment describes ([`RankConfig::from_env`]). Rank 0 started by a
+    /// [`Launcher`](super::Launcher) listens on the socket the launcher bound (`EP_LISTEN_FD`).
     pub fn from_env() -> Result<Self, BootstrapError> {
-        Self::connect(&RankConfig::from_env()?)
+        let cfg = RankConfig::from_env()?;
+        match inherited_listener(&cfg)? {
+            Some(listener) => Self::with_listener(&cfg, listener),
+            None => Self::connect(&cfg),
+        }
     }
 
     /// The time bound of each collective.
@@ -1036,5 +1041,76 @@ fn rejected(
             peer: root.into(),
             detail: format!("rank 0 refused this process: {text}"),
         },
+    }
+}
+
+/// Sets or clears close-on-exec on `fd`. Async-signal-safe (one system call), so it may run
+/// between fork and exec.
+#[cfg(unix)]
+pub(crate) fn set_cloexec(fd: std::ffi::c_int, on: bool) -> std::io::Result<()> {
+    extern "C" {
+        fn fcntl(fd: std::ffi::c_int, cmd: std::ffi::c_int, ...) -> std::ffi::c_int;
+    }
+    const F_SETFD: std::ffi::c_int = 2;
+    const FD_CLOEXEC: std::ffi::c_int = 1;
+    // SAFETY: fcntl(F_SETFD, flags) reads no memory of ours; the variadic argument is the int the
+    // kernel expects, and a bad descriptor is an error, not undefined behaviour.
+    if unsafe { fcntl(fd, F_SETFD, if on { FD_CLOEXEC } else { 0 }) } == -1 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Rank 0's listening socket inherited from the launcher (`EP_LISTEN_FD`), once per process;
+/// `None` for other ranks, for a job of one, or without the variable. The socket must be bound to
+/// `cfg.master_port`.
+pub(crate) fn inherited_listener(cfg: &RankConfig) -> Result<Option<TcpListener>, BootstrapError> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    const VAR: &str = super::vars::EP_LISTEN_FD;
+    if cfg.rank != 0 || cfg.world_size == 1 {
+        return Ok(None);
+    }
+    let Some(text) = std::env::var(VAR).ok().filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let invalid = |reason: String| BootstrapError::EnvInvalid {
+        var: VAR,
+        value: text.clone(),
+        reason,
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::io::FromRawFd as _;
+        let fd: std::ffi::c_int = text
+            .trim()
+            .parse()
+            .ok()
+            .filter(|fd| *fd > 2)
+            .ok_or_else(|| invalid("not a file descriptor above 2".into()))?;
+        if TAKEN.swap(true, Ordering::SeqCst) {
+            return Err(invalid(
+                "already taken by an earlier communicator of this process".into(),
+            ));
+        }
+        // Probing with F_SETFD both checks that the descriptor is open and keeps it from leaking
+        // into processes this rank starts.
+        set_cloexec(fd, true).map_err(|e| invalid(format!("not an open descriptor: {e}")))?;
+        // SAFETY: the descriptor is open (just checked), was passed by the launcher to this
+        // process alone for this use, and is taken once (TAKEN), so nothing else owns or closes it.
+        let listener = unsafe { TcpListener::from_raw_fd(fd) };
+        match listener.local_addr() {
+            Ok(a) if a.port() == cfg.master_port => Ok(Some(listener)),
+            Ok(a) => Err(invalid(format!(
+                "the socket is bound to {a}, not to MASTER_PORT={}",
+                cfg.master_port
+            ))),
+            Err(e) => Err(invalid(format!("not a bound TCP socket: {e}"))),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (&TAKEN, invalid);
+        Ok(None)
     }
 }
