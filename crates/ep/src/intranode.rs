@@ -673,7 +673,7 @@ impl Buffer {
         synced.and(met)
     }
 
-    fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
+    pub(crate) fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
         if ranks == 0 || ranks > k::MAX_RANKS {
             return Err(invalid(
                 rank,
@@ -715,6 +715,9 @@ impl Buffer {
         }
         if o.max_live_outputs == 0 {
             return Err(invalid(rank, "max_live_outputs must be at least 1"));
+        }
+        if let Err(e) = ibgda_device::timeout::check(o.timeout) {
+            return Err(invalid(rank, format!("timeout: {e}")));
         }
         Ok(())
     }
@@ -949,7 +952,7 @@ impl Buffer {
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         self.not_capturing("synchronize")?;
         let e = Event::record(&self.comm, self.rank)?;
-        let r = e.wait_host(self.opts.timeout * 2, "the communication stream");
+        let r = e.wait_host(self.opts.timeout.saturating_mul(2), "the communication stream");
         self.check_device_error()?;
         r
     }
@@ -1147,13 +1150,13 @@ impl Buffer {
     }
 
     fn timeout_ns(&self) -> u64 {
-        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+        ibgda_device::timeout::device_ns(self.opts.timeout)
     }
 
     /// Waits (bounded) for the count exchange of dispatch `epoch`; returns (rows, per-expert).
     fn wait_counts(&mut self, epoch: u64) -> Result<(usize, Vec<usize>), EpError> {
         let start = Instant::now();
-        let bound = self.opts.timeout * 2;
+        let bound = self.opts.timeout.saturating_mul(2);
         let mut spins = 0;
         while self.mapped.read_u64(HOST_INFO_OFFSET) != epoch {
             self.check_device_error()?;

@@ -974,7 +974,7 @@ impl LowLatencyBuffer {
     }
 
     fn timeout_ns(&self) -> u64 {
-        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+        ibgda_device::timeout::device_ns(self.opts.timeout)
     }
 
     /// Sends each token to the ranks of its top-k experts and (without a hook) receives the
@@ -1365,7 +1365,7 @@ impl LowLatencyBuffer {
     /// error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         let e = Event::record(&self.stream, self.rank)?;
-        let r = e.wait_host(self.opts.timeout * 2, "the low-latency stream");
+        let r = e.wait_host(self.opts.timeout.saturating_mul(2), "the low-latency stream");
         self.check_device_error()?;
         r
     }
@@ -1474,7 +1474,7 @@ pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpEr
     invalid(rank, format!("low-latency transport: {doing}: {e}"))
 }
 
-fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
+pub(crate) fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
     let bad = |what: String| Err(invalid(rank, what));
     if ranks == 0 || ranks > k::MAX_RANKS {
         return bad(format!(
@@ -1508,5 +1508,27 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
             k::MAX_TOPK
         ));
     }
+    if let Err(e) = ibgda_device::timeout::check(o.timeout) {
+        return bad(format!("timeout: {e}"));
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn low_latency_timeouts_are_validated() {
+        let ok = LowLatencyOptions::new(128, 7168, 8, 288);
+        check_options(0, 2, &ok).unwrap();
+        for bad in [Duration::ZERO, Duration::MAX, Duration::from_secs(86_401)] {
+            let o = LowLatencyOptions {
+                timeout: bad,
+                ..ok.clone()
+            };
+            let e = check_options(0, 2, &o).unwrap_err();
+            assert!(e.to_string().contains("timeout"), "{bad:?}: {e}");
+        }
+    }
 }
