@@ -32,7 +32,11 @@ fn zero_means_the_default_bound_in_ep_kernels() {
         unsafe { launch.launch(one_block(32)) }.expect("launch");
         let got = stream.clone_dtoh(&out).expect("download")[0];
         assert_eq!(got, want, "bound of timeout_ns {given}");
-        assert_eq!(got, ibgda_device::timeout::wait_bound_ns(given), "host twin");
+        assert_eq!(
+            got,
+            ibgda_device::timeout::wait_bound_ns(given),
+            "host twin"
+        );
     }
 }
 
@@ -79,4 +83,32 @@ fn wait_for_peers_stops_once_an_error_is_recorded() {
         took < Duration::from_secs(2),
         "wait_for_peers waited {took:?} (host saw {host_took:?}) after an error was recorded"
     );
+}
+
+#[test]
+fn legacy_stream_waits_are_bounded_and_downloads_keep_their_order() {
+    use ibgda_device::cuda::{wait_legacy_stream, CudaError, DeviceBuffer};
+    let Some(ctxs) = gpus(1) else { return };
+    let ctx = &ctxs[0];
+    let buf = DeviceBuffer::new(ctx, 64).expect("alloc");
+    buf.fill_bytes(0).expect("zero");
+    let f = ep_kernels::load_function(ctx, "tests/timeouts", "timeouts_sleep_then_store")
+        .expect("load timeouts_sleep_then_store");
+    // On the legacy default stream, where the driver's "synchronous" copies run.
+    let legacy = ctx.default_stream();
+    let (ns, ptr, value) = (2_000_000_000u64, buf.ptr(), 0x5eed_u64);
+    let mut launch = legacy.launch_builder(&f);
+    launch.arg(&ns).arg(&ptr).arg(&value);
+    // SAFETY: timeouts_sleep_then_store(uint64_t, uint64_t*, uint64_t) matches; `ptr` is a live
+    // 64-byte allocation.
+    unsafe { launch.launch(one_block(32)) }.expect("launch");
+    let t = Instant::now();
+    match wait_legacy_stream(ctx, Duration::from_millis(200), "a sleeping kernel") {
+        Err(CudaError::Timeout { .. }) => {}
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // The download waits (bounded) for the kernel queued before it, then copies.
+    let got: Vec<u64> = buf.download(0, 1).expect("download");
+    assert_eq!(got[0], value);
 }

@@ -134,6 +134,17 @@ pub enum EpError {
         /// The pool's limit.
         limit: usize,
     },
+    /// A rank's thread panicked while the ranks of a group (threads of this process) built or used
+    /// their buffers; `message` is the panic's own text.
+    #[error("rank {rank}: {what} panicked: {message}")]
+    Panicked {
+        /// The rank whose thread panicked.
+        rank: usize,
+        /// What it was doing.
+        what: &'static str,
+        /// The panic message.
+        message: String,
+    },
     /// An earlier error left the peers' flags in an unknown state; the buffer must be rebuilt.
     #[error("rank {rank}: buffer unusable after an earlier error: {first}")]
     Poisoned {

@@ -512,7 +512,12 @@ impl Parts {
             .map_err(|e| cuda("cuMemsetD8", e))?;
         // Peers write the signal region as soon as the exchange returns: it must be zero by then
         // (a memset is asynchronous to the host).
-        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
+        ibgda_device::cuda::wait_legacy_stream(
+            ctx,
+            ibgda_device::cuda::LEGACY_STREAM_BOUND,
+            "zeroing the signal region",
+        )
+        .map_err(dev)?;
         let out = DeviceBuffer::new(ctx, out_bytes * opts.max_live_outputs).map_err(dev)?;
         let num_local_experts = opts.num_experts / ranks;
         let mapped = crate::mapped::MappedHost::new(
@@ -673,7 +678,11 @@ impl Buffer {
         synced.and(met)
     }
 
-    pub(crate) fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
+    pub(crate) fn check_options(
+        rank: usize,
+        ranks: usize,
+        o: &BufferOptions,
+    ) -> Result<(), EpError> {
         if ranks == 0 || ranks > k::MAX_RANKS {
             return Err(invalid(
                 rank,
@@ -952,7 +961,10 @@ impl Buffer {
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         self.not_capturing("synchronize")?;
         let e = Event::record(&self.comm, self.rank)?;
-        let r = e.wait_host(self.opts.timeout.saturating_mul(2), "the communication stream");
+        let r = e.wait_host(
+            self.opts.timeout.saturating_mul(2),
+            "the communication stream",
+        );
         self.check_device_error()?;
         r
     }

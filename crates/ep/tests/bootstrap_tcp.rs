@@ -386,7 +386,13 @@ fn ranks_calling_different_collectives_are_caught() {
 fn only_rank_zero_listens() {
     let (listener, port) = bound_listener();
     let err = TcpCommunicator::with_listener(
-        &cfg(1, 2, port, JobToken::generate().unwrap(), Duration::from_secs(1)),
+        &cfg(
+            1,
+            2,
+            port,
+            JobToken::generate().unwrap(),
+            Duration::from_secs(1),
+        ),
         listener,
     )
     .unwrap_err();
@@ -420,9 +426,16 @@ fn several_ranks_without_a_token_are_refused_unless_asked_for() {
         };
         let msg = err.to_string();
         assert!(matches!(err, BootstrapError::Config(_)), "{msg}");
-        assert!(msg.contains("no job token") && msg.contains("EP_JOB_TOKEN"), "{msg}");
+        assert!(
+            msg.contains("no job token") && msg.contains("EP_JOB_TOKEN"),
+            "{msg}"
+        );
     }
-    assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
 
     // Opting out on both sides, explicitly, still works.
     let (listener, port) = bound_listener();
@@ -437,7 +450,10 @@ fn several_ranks_without_a_token_are_refused_unless_asked_for() {
         c.all_gather_bytes(b"0")
     });
     let c = TcpCommunicator::connect(&open(1)).unwrap();
-    assert_eq!(c.all_gather_bytes(b"1").unwrap(), vec![b"0".to_vec(), b"1".to_vec()]);
+    assert_eq!(
+        c.all_gather_bytes(b"1").unwrap(),
+        vec![b"0".to_vec(), b"1".to_vec()]
+    );
     root.join().unwrap().unwrap();
 }
 

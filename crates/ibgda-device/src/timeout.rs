@@ -123,7 +123,10 @@ mod tests {
             "", "x", "0", "-0", "-1", "NaN", "inf", "-inf", "1e300", "86401", "1e20",
         ] {
             let e = parse_secs(bad).unwrap_err();
-            assert!(e.to_string().contains("not a usable time bound"), "{bad}: {e}");
+            assert!(
+                e.to_string().contains("not a usable time bound"),
+                "{bad}: {e}"
+            );
         }
         assert_eq!(parse_secs(" 60 ").unwrap(), Duration::from_secs(60));
         assert_eq!(parse_secs("86400").unwrap(), MAX_TIMEOUT);

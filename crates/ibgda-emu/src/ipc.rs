@@ -81,16 +81,18 @@ pub(crate) fn import_offset(e: &MrExport, map_len: u64) -> Result<u64, EmuError>
             e.mr.rkey, e.mr.addr, e.mr.len, e.alloc_base
         ))
     };
-    let offset = e
-        .mr
-        .addr
-        .checked_sub(e.alloc_base)
-        .ok_or_else(|| bad("starts below its allocation".into()))?;
+    let offset =
+        e.mr.addr
+            .checked_sub(e.alloc_base)
+            .ok_or_else(|| bad("starts below its allocation".into()))?;
     let end = offset
         .checked_add(e.mr.len)
         .ok_or_else(|| bad("wraps the address space".into()))?;
     if end > map_len {
-        return Err(bad(format!("ends {} bytes past the mapping", end - map_len)));
+        return Err(bad(format!(
+            "ends {} bytes past the mapping",
+            end - map_len
+        )));
     }
     Ok(offset)
 }

@@ -24,3 +24,12 @@ extern "C" __global__ void timeouts_wait_for_peers(uint64_t signal, uint64_t epo
         out[1] = ep::globaltimer_ns() - t0;
     }
 }
+
+// Sleeps `ns` (by %globaltimer), then stores `value` to `*out`: legacy-stream work that a bounded
+// wait must give up on, and that a download queued after it must still see.
+extern "C" __global__ void timeouts_sleep_then_store(uint64_t ns, uint64_t* out, uint64_t value) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const uint64_t start = ep::globaltimer_ns();
+    while (ep::globaltimer_ns() - start < ns) __nanosleep(1000);
+    ep::st_release_sys(out, value);
+}

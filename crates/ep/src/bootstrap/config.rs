@@ -307,12 +307,14 @@ impl RankConfig {
             }
         };
         let token = match get(vars::EP_JOB_TOKEN) {
-            Some(t) => Some(JobToken::parse(&t).ok_or_else(|| BootstrapError::EnvInvalid {
-                var: vars::EP_JOB_TOKEN,
-                // The value is a secret: say only how long it was.
-                value: format!("<{} characters>", t.len()),
-                reason: "must be 32 hexadecimal digits".into(),
-            })?),
+            Some(t) => Some(
+                JobToken::parse(&t).ok_or_else(|| BootstrapError::EnvInvalid {
+                    var: vars::EP_JOB_TOKEN,
+                    // The value is a secret: say only how long it was.
+                    value: format!("<{} characters>", t.len()),
+                    reason: "must be 32 hexadecimal digits".into(),
+                })?,
+            ),
             None if world_size > 1 && !insecure_no_token => {
                 return Err(BootstrapError::EnvMissing {
                     var: vars::EP_JOB_TOKEN,

@@ -230,7 +230,9 @@ fn process_secret() -> Result<&'static [u8; 32], BootstrapError> {
     let fresh = super::token::random_bytes("this process's same-process secret")?;
     // Two threads may race here: the first value set wins and both use it.
     let _ = SECRET.set(fresh);
-    Ok(SECRET.get().unwrap_or_else(|| unreachable!("set just above")))
+    Ok(SECRET
+        .get()
+        .unwrap_or_else(|| unreachable!("set just above")))
 }
 
 /// Label of same-process tags (nothing else is tagged under the process secret, but say so).
@@ -348,11 +350,7 @@ impl Record {
 /// Checks that `[ptr, ptr + len)` lies inside one live allocation of this process (the driver's
 /// own registry of allocations, `cuMemGetAddressRange`), with `ctx` current: the last line of
 /// defence before a same-process address is handed to kernels as a peer's buffer.
-fn check_local_allocation(
-    ctx: &Arc<CudaContext>,
-    ptr: u64,
-    len: usize,
-) -> Result<(), CudaError> {
+fn check_local_allocation(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Result<(), CudaError> {
     bind(ctx)?;
     let (mut base, mut size) = (0, 0);
     // SAFETY: valid out-pointers; the driver only looks `ptr` up in its allocation table, and
@@ -362,11 +360,7 @@ fn check_local_allocation(
         .map_err(driver("cuMemGetAddressRange"))?;
     let offset = (ptr - base) as usize;
     if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(CudaError::OutOfRange {
-            offset,
-            len,
-            size,
-        });
+        return Err(CudaError::OutOfRange { offset, len, size });
     }
     Ok(())
 }
@@ -406,7 +400,9 @@ pub fn exchange_buffers<C: Communicator + ?Sized>(
     };
     let secret = process_secret();
     let mine = mine.and_then(|handle| {
-        let secret = secret.as_ref().map_err(|e| BootstrapError::Config(e.to_string()))?;
+        let secret = secret
+            .as_ref()
+            .map_err(|e| BootstrapError::Config(e.to_string()))?;
         Record::new(
             secret,
             rank,

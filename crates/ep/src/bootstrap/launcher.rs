@@ -357,7 +357,9 @@ where
 }
 
 /// The launch bound from `EP_LAUNCH_TIMEOUT_S` (read through `lookup`), else the default.
-fn launch_timeout_from(lookup: impl Fn(&str) -> Option<String>) -> Result<Duration, BootstrapError> {
+fn launch_timeout_from(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Duration, BootstrapError> {
     let Some(v) = lookup(vars::EP_LAUNCH_TIMEOUT_S).filter(|v| !v.trim().is_empty()) else {
         return Ok(Launcher::DEFAULT_TIMEOUT);
     };
@@ -580,7 +582,10 @@ mod tests {
 
     #[test]
     fn launch_timeouts_are_validated_without_panics() {
-        assert_eq!(launch_timeout_from(|_| None).unwrap(), Launcher::DEFAULT_TIMEOUT);
+        assert_eq!(
+            launch_timeout_from(|_| None).unwrap(),
+            Launcher::DEFAULT_TIMEOUT
+        );
         assert_eq!(
             launch_timeout_from(|_| Some("1.5".into())).unwrap(),
             Duration::from_millis(1500)
@@ -598,17 +603,16 @@ mod tests {
         // Through the API: refused before any rank starts (Duration::MAX used to panic on
         // `Instant + Duration`, zero to kill every rank at once).
         for bad in [Duration::ZERO, Duration::MAX] {
-            let e = Launcher::new(2)
-                .timeout(bad)
-                .supervise()
-                .unwrap_err();
+            let e = Launcher::new(2).timeout(bad).supervise().unwrap_err();
             assert!(matches!(e, BootstrapError::Config(_)), "{bad:?}: {e}");
         }
     }
 
     #[test]
     fn panic_payloads_keep_their_text() {
-        let p = std::thread::spawn(|| panic!("rank {} broke", 3)).join().unwrap_err();
+        let p = std::thread::spawn(|| panic!("rank {} broke", 3))
+            .join()
+            .unwrap_err();
         assert_eq!(panic_text(p.as_ref()), "rank 3 broke");
         let p = std::thread::spawn(|| panic!("plain")).join().unwrap_err();
         assert_eq!(panic_text(p.as_ref()), "plain");

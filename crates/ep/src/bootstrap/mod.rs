@@ -48,6 +48,7 @@ pub use communicator::Communicator;
 pub use config::{vars, RankConfig, DEFAULT_MASTER_ADDR, DEFAULT_TIMEOUT, MAX_WORLD_SIZE};
 pub use error::BootstrapError;
 pub use ipc::{exchange_buffers, export, IpcHandle, PeerBuffer, PeerMapping};
+pub(crate) use launcher::panic_text;
 pub use launcher::{launch, Launcher};
 pub use tcp::TcpCommunicator;
 pub use thread::{ThreadCommunicator, ThreadGroup};

@@ -613,19 +613,21 @@ fn handshake_root(
         Arrival::TurnedAway(format!("{peer}: job token mismatch ({text})"))
     };
     if hello.authenticated != authenticated {
-        return reject(&mut stream, token_detail(
-            authenticated,
-            hello.authenticated,
-            "rank 0",
-            "the joining process",
-        ));
+        return reject(
+            &mut stream,
+            token_detail(
+                authenticated,
+                hello.authenticated,
+                "rank 0",
+                "the joining process",
+            ),
+        );
     }
     let root_nonce: wire::Nonce = match super::token::random_bytes("a handshake nonce") {
         Ok(n) => n,
         Err(e) => return away(e.to_string()),
     };
-    if let Err(e) = wire::write_msg(&mut stream, &Msg::Challenge { nonce: root_nonce }, deadline)
-    {
+    if let Err(e) = wire::write_msg(&mut stream, &Msg::Challenge { nonce: root_nonce }, deadline) {
         return away(format!("could not be sent its challenge: {e:?}"));
     }
     let tag = match wire::read_msg_max(&mut stream, deadline, wire::MAX_HANDSHAKE) {
@@ -928,8 +930,7 @@ fn handshake_member(
     let _ = stream.set_nodelay(true);
     let root = || format!("rank 0 at {addr}");
     let fatal = |e: WireError| Ok(wire_error(cfg.rank, STEP, root(), e, started));
-    let nonce: wire::Nonce =
-        super::token::random_bytes("a handshake nonce").map_err(Ok)?;
+    let nonce: wire::Nonce = super::token::random_bytes("a handshake nonce").map_err(Ok)?;
     let hello = HelloFields {
         authenticated: cfg.token.is_some(),
         rank: cfg.rank as u32,
@@ -946,8 +947,10 @@ fn handshake_member(
         WireError::Closed => Err(Retry(wire_error(cfg.rank, STEP, root(), e, started))),
         e => fatal(e),
     })?;
-    let hello_deadline =
-        deadline.min(ibgda_device::timeout::deadline_after(Instant::now(), HELLO_TIMEOUT));
+    let hello_deadline = deadline.min(ibgda_device::timeout::deadline_after(
+        Instant::now(),
+        HELLO_TIMEOUT,
+    ));
     let root_nonce = match wire::read_msg_max(&mut stream, hello_deadline, wire::MAX_HANDSHAKE) {
         Ok(Msg::Challenge { nonce }) => nonce,
         Ok(Msg::Reject { code, value, text }) => {

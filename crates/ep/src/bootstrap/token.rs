@@ -148,7 +148,15 @@ mod tests {
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
         assert!(tag_matches(b"Jefe", &[b"what do ya want for nothing?"], &t));
-        assert!(!tag_matches(b"Jeff", &[b"what do ya want for nothing?"], &t));
-        assert!(!tag_matches(b"Jefe", &[b"what do ya want for nothing!"], &t));
+        assert!(!tag_matches(
+            b"Jeff",
+            &[b"what do ya want for nothing?"],
+            &t
+        ));
+        assert!(!tag_matches(
+            b"Jefe",
+            &[b"what do ya want for nothing!"],
+            &t
+        ));
     }
 }

@@ -529,7 +529,8 @@ mod tests {
         let (mut rx, _) = l.accept().unwrap();
         let soon = || Instant::now() + std::time::Duration::from_secs(5);
         // Beyond the step's limit: refused after the 4 length bytes, before any payload.
-        tx.write_all(&(MAX_HANDSHAKE as u32 + 1).to_le_bytes()).unwrap();
+        tx.write_all(&(MAX_HANDSHAKE as u32 + 1).to_le_bytes())
+            .unwrap();
         match read_msg_max(&mut rx, soon(), MAX_HANDSHAKE) {
             Err(WireError::Malformed(m)) => assert!(m.contains("outside 1..=128"), "{m}"),
             other => panic!("{other:?}"),
@@ -544,7 +545,11 @@ mod tests {
             read_msg_max(&mut rx, soon(), MAX_FRAME),
             Err(WireError::Closed)
         ));
-        assert!(t.elapsed() < std::time::Duration::from_secs(1), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(1),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]

@@ -795,7 +795,12 @@ impl LowLatencyBuffer {
         // The memsets and uploads above ran on the legacy stream (cuMemsetD8 and pageable
         // uploads may return before the device has finished them); the kernels run on a
         // non-blocking stream and peers (or their NICs) write here: all of it must have landed.
-        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
+        ibgda_device::cuda::wait_legacy_stream(
+            ctx,
+            ibgda_device::cuda::LEGACY_STREAM_BOUND,
+            "the memsets and uploads of buffer creation",
+        )
+        .map_err(|source| EpError::Device { rank, source })?;
         // Nobody signals a peer before every rank has zeroed its own signals and connected its
         // QPs.
         group.all_gather(&[])?;
@@ -1365,7 +1370,10 @@ impl LowLatencyBuffer {
     /// error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         let e = Event::record(&self.stream, self.rank)?;
-        let r = e.wait_host(self.opts.timeout.saturating_mul(2), "the low-latency stream");
+        let r = e.wait_host(
+            self.opts.timeout.saturating_mul(2),
+            "the low-latency stream",
+        );
         self.check_device_error()?;
         r
     }
@@ -1474,7 +1482,11 @@ pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpEr
     invalid(rank, format!("low-latency transport: {doing}: {e}"))
 }
 
-pub(crate) fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
+pub(crate) fn check_options(
+    rank: usize,
+    ranks: usize,
+    o: &LowLatencyOptions,
+) -> Result<(), EpError> {
     let bad = |what: String| Err(invalid(rank, what));
     if ranks == 0 || ranks > k::MAX_RANKS {
         return bad(format!(
