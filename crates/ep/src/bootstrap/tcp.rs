@@ -711,7 +711,7 @@ fn accept_all(
             let j = match arrival {
                 Arrival::TurnedAway(why) => {
                     tracing::warn!("rendezvous at {local}: turned away {why}");
-                    turned_away.push(why);
+                    note(&mut turned_away, why);
                     continue;
                 }
                 Arrival::Joined(j) => j,
@@ -751,9 +751,12 @@ fn accept_all(
             Err(e) => return Err(fail(&mut slots, io(local.clone(), e))),
         };
         if pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
-            turned_away.push(format!(
-                "{addr}: closed at once, {MAX_PENDING_HANDSHAKES} handshakes already running"
-            ));
+            note(
+                &mut turned_away,
+                format!(
+                    "{addr}: closed at once, {MAX_PENDING_HANDSHAKES} handshakes already running"
+                ),
+            );
             continue;
         }
         let hello_deadline = deadline.min(ibgda_device::timeout::deadline_after(
@@ -771,7 +774,10 @@ fn accept_all(
             });
         if let Err(e) = spawned {
             pending.fetch_sub(1, Ordering::AcqRel);
-            turned_away.push(format!("{addr}: no thread for its handshake: {e}"));
+            note(
+                &mut turned_away,
+                format!("{addr}: no thread for its handshake: {e}"),
+            );
         }
     }
 
@@ -793,6 +799,18 @@ fn accept_all(
     }
     tracing::debug!("rendezvous at {local}: all {world} ranks joined");
     Ok(peers)
+}
+
+/// Turned-away connections kept for the timeout message; later ones are only counted, so a flood
+/// of strangers costs no memory.
+const MAX_TURNED_AWAY_NOTED: usize = 16;
+
+fn note(turned_away: &mut Vec<String>, why: String) {
+    match turned_away.len() {
+        n if n < MAX_TURNED_AWAY_NOTED => turned_away.push(why),
+        n if n == MAX_TURNED_AWAY_NOTED => turned_away.push("and more (not listed)".into()),
+        _ => {}
+    }
 }
 
 /// Takes an authenticated peer into its rank's slot, or fails the job: once a peer has proved it
