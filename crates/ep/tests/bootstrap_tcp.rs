@@ -540,3 +540,19 @@ fn a_forged_rank_0_is_refused_and_never_sees_the_token() {
     );
     assert!(!String::from_utf8_lossy(&seen).contains(&token.to_hex()));
 }
+
+#[test]
+fn ranks_wait_for_a_rank_0_that_starts_late_on_a_bound_socket() {
+    // As under the launcher: the socket is bound (and queues connections) before rank 0's
+    // process gets to accept them, which can take longer than a handshake's own bound (5 s).
+    let (listener, port) = bound_listener();
+    let token = JobToken::generate().unwrap();
+    let timeout = Duration::from_secs(30);
+    let member = thread::spawn(move || {
+        TcpCommunicator::connect(&cfg(1, 2, port, token, timeout)).map(|c| c.barrier())
+    });
+    thread::sleep(Duration::from_secs(6));
+    let root = TcpCommunicator::with_listener(&cfg(0, 2, port, token, timeout), listener).unwrap();
+    root.barrier().unwrap();
+    member.join().unwrap().unwrap().unwrap();
+}

@@ -348,16 +348,22 @@ impl Record {
 }
 
 /// Checks that `[ptr, ptr + len)` lies inside one live allocation of this process (the driver's
-/// own registry of allocations, `cuMemGetAddressRange`), with `ctx` current: the last line of
-/// defence before a same-process address is handed to kernels as a peer's buffer.
-fn check_local_allocation(ctx: &Arc<CudaContext>, ptr: u64, len: usize) -> Result<(), CudaError> {
-    bind(ctx)?;
+/// own registry of allocations, `cuMemGetAddressRange`, asked with `owner`, the context of the GPU
+/// the peer names, current; `ours` is made current again after): the last line of defence before
+/// a same-process address is handed to kernels as a peer's buffer.
+fn check_local_allocation(
+    owner: &Arc<CudaContext>,
+    ours: &Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+) -> Result<(), CudaError> {
+    bind(owner)?;
     let (mut base, mut size) = (0, 0);
     // SAFETY: valid out-pointers; the driver only looks `ptr` up in its allocation table, and
     // fails for an address that is not in a live allocation of this process.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-        .result()
-        .map_err(driver("cuMemGetAddressRange"))?;
+    let found = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }.result();
+    bind(ours)?;
+    found.map_err(driver("cuMemGetAddressRange"))?;
     let offset = (ptr - base) as usize;
     if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(CudaError::OutOfRange { offset, len, size });
@@ -441,7 +447,7 @@ pub fn exchange_buffers<C: Communicator + ?Sized>(
             let peer_ctx = ibgda_device::cuda::context(rec.ordinal as usize).map_err(cuda(
                 format!("{step}: opening GPU {} of rank {r}", rec.ordinal),
             ))?;
-            check_local_allocation(&peer_ctx, rec.ptr, len).map_err(cuda(format!(
+            check_local_allocation(&peer_ctx, ctx, rec.ptr, len).map_err(cuda(format!(
                 "{step}: rank {r}'s buffer {:#x} (+{len} bytes) is not a live allocation of this \
                  process on GPU {}",
                 rec.ptr, rec.ordinal

@@ -174,10 +174,8 @@ impl Launcher {
                     reason: format!("this program runs {} ranks", self.world_size),
                 });
             }
-            let comm = Arc::new(match super::tcp::inherited_listener(&cfg)? {
-                Some(listener) => TcpCommunicator::with_listener(&cfg, listener)?,
-                None => TcpCommunicator::connect(&cfg)?,
-            });
+            // Rank 0 takes the socket the launcher bound for it (EP_LISTEN_FD).
+            let comm = Arc::new(TcpCommunicator::connect(&cfg)?);
             return f(comm).map_err(|e| BootstrapError::Rank {
                 rank: cfg.rank,
                 source: e.into(),

@@ -103,8 +103,15 @@ impl TcpCommunicator {
     /// Joins the job described by `cfg`: rank 0 binds `master_addr:master_port` and waits for the
     /// others; the others connect to it. Returns once every rank has joined, or fails within
     /// `cfg.timeout` (other ranks: plus up to 2 s to hear rank 0's verdict).
+    ///
+    /// Rank 0 started by a [`Launcher`](super::Launcher) listens on the socket the launcher bound
+    /// and passed down (`EP_LISTEN_FD`, which must be bound to `cfg.master_port`) instead of
+    /// binding the port again.
     pub fn connect(cfg: &RankConfig) -> Result<Self, BootstrapError> {
         cfg.validate()?;
+        if let Some(listener) = inherited_listener(cfg)? {
+            return Self::with_listener(cfg, listener);
+        }
         if cfg.rank == 0 && cfg.world_size > 1 {
             let addr = resolve(cfg, cfg.timeout)?;
             let listener = TcpListener::bind(addr).map_err(|source| BootstrapError::Io {
@@ -144,14 +151,10 @@ impl TcpCommunicator {
         Ok(Self::new(cfg, role))
     }
 
-    /// Joins the job the environment describes ([`RankConfig::from_env`]). Rank 0 started by a
-    /// [`Launcher`](super::Launcher) listens on the socket the launcher bound (`EP_LISTEN_FD`).
+    /// Joins the job the environment describes ([`RankConfig::from_env`]), as
+    /// [`connect`](Self::connect).
     pub fn from_env() -> Result<Self, BootstrapError> {
-        let cfg = RankConfig::from_env()?;
-        match inherited_listener(&cfg)? {
-            Some(listener) => Self::with_listener(&cfg, listener),
-            None => Self::connect(&cfg),
-        }
+        Self::connect(&RankConfig::from_env()?)
     }
 
     /// The time bound of each collective.
@@ -965,11 +968,10 @@ fn handshake_member(
         WireError::Closed => Err(Retry(wire_error(cfg.rank, STEP, root(), e, started))),
         e => fatal(e),
     })?;
-    let hello_deadline = deadline.min(ibgda_device::timeout::deadline_after(
-        Instant::now(),
-        HELLO_TIMEOUT,
-    ));
-    let root_nonce = match wire::read_msg_max(&mut stream, hello_deadline, wire::MAX_HANDSHAKE) {
+    // The whole bound, not HELLO_TIMEOUT: the kernel completes a connection to a listening socket
+    // before its owner accepts it, and a launched rank 0 may still be starting (loading CUDA)
+    // while its inherited socket already queues the other ranks' connections.
+    let root_nonce = match wire::read_msg_max(&mut stream, deadline, wire::MAX_HANDSHAKE) {
         Ok(Msg::Challenge { nonce }) => nonce,
         Ok(Msg::Reject { code, value, text }) => {
             return Err(Ok(rejected(cfg, &root(), code, value, text)))
