@@ -424,8 +424,9 @@ pub fn exchange_buffers<C: Communicator + ?Sized>(
     };
     // Exchange even after a local failure, so every rank learns of it now, not at a timeout.
     let all = comm.all_gather_bytes(&record)?;
-    mine?;
+    // The secret's own error first: `mine` then only says that it failed.
     let secret = secret?;
+    mine?;
     let step = "exchange_buffers";
     let mut out = Vec::with_capacity(all.len());
     for (r, bytes) in all.iter().enumerate() {
