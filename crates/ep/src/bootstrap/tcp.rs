@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 use super::wire::{self, Msg, Op, Pending, RejectCode, WireError};
 use super::{BootstrapError, Communicator, RankConfig};
 
-/// How long rank 0 waits for the hello of a connection it accepted: the real ranks send it at
-/// once, so a connection that stays silent is a stranger and must not stall the rendezvous.
+/// How long rank 0 gives one accepted connection for its whole handshake (hello, then proof): the
+/// real ranks answer at once, so a connection that stays silent is a stranger. Each handshake runs
+/// on its own thread, so even a silent one stalls nobody else.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Sleep between polls of the listening socket (std has no accept with a timeout).
