@@ -1085,9 +1085,9 @@ pub(crate) fn set_cloexec(fd: std::ffi::c_int, on: bool) -> std::io::Result<()> 
     Ok(())
 }
 
-/// Rank 0's listening socket inherited from the launcher (`EP_LISTEN_FD`), once per process;
-/// `None` for other ranks, for a job of one, or without the variable. The socket must be bound to
-/// `cfg.master_port`.
+/// Rank 0's listening socket inherited from the launcher (`EP_LISTEN_FD`), taken once per
+/// process; `None` for other ranks, for a job of one, without the variable, or once taken. The
+/// socket must be bound to `cfg.master_port`.
 pub(crate) fn inherited_listener(cfg: &RankConfig) -> Result<Option<TcpListener>, BootstrapError> {
     use std::sync::atomic::{AtomicBool, Ordering};
     static TAKEN: AtomicBool = AtomicBool::new(false);
@@ -1113,9 +1113,9 @@ pub(crate) fn inherited_listener(cfg: &RankConfig) -> Result<Option<TcpListener>
             .filter(|fd| *fd > 2)
             .ok_or_else(|| invalid("not a file descriptor above 2".into()))?;
         if TAKEN.swap(true, Ordering::SeqCst) {
-            return Err(invalid(
-                "already taken by an earlier communicator of this process".into(),
-            ));
+            // An earlier communicator of this process took it (and may have closed it since):
+            // bind the port as without a launcher.
+            return Ok(None);
         }
         // Probing with F_SETFD both checks that the descriptor is open and keeps it from leaking
         // into processes this rank starts.
