@@ -556,3 +556,70 @@ fn ranks_wait_for_a_rank_0_that_starts_late_on_a_bound_socket() {
     root.barrier().unwrap();
     member.join().unwrap().unwrap().unwrap();
 }
+
+/// Relays a joining rank's connection to rank 0 (a process between the two, e.g. on the path
+/// between hosts), passing the handshake through untouched and flipping one byte of the first
+/// frame the joining rank sends after it (its first collective contribution).
+fn tamperer(listener: TcpListener, root_port: u16) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let (mut member, _) = listener.accept().unwrap();
+        let mut root = TcpStream::connect(("127.0.0.1", root_port)).unwrap();
+        let (mut m2, mut r2) = (member.try_clone().unwrap(), root.try_clone().unwrap());
+        // Rank 0 → joining rank: verbatim.
+        let down = thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = r2.read(&mut buf) {
+                if n == 0 || m2.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        });
+        // Joining rank → rank 0: frame by frame; hello and proof pass, the third is altered.
+        for i in 0.. {
+            let mut len = [0u8; 4];
+            if member.read_exact(&mut len).is_err() {
+                break;
+            }
+            let mut p = vec![0u8; u32::from_le_bytes(len) as usize];
+            if member.read_exact(&mut p).is_err() {
+                break;
+            }
+            if i == 2 {
+                p[10] ^= 0x01; // inside the contribution's data
+            }
+            if root
+                .write_all(&len)
+                .and_then(|_| root.write_all(&p))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = root.shutdown(std::net::Shutdown::Both);
+        let _ = down.join();
+    })
+}
+
+#[test]
+fn bytes_changed_between_the_ranks_fail_the_collective() {
+    let (listener, port) = bound_listener();
+    let (relay, relay_port) = bound_listener();
+    let token = JobToken::generate().unwrap();
+    let timeout = Duration::from_secs(10);
+    let root = thread::spawn(move || {
+        let c = TcpCommunicator::with_listener(&cfg(0, 2, port, token, timeout), listener)?;
+        c.all_gather_bytes(b"zero")
+    });
+    let relaying = tamperer(relay, port);
+    let member = TcpCommunicator::connect(&cfg(1, 2, relay_port, token, timeout)).unwrap();
+    let mine = member.all_gather_bytes(b"one, to be altered on the way");
+    let theirs = root.join().unwrap();
+    let err = theirs.expect_err("rank 0 must not take altered bytes as rank 1's part");
+    let msg = err.to_string();
+    assert!(msg.contains("failed authentication"), "{msg}");
+    assert!(mine.is_err(), "rank 1 got {mine:?}");
+    // Closing rank 1's end lets the relay finish.
+    drop(member);
+    relaying.join().unwrap();
+}

@@ -12,9 +12,11 @@
 //! waiting for the real ranks; a joining rank refuses a rank 0 whose welcome is wrong (a process
 //! that took the port first). Each handshake runs on its own thread, bounded by a few seconds, so
 //! silent connections cannot hold up the rendezvous. Once authenticated, a world-size mismatch or
-//! an impossible or duplicate rank fails the job. The streams themselves are not encrypted or
-//! signed after the handshake: an attacker who can alter traffic between the hosts is out of scope
-//! (keep `MASTER_ADDR` on a trusted network).
+//! an impossible or duplicate rank fails the job. After the handshake every frame is sealed: an
+//! HMAC tag under a key derived from the token and both nonces, over the direction, a frame
+//! counter and the payload, so bytes changed, injected, replayed or reordered on the way fail the
+//! collective with a named error. Frames are not encrypted: what the ranks exchange (addresses,
+//! IPC handles, sizes) is readable by whoever sees the traffic.
 //!
 //! Collectives: each rank sends its part to rank 0, which gathers them in rank order and sends the
 //! whole back. Messages carry the collective's sequence number and kind, so ranks that call
@@ -92,6 +94,8 @@ struct Peer {
     rank: usize,
     stream: TcpStream,
     addr: SocketAddr,
+    /// Tags and checks every frame after the handshake.
+    seal: wire::Seal,
 }
 
 impl Peer {
@@ -216,7 +220,7 @@ impl TcpCommunicator {
         for i in 0..peers.len() {
             let peer = &mut peers[i];
             let peer_rank = peer.rank;
-            let err = match wire::read_msg(&mut peer.stream, deadline) {
+            let err = match wire::read_sealed(&mut peer.stream, &mut peer.seal, deadline) {
                 Ok(Msg::Contrib {
                     seq: s,
                     op: o,
@@ -286,7 +290,7 @@ impl TcpCommunicator {
         .encode();
         for i in 0..peers.len() {
             let peer = &mut peers[i];
-            if let Err(e) = wire::write_frame(&mut peer.stream, &reply, deadline) {
+            if let Err(e) = wire::write_sealed(&mut peer.stream, &mut peer.seal, &reply, deadline) {
                 let err = wire_error(0, step, peer.describe(), e, started);
                 abort_all(peers, &err);
                 return Err(err);
@@ -310,13 +314,18 @@ impl TcpCommunicator {
             op,
             data: mine.to_vec(),
         };
-        if let Err(e) = wire::write_msg(&mut root.stream, &contrib, deadline) {
+        if let Err(e) = wire::write_sealed(
+            &mut root.stream,
+            &mut root.seal,
+            &contrib.encode(),
+            deadline,
+        ) {
             return Err(wire_error(self.rank, step, root.describe(), e, started));
         }
         let root_name = root.describe();
         let describe = || root_name.clone();
         let with_grace = ibgda_device::timeout::deadline_after(deadline, grace(self.timeout));
-        match wire::read_msg(&mut root.stream, with_grace) {
+        match wire::read_sealed(&mut root.stream, &mut root.seal, with_grace) {
             Ok(Msg::Gathered {
                 seq: s,
                 op: o,
@@ -424,8 +433,22 @@ fn wire_error(
     }
 }
 
-/// Tells every rank that the group failed (best effort, bounded).
+/// Tells every rank that the group failed (best effort, bounded), in sealed frames: for ranks
+/// past the rendezvous.
 fn abort_all(peers: &mut [Peer], err: &BootstrapError) {
+    let frame = Msg::Abort {
+        reason: err.to_string(),
+    }
+    .encode();
+    let deadline = ibgda_device::timeout::deadline_after(Instant::now(), ABORT_NOTICE);
+    for p in peers {
+        let _ = wire::write_sealed(&mut p.stream, &mut p.seal, &frame, deadline);
+    }
+}
+
+/// As [`abort_all`] for ranks still in the rendezvous (waiting for their welcome), which read
+/// unsealed frames.
+fn abort_joining(peers: &mut [Peer], err: &BootstrapError) {
     let frame = Msg::Abort {
         reason: err.to_string(),
     }
@@ -484,6 +507,8 @@ fn resolve(cfg: &RankConfig, bound: Duration) -> Result<SocketAddr, BootstrapErr
 /// Labels of the two tags of a handshake: a tag made by one side is never valid for the other.
 const ROOT_LABEL: &[u8] = b"ep bootstrap v2: rank 0 answers";
 const MEMBER_LABEL: &[u8] = b"ep bootstrap v2: joining rank proves";
+/// Label of the key that seals a stream's frames after its handshake.
+const SESSION_LABEL: &[u8] = b"ep bootstrap v2: session key";
 
 /// The tag one side of a handshake sends: HMAC-SHA256 under the job token of the label, both
 /// nonces, the claimed rank and world size, and whether a token is in use. Fresh nonces from both
@@ -656,6 +681,7 @@ fn handshake_root(
             rank: hello.rank as usize,
             stream,
             addr,
+            seal: wire::Seal::new(proof(key, SESSION_LABEL, &hello, &root_nonce), true),
         },
         hello,
         root_nonce,
@@ -703,7 +729,7 @@ fn accept_all(
             .filter_map(Option::take)
             .map(|j| j.peer)
             .collect();
-        abort_all(&mut peers, &err);
+        abort_joining(&mut peers, &err);
         err
     };
     let (tx, rx) = mpsc::channel::<Arrival>();
@@ -797,7 +823,10 @@ fn accept_all(
         let p = &mut peers[i];
         if let Err(e) = wire::write_msg(&mut p.stream, &welcomes[i], deadline) {
             let err = wire_error(0, STEP, p.describe(), e, started);
-            abort_all(&mut peers, &err);
+            // Ranks before i have their welcome and read sealed frames; the rest do not.
+            let (welcomed, waiting) = peers.split_at_mut(i);
+            abort_all(welcomed, &err);
+            abort_joining(waiting, &err);
             return Err(err);
         }
     }
@@ -994,7 +1023,8 @@ fn handshake_member(
     let tag = proof(cfg.key(), MEMBER_LABEL, &hello, &root_nonce);
     wire::write_msg(&mut stream, &Msg::Proof { tag }, deadline).map_err(fatal)?;
     let grace = ibgda_device::timeout::deadline_after(deadline, grace(cfg.timeout));
-    match wire::read_msg(&mut stream, grace) {
+    // Not authenticated until the welcome's tag checks out: a reply of bounded size.
+    match wire::read_msg_max(&mut stream, grace, wire::MAX_UNAUTHENTICATED) {
         Ok(Msg::Welcome { tag }) => {
             if !proof_matches(cfg.key(), ROOT_LABEL, &hello, &root_nonce, &tag) {
                 return Err(Ok(BootstrapError::TokenMismatch {
@@ -1010,6 +1040,7 @@ fn handshake_member(
                 rank: 0,
                 stream,
                 addr,
+                seal: wire::Seal::new(proof(cfg.key(), SESSION_LABEL, &hello, &root_nonce), false),
             })
         }
         Ok(Msg::Reject { code, value, text }) => Err(Ok(rejected(cfg, &root(), code, value, text))),

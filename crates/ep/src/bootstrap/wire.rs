@@ -364,10 +364,9 @@ pub(crate) const MAX_HANDSHAKE: usize = 128;
 /// The first allocation for a frame's payload; it doubles as more bytes arrive.
 const READ_CHUNK: usize = 64 << 10;
 
-/// Reads one message, giving up at `deadline`.
-pub(crate) fn read_msg(s: &mut TcpStream, deadline: Instant) -> Result<Msg, WireError> {
-    read_msg_max(s, deadline, MAX_FRAME)
-}
+/// The largest reply a joining rank reads before rank 0 has proved itself (a welcome, or a
+/// rejection or abort with its reason).
+pub(crate) const MAX_UNAUTHENTICATED: usize = 64 << 10;
 
 /// Reads one message of at most `max` bytes, giving up at `deadline`.
 pub(crate) fn read_msg_max(
@@ -375,6 +374,11 @@ pub(crate) fn read_msg_max(
     deadline: Instant,
     max: usize,
 ) -> Result<Msg, WireError> {
+    Msg::decode(&read_payload(s, deadline, max)?)
+}
+
+/// Reads one frame's payload of at most `max` bytes, giving up at `deadline`.
+fn read_payload(s: &mut TcpStream, deadline: Instant, max: usize) -> Result<Vec<u8>, WireError> {
     let mut moved = 0;
     let mut len = [0u8; 4];
     read_exact_by(s, &mut len, deadline, &mut moved)?;
@@ -392,8 +396,99 @@ pub(crate) fn read_msg_max(
         payload.resize(have + step, 0);
         read_exact_by(s, &mut payload[have..], deadline, &mut moved)?;
     }
-    Msg::decode(&payload)
+    Ok(payload)
 }
+
+/// The integrity of one stream after its handshake: every frame carries an HMAC-SHA256 tag under
+/// a key both sides derived from the job token and the handshake's nonces, over the direction, a
+/// per-direction frame counter and the payload. A byte changed, a frame injected, dropped,
+/// replayed or reordered by someone between the two ends fails the next read.
+#[derive(Debug)]
+pub(crate) struct Seal {
+    key: Tag,
+    /// 0 for frames rank 0 sends, 1 for frames the other rank sends.
+    sends: u8,
+    sent: u64,
+    received: u64,
+}
+
+impl Seal {
+    /// The seal of rank 0's end (`root`) or of the other rank's end of a stream, under `key`.
+    pub(crate) fn new(key: Tag, root: bool) -> Self {
+        Self {
+            key,
+            sends: u8::from(!root),
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    fn parts<'a>(dir: &'a [u8; 1], n: &'a [u8; 8], payload: &'a [u8]) -> [&'a [u8]; 4] {
+        [b"ep bootstrap v2: frame", dir, n, payload]
+    }
+}
+
+/// Writes an encoded frame (length prefix included) with its tag, giving up at `deadline`.
+pub(crate) fn write_sealed(
+    s: &mut TcpStream,
+    seal: &mut Seal,
+    frame: &[u8],
+    deadline: Instant,
+) -> Result<(), WireError> {
+    let payload = &frame[4..];
+    if payload.len() > MAX_FRAME {
+        return Err(WireError::Malformed(format!(
+            "message of {} bytes exceeds the {MAX_FRAME}-byte limit",
+            payload.len()
+        )));
+    }
+    let tag = super::token::tag(
+        &seal.key,
+        &Seal::parts(&[seal.sends], &seal.sent.to_le_bytes(), payload),
+    );
+    let mut out = Vec::with_capacity(frame.len() + tag.len());
+    out.extend_from_slice(&((payload.len() + tag.len()) as u32).to_le_bytes());
+    out.extend_from_slice(payload);
+    out.extend_from_slice(&tag);
+    write_bytes(s, &out, deadline)?;
+    seal.sent += 1;
+    Ok(())
+}
+
+/// Reads one sealed message, giving up at `deadline`; a tag that does not check out is
+/// [`WireError::Malformed`].
+pub(crate) fn read_sealed(
+    s: &mut TcpStream,
+    seal: &mut Seal,
+    deadline: Instant,
+) -> Result<Msg, WireError> {
+    let raw = read_payload(s, deadline, MAX_FRAME + TAG_BYTES)?;
+    if raw.len() <= TAG_BYTES {
+        return Err(WireError::Malformed(format!(
+            "sealed frame of {} bytes has no room for its tag",
+            raw.len()
+        )));
+    }
+    let (payload, tag) = raw.split_at(raw.len() - TAG_BYTES);
+    let tag: Tag = tag.try_into().unwrap_or([0; TAG_BYTES]);
+    let dir = [1 - seal.sends];
+    if !super::token::tag_matches(
+        &seal.key,
+        &Seal::parts(&dir, &seal.received.to_le_bytes(), payload),
+        &tag,
+    ) {
+        return Err(WireError::Malformed(format!(
+            "frame #{} failed authentication: changed, injected, replayed or reordered between \
+             the two ends",
+            seal.received
+        )));
+    }
+    seal.received += 1;
+    Msg::decode(payload)
+}
+
+/// Bytes of a frame's tag.
+const TAG_BYTES: usize = 32;
 
 /// Writes an encoded frame, giving up at `deadline`.
 pub(crate) fn write_frame(
@@ -407,6 +502,11 @@ pub(crate) fn write_frame(
             frame.len() - 4
         )));
     }
+    write_bytes(s, frame, deadline)
+}
+
+/// Writes all of `frame`, giving up at `deadline`.
+fn write_bytes(s: &mut TcpStream, frame: &[u8], deadline: Instant) -> Result<(), WireError> {
     let mut sent = 0;
     while sent < frame.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -550,6 +650,57 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    #[test]
+    fn sealed_frames_detect_tampering_replay_and_reordering() {
+        use std::net::{TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut rx, _) = l.accept().unwrap();
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        let (mut root, mut member) = (Seal::new([1; 32], true), Seal::new([1; 32], false));
+        let msg = |seq| Msg::Contrib {
+            seq,
+            op: Op::AllGather,
+            data: vec![7; 100],
+        };
+        // In order: fine.
+        write_sealed(&mut tx, &mut member, &msg(0).encode(), soon()).unwrap();
+        assert_eq!(read_sealed(&mut rx, &mut root, soon()).unwrap(), msg(0));
+        // A captured frame replayed, or a frame tagged for the other direction.
+        let mut replay = Seal::new([1; 32], false);
+        write_sealed(&mut tx, &mut replay, &msg(0).encode(), soon()).unwrap();
+        assert!(matches!(
+            read_sealed(&mut rx, &mut root, soon()),
+            Err(WireError::Malformed(_))
+        ));
+        let mut root = Seal::new([1; 32], true);
+        let mut wrong_way = Seal::new([1; 32], true);
+        write_sealed(&mut tx, &mut wrong_way, &msg(0).encode(), soon()).unwrap();
+        assert!(matches!(
+            read_sealed(&mut rx, &mut root, soon()),
+            Err(WireError::Malformed(_))
+        ));
+        // One byte changed on the way.
+        let mut root = Seal::new([1; 32], true);
+        let payload = msg(1).encode();
+        let tag = super::super::token::tag(
+            &[1; 32],
+            &Seal::parts(&[1], &0u64.to_le_bytes(), &payload[4..]),
+        );
+        let mut frame = ((payload.len() - 4 + TAG_BYTES) as u32)
+            .to_le_bytes()
+            .to_vec();
+        frame.extend_from_slice(&payload[4..]);
+        frame.extend_from_slice(&tag);
+        let last_data = frame.len() - TAG_BYTES - 1;
+        frame[last_data] ^= 1;
+        write_bytes(&mut tx, &frame, soon()).unwrap();
+        match read_sealed(&mut rx, &mut root, soon()) {
+            Err(WireError::Malformed(m)) => assert!(m.contains("failed authentication"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
