@@ -82,6 +82,9 @@ pub struct Tensor<T: Element> {
     storage: Arc<Region>,
     offset: usize,
     shape: Vec<usize>,
+    /// Routing a kernel reads (a layout's or handle's tensors): [`Tensor::copy_from_host`]
+    /// refuses to write it. Clones keep the flag.
+    read_only: bool,
     _t: PhantomData<T>,
 }
 
@@ -91,6 +94,7 @@ impl<T: Element> Clone for Tensor<T> {
             storage: self.storage.clone(),
             offset: self.offset,
             shape: self.shape.clone(),
+            read_only: self.read_only,
             _t: PhantomData,
         }
     }
@@ -100,38 +104,61 @@ fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// Why `data.len()` elements cannot fill `shape`, if they cannot (checked before any CUDA call).
+fn shape_mismatch(shape: &[usize], len: usize) -> Option<String> {
+    let n = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+    match n {
+        Some(n) if n == len => None,
+        Some(n) => Some(format!(
+            "shape {shape:?} holds {n} elements, data has {len}"
+        )),
+        None => Some(format!(
+            "shape {shape:?} holds more than usize::MAX elements"
+        )),
+    }
+}
+
+fn tensor_err(gpu: usize, what: &str, source: ibgda_device::cuda::CudaError) -> EpError {
+    EpError::Tensor {
+        gpu,
+        what: what.to_string(),
+        source: Some(source),
+    }
+}
+
 impl<T: Element> Tensor<T> {
     /// A tensor of `shape` holding a copy of `data` (row-major) on `ctx`'s GPU.
     pub fn from_host(ctx: &Arc<CudaContext>, data: &[T], shape: &[usize]) -> Result<Self, EpError> {
-        if numel(shape) != data.len() {
-            return Err(crate::error::invalid(
-                usize::MAX,
-                format!(
-                    "shape {shape:?} holds {} elements, data has {}",
-                    numel(shape),
-                    data.len()
-                ),
-            ));
+        let gpu = ctx.ordinal();
+        if let Some(what) = shape_mismatch(shape, data.len()) {
+            return Err(EpError::Tensor {
+                gpu,
+                what,
+                source: None,
+            });
         }
-        let storage =
-            DeviceBuffer::new(ctx, std::mem::size_of_val(data).max(16)).map_err(|source| {
-                EpError::Device {
-                    rank: usize::MAX,
-                    source,
-                }
-            })?;
+        let bytes = std::mem::size_of_val(data).max(16);
+        let storage = DeviceBuffer::new(ctx, bytes)
+            .map_err(|e| tensor_err(gpu, &format!("allocating {bytes} bytes"), e))?;
         if !data.is_empty() {
-            storage.upload(0, data).map_err(|source| EpError::Device {
-                rank: usize::MAX,
-                source,
-            })?;
+            storage
+                .upload(0, data)
+                .map_err(|e| tensor_err(gpu, &format!("uploading {bytes} bytes"), e))?;
         }
         Ok(Self::view(Arc::new(storage), 0, shape.to_vec()))
     }
 
     /// A tensor of `shape` with every element equal to `value`.
     pub fn filled(ctx: &Arc<CudaContext>, value: T, shape: &[usize]) -> Result<Self, EpError> {
-        Self::from_host(ctx, &vec![value; numel(shape)], shape)
+        let n = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| EpError::Tensor {
+                gpu: ctx.ordinal(),
+                what: format!("shape {shape:?} holds more than usize::MAX elements"),
+                source: None,
+            })?;
+        Self::from_host(ctx, &vec![value; n], shape)
     }
 
     /// A view of `shape` at byte `offset` of `storage` (an allocation or a pooled region).
@@ -144,8 +171,23 @@ impl<T: Element> Tensor<T> {
             storage,
             offset,
             shape,
+            read_only: false,
             _t: PhantomData,
         }
+    }
+
+    /// The same view, refusing [`copy_from_host`](Self::copy_from_host): routing that kernels
+    /// read and must not be edited out of agreement with what the buffer keeps privately.
+    pub(crate) fn read_only(mut self) -> Self {
+        self.read_only = true;
+        self
+    }
+
+    /// Whether [`copy_from_host`](Self::copy_from_host) refuses to write this tensor (the
+    /// tensors of a [`DispatchLayout`](crate::DispatchLayout) or a
+    /// [`LlHandle`](crate::low_latency::LlHandle)).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     /// Copies the tensor to the host (synchronous, bounded: after the legacy default stream's
@@ -160,9 +202,12 @@ impl<T: Element> Tensor<T> {
         self.storage
             .buf
             .download(self.storage.offset + self.offset, self.numel())
-            .map_err(|source| EpError::Device {
-                rank: usize::MAX,
-                source,
+            .map_err(|e| {
+                tensor_err(
+                    self.device_ordinal(),
+                    &format!("downloading {:?} {}", self.shape, T::NAME),
+                    e,
+                )
             })
     }
 
@@ -171,17 +216,26 @@ impl<T: Element> Tensor<T> {
     /// the tensors it was captured with. The copy runs on the legacy default stream and may still
     /// be in flight when this returns (pageable source): synchronize the context before work on
     /// another stream reads the tensor.
+    ///
+    /// Refused for [read-only](Self::is_read_only) tensors.
     pub fn copy_from_host(&self, data: &[T]) -> Result<(), EpError> {
-        if data.len() != self.numel() {
-            return Err(crate::error::invalid(
-                usize::MAX,
-                format!(
-                    "tensor of shape {:?} holds {} elements, data has {}",
-                    self.shape,
-                    self.numel(),
-                    data.len()
+        let gpu = self.device_ordinal();
+        if self.read_only {
+            return Err(EpError::Tensor {
+                gpu,
+                what: format!(
+                    "tensor of shape {:?} is read-only (routing of a layout or handle)",
+                    self.shape
                 ),
-            ));
+                source: None,
+            });
+        }
+        if let Some(what) = shape_mismatch(&self.shape, data.len()) {
+            return Err(EpError::Tensor {
+                gpu,
+                what,
+                source: None,
+            });
         }
         if data.is_empty() {
             return Ok(());
@@ -189,10 +243,7 @@ impl<T: Element> Tensor<T> {
         self.storage
             .buf
             .upload(self.storage.offset + self.offset, data)
-            .map_err(|source| EpError::Device {
-                rank: usize::MAX,
-                source,
-            })
+            .map_err(|e| tensor_err(gpu, &format!("uploading {:?} {}", self.shape, T::NAME), e))
     }
 
     /// The shape.
@@ -219,5 +270,32 @@ impl<T: Element> Tensor<T> {
     /// The GPU ordinal holding the tensor.
     pub fn device_ordinal(&self) -> usize {
         self.storage.context().ordinal()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_mismatch_names_both_counts_and_never_overflows() {
+        assert_eq!(shape_mismatch(&[2, 3], 6), None);
+        assert_eq!(shape_mismatch(&[], 1), None);
+        let e = shape_mismatch(&[2, 3], 5).unwrap();
+        assert!(e.contains("6 elements") && e.contains("data has 5"), "{e}");
+        let e = shape_mismatch(&[usize::MAX, 2], 0).unwrap();
+        assert!(e.contains("more than usize::MAX"), "{e}");
+    }
+
+    #[test]
+    fn tensor_errors_name_the_gpu_not_a_rank() {
+        let e = EpError::Tensor {
+            gpu: 3,
+            what: "shape [2] holds 2 elements, data has 1".into(),
+            source: None,
+        };
+        let text = e.to_string();
+        assert!(text.starts_with("tensor on GPU 3: "), "{text}");
+        assert!(!text.contains(&usize::MAX.to_string()), "{text}");
     }
 }
