@@ -206,7 +206,9 @@ impl Communicator for Forger<'_> {
 
 #[test]
 fn a_forged_record_cannot_pass_an_arbitrary_pointer_for_same_process_memory() {
-    let Some(ctxs) = ep_kernels::testing::gpus(1) else { return };
+    let Some(ctxs) = ep_kernels::testing::gpus(1) else {
+        return;
+    };
     let ctx = &ctxs[0];
     let comms = ThreadGroup::new(2).unwrap();
     // Rank 0's own other allocation: a pointer that is even valid in this process, which the
