@@ -406,7 +406,7 @@ __device__ __forceinline__ bool wait_sys(const uint64_t* p, Ok ok, uint64_t* see
     while (!ok(*seen = ld_acquire_sys(p))) {
         if ((++polls & 1023u) == 0u) {
             if (error_recorded(error)) return false;
-            if (globaltimer_ns() - start > timeout_ns) {
+            if (globaltimer_ns() - start > ibgda_wait_bound_ns(timeout_ns)) {
                 record_error(error, kErrTimeout, rank, peer, what, expert, *seen);
                 return false;
             }
@@ -554,7 +554,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             int seen;
             while ((seen = ld_acquire_gpu_i32(&finish[e])) != n) {
                 if ((++polls & 1023u) == 0u &&
-                    (error_recorded(p.error) || globaltimer_ns() - start > p.timeout_ns)) {
+                    (error_recorded(p.error) || globaltimer_ns() - start > ibgda_wait_bound_ns(p.timeout_ns))) {
                     if (!error_recorded(p.error))
                         record_error(p.error, kErrTimeout, p.rank, p.rank, kWaitSendDone, static_cast<uint64_t>(e),
                                      static_cast<uint64_t>(seen));

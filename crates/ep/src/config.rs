@@ -91,3 +91,24 @@ impl Default for Config {
         Self::default_for(8)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_timeouts_are_validated() {
+        let ok = BufferOptions::new(128, 1024, 8, 16);
+        crate::intranode::Buffer::check_options(0, 2, &ok).unwrap();
+        // Zero used to mean "fail every GPU wait at once", Duration::MAX to panic on the host's
+        // `timeout * 2`.
+        for bad in [Duration::ZERO, Duration::MAX, Duration::from_secs(86_401)] {
+            let o = BufferOptions {
+                timeout: bad,
+                ..ok.clone()
+            };
+            let e = crate::intranode::Buffer::check_options(0, 2, &o).unwrap_err();
+            assert!(e.to_string().contains("timeout"), "{bad:?}: {e}");
+        }
+    }
+}

@@ -244,6 +244,17 @@ pub enum EpError {
         /// The pool's limit.
         limit: usize,
     },
+    /// A rank's thread panicked while the ranks of a group (threads of this process) built or used
+    /// their buffers; `message` is the panic's own text.
+    #[error("rank {rank}: {what} panicked: {message}")]
+    Panicked {
+        /// The rank whose thread panicked.
+        rank: usize,
+        /// What it was doing.
+        what: &'static str,
+        /// The panic message.
+        message: String,
+    },
     /// Ranks of this process sharing this rank's GPU did not all reach the launch of a kernel
     /// that waits for them within the bound (see [`crate::residency::LaunchGate`]); nothing of
     /// this operation was launched by this rank.

@@ -734,7 +734,12 @@ impl Parts {
             .map_err(|e| cuda("cuMemsetD8", e))?;
         // Peers write the signal region as soon as the exchange returns: it must be zero by then
         // (a memset is asynchronous to the host).
-        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
+        ibgda_device::cuda::wait_legacy_stream(
+            ctx,
+            ibgda_device::cuda::LEGACY_STREAM_BOUND,
+            "zeroing the signal region",
+        )
+        .map_err(dev)?;
         let out = DeviceBuffer::new(ctx, out_pool_bytes).map_err(dev)?;
         let num_local_experts = opts.num_experts / ranks;
         let mapped = crate::mapped::MappedHost::new(
@@ -933,7 +938,7 @@ impl Buffer {
                     } else {
                         "a peer's stream at shutdown (its error names it)"
                     },
-                    timeout: self.opts.timeout * 2,
+                    timeout: self.opts.timeout.saturating_mul(2),
                 }),
                 None => Ok(()),
             }
@@ -950,8 +955,10 @@ impl Buffer {
     /// Waits (bounded) for everything queued on the communication stream; `Ok` once it ran.
     fn wait_stream(&self) -> Result<(), EpError> {
         self.not_capturing("teardown")?;
-        Event::record(&self.comm, self.rank)?
-            .wait_host(self.opts.timeout * 2, "the communication stream")
+        Event::record(&self.comm, self.rank)?.wait_host(
+            self.opts.timeout.saturating_mul(2),
+            "the communication stream",
+        )
     }
 
     /// This rank's kernels may still run: leaks every allocation they write (its window, the
@@ -997,7 +1004,11 @@ impl Buffer {
         Ok((plan, wplan, oplan))
     }
 
-    fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
+    pub(crate) fn check_options(
+        rank: usize,
+        ranks: usize,
+        o: &BufferOptions,
+    ) -> Result<(), EpError> {
         if ranks == 0 || ranks > k::MAX_RANKS {
             return Err(invalid(
                 rank,
@@ -1051,6 +1062,9 @@ impl Buffer {
                     o.max_live_outputs
                 ),
             ));
+        }
+        if let Err(e) = ibgda_device::timeout::check(o.timeout) {
+            return Err(invalid(rank, format!("timeout: {e}")));
         }
         // Every size the buffer will compute, checked once here (before any allocation).
         Self::plans(rank, ranks, o, false)?;
@@ -1306,7 +1320,10 @@ impl Buffer {
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         self.not_capturing("synchronize")?;
         let e = Event::record(&self.comm, self.rank)?;
-        let r = e.wait_host(self.opts.timeout * 2, "the communication stream");
+        let r = e.wait_host(
+            self.opts.timeout.saturating_mul(2),
+            "the communication stream",
+        );
         self.check_device_error()?;
         r
     }
@@ -1514,13 +1531,13 @@ impl Buffer {
     }
 
     fn timeout_ns(&self) -> u64 {
-        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+        ibgda_device::timeout::device_ns(self.opts.timeout)
     }
 
     /// Waits (bounded) for the count exchange of dispatch `epoch`; returns (rows, per-expert).
     fn wait_counts(&mut self, epoch: u64) -> Result<(usize, Vec<usize>), EpError> {
         let start = Instant::now();
-        let bound = self.opts.timeout * 2;
+        let bound = self.opts.timeout.saturating_mul(2);
         let mut spins = 0;
         while self.mapped.read_u64(HOST_INFO_OFFSET) != epoch {
             self.check_device_error()?;

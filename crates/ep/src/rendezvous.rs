@@ -10,7 +10,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 
 use crate::bootstrap::{Communicator, ThreadCommunicator, ThreadGroup};
-use crate::error::{invalid, EpError};
+use crate::error::EpError;
 
 /// Word-sized collectives on any [`Communicator`], with errors as [`EpError`]. Implemented for
 /// every communicator (including `dyn Communicator`); bring it into scope and call it.
@@ -63,7 +63,11 @@ impl<C: Communicator + ?Sized> Exchange for C {}
 
 /// Runs `build(ctx, comm)` for every rank as a thread of this process (rank `i` on `ctxs[i]`),
 /// the ranks joined by one [`ThreadGroup`] bounded by `timeout`; returns the results by rank. A
-/// rank whose thread panics gives an error naming it.
+/// rank whose thread panics gives [`EpError::Panicked`] with the panic's text.
+///
+/// The joins have no bound of their own, and need none: every wait inside `build` is bounded
+/// (the group's collectives by `timeout`, GPU waits by theirs), and a rank that panics drops its
+/// communicator, which fails the others' next collective at once.
 pub(crate) fn build_as_threads<T: Send>(
     ctxs: &[Arc<CudaContext>],
     timeout: Duration,
@@ -78,15 +82,29 @@ pub(crate) fn build_as_threads<T: Send>(
             .zip(comms)
             .map(|(ctx, comm)| s.spawn(move || build(ctx, comm)))
             .collect();
-        joins
-            .into_iter()
-            .enumerate()
-            .map(|(r, j)| {
-                j.join()
-                    .unwrap_or_else(|_| Err(invalid(r, "buffer creation panicked")))
-            })
-            .collect()
+        join_ranks(joins, "buffer creation")
     })
+}
+
+/// Joins the threads of ranks `0..`, in rank order; a thread that panicked while doing `what`
+/// gives [`EpError::Panicked`] with the panic's text.
+fn join_ranks<T>(
+    joins: Vec<std::thread::ScopedJoinHandle<'_, Result<T, EpError>>>,
+    what: &'static str,
+) -> Result<Vec<T>, EpError> {
+    joins
+        .into_iter()
+        .enumerate()
+        .map(|(r, j)| {
+            j.join().unwrap_or_else(|payload| {
+                Err(EpError::Panicked {
+                    rank: r,
+                    what,
+                    message: crate::bootstrap::panic_text(payload.as_ref()),
+                })
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -114,6 +132,29 @@ mod tests {
                 });
             }
         });
+    }
+
+    #[test]
+    fn a_panicking_rank_keeps_its_message() {
+        let r: Result<Vec<()>, EpError> = std::thread::scope(|s| {
+            let joins = (0..3)
+                .map(|rank| {
+                    s.spawn(move || {
+                        if rank == 1 {
+                            panic!("rank {rank} lost its GPU");
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            join_ranks(joins, "buffer creation")
+        });
+        let e = r.unwrap_err();
+        assert!(matches!(e, EpError::Panicked { rank: 1, .. }), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "rank 1: buffer creation panicked: rank 1 lost its GPU"
+        );
     }
 
     #[test]

@@ -190,8 +190,11 @@ impl<T: Element> Tensor<T> {
         self.read_only
     }
 
-    /// Copies the tensor to the host (synchronous). Work queued on non-default streams is not
-    /// waited for: synchronize first (e.g. [`Buffer::synchronize`](crate::Buffer::synchronize)).
+    /// Copies the tensor to the host (synchronous, bounded: after the legacy default stream's
+    /// earlier work, waited for at most
+    /// [`LEGACY_STREAM_BOUND`](ibgda_device::cuda::LEGACY_STREAM_BOUND), then a copy that waits for
+    /// nothing else). Work queued on non-default streams is not waited for: synchronize first
+    /// (e.g. [`Buffer::synchronize`](crate::Buffer::synchronize)).
     pub fn to_host(&self) -> Result<Vec<T>, EpError> {
         if self.numel() == 0 {
             return Ok(Vec::new());

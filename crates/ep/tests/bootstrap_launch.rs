@@ -143,3 +143,17 @@ fn rank_output_is_prefixed() {
         );
     }
 }
+
+#[test]
+fn rank_0_listens_on_the_socket_the_launcher_bound() {
+    Launcher::new(2)
+        .libtest("rank_0_listens_on_the_socket_the_launcher_bound")
+        .timeout(Duration::from_secs(120))
+        .run(|comm| {
+            // Only rank 0 inherits the socket; nobody binds the port a second time.
+            let fd = std::env::var("EP_LISTEN_FD").ok();
+            assert_eq!(fd.is_some(), comm.rank() == 0, "EP_LISTEN_FD = {fd:?}");
+            comm.barrier()
+        })
+        .unwrap();
+}

@@ -144,7 +144,11 @@ fn stranger_with_another_token_is_turned_away_and_the_job_goes_on() {
     );
 
     // A process with no token at all is told so.
-    let err = TcpCommunicator::connect(&cfg(1, 2, port, JobToken::UNSET, timeout)).unwrap_err();
+    let no_token = RankConfig::new(1, 2, port)
+        .unwrap()
+        .without_token()
+        .with_timeout(timeout);
+    let err = TcpCommunicator::connect(&no_token).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("the joining process has no EP_JOB_TOKEN"),
@@ -292,7 +296,8 @@ fn nobody_listening_times_out() {
     drop(listener);
     let timeout = Duration::from_millis(600);
     let t = Instant::now();
-    let err = TcpCommunicator::connect(&cfg(1, 2, port, JobToken::UNSET, timeout)).unwrap_err();
+    let token = JobToken::generate().unwrap();
+    let err = TcpCommunicator::connect(&cfg(1, 2, port, token, timeout)).unwrap_err();
     let msg = err.to_string();
     assert!(
         matches!(err, BootstrapError::Timeout { rank: 1, .. }),
@@ -381,7 +386,13 @@ fn ranks_calling_different_collectives_are_caught() {
 fn only_rank_zero_listens() {
     let (listener, port) = bound_listener();
     let err = TcpCommunicator::with_listener(
-        &cfg(1, 2, port, JobToken::UNSET, Duration::from_secs(1)),
+        &cfg(
+            1,
+            2,
+            port,
+            JobToken::generate().unwrap(),
+            Duration::from_secs(1),
+        ),
         listener,
     )
     .unwrap_err();
@@ -399,4 +410,216 @@ fn a_job_of_one_needs_no_network() {
     comm.barrier().unwrap();
     assert_eq!(comm.broadcast_bytes(0, b"b").unwrap(), b"b");
     assert!(comm.broadcast_bytes(1, b"b").is_err());
+}
+
+#[test]
+fn several_ranks_without_a_token_are_refused_unless_asked_for() {
+    let (listener, port) = bound_listener();
+    let t = Instant::now();
+    for (rank, l) in [(1, None), (0, Some(listener))] {
+        let c = RankConfig::new(rank, 2, port)
+            .unwrap()
+            .with_timeout(Duration::from_secs(5));
+        let err = match l {
+            Some(l) => TcpCommunicator::with_listener(&c, l).unwrap_err(),
+            None => TcpCommunicator::connect(&c).unwrap_err(),
+        };
+        let msg = err.to_string();
+        assert!(matches!(err, BootstrapError::Config(_)), "{msg}");
+        assert!(
+            msg.contains("no job token") && msg.contains("EP_JOB_TOKEN"),
+            "{msg}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
+
+    // Opting out on both sides, explicitly, still works.
+    let (listener, port) = bound_listener();
+    let open = move |r| {
+        RankConfig::new(r, 2, port)
+            .unwrap()
+            .without_token()
+            .with_timeout(Duration::from_secs(20))
+    };
+    let root = thread::spawn(move || {
+        let c = TcpCommunicator::with_listener(&open(0), listener)?;
+        c.all_gather_bytes(b"0")
+    });
+    let c = TcpCommunicator::connect(&open(1)).unwrap();
+    assert_eq!(
+        c.all_gather_bytes(b"1").unwrap(),
+        vec![b"0".to_vec(), b"1".to_vec()]
+    );
+    root.join().unwrap().unwrap();
+}
+
+#[test]
+fn silent_connections_do_not_hold_up_the_rendezvous() {
+    let (listener, port) = bound_listener();
+    let token = JobToken::generate().unwrap();
+    let timeout = Duration::from_secs(30);
+    // Connections that never say anything, queued before the real rank: each would hold a
+    // one-at-a-time rendezvous for its whole hello bound (5 s).
+    let silent: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let t = Instant::now();
+    let root = thread::spawn(move || {
+        TcpCommunicator::with_listener(&cfg(0, 2, port, token, timeout), listener)
+            .map(|c| c.barrier())
+    });
+    thread::sleep(Duration::from_millis(50));
+    let comm = TcpCommunicator::connect(&cfg(1, 2, port, token, timeout)).unwrap();
+    comm.barrier().unwrap();
+    root.join().unwrap().unwrap().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "the rendezvous took {:?} behind {} silent connections",
+        t.elapsed(),
+        silent.len()
+    );
+}
+
+/// Reads one bootstrap frame (length prefix, payload) as raw bytes.
+fn read_frame(s: &mut TcpStream) -> Vec<u8> {
+    use std::io::Read as _;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut p = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut p).unwrap();
+    p
+}
+
+/// Writes one bootstrap handshake frame: kind, the protocol's magic, then `body`.
+fn write_frame(s: &mut TcpStream, kind: u8, body: &[u8]) {
+    use std::io::Write as _;
+    let mut p = vec![kind];
+    p.extend_from_slice(b"EPBOOT02");
+    p.extend_from_slice(body);
+    let mut f = (p.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&p);
+    s.write_all(&f).unwrap();
+}
+
+/// A process that took rank 0's port: it answers the handshake without knowing the token, and
+/// records every byte the joining rank sends.
+fn impostor(listener: TcpListener) -> thread::JoinHandle<Vec<u8>> {
+    thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut seen = read_frame(&mut s);
+        write_frame(&mut s, 7, &[0x5a; 32]); // challenge
+        seen.extend(read_frame(&mut s)); // the joining rank's proof
+        write_frame(&mut s, 2, &[0xa5; 32]); // a welcome with a made-up tag
+        thread::sleep(Duration::from_millis(200));
+        seen
+    })
+}
+
+#[test]
+fn a_forged_rank_0_is_refused_and_never_sees_the_token() {
+    let (listener, port) = bound_listener();
+    let seen = impostor(listener);
+    let token = JobToken::generate().unwrap();
+    let err = TcpCommunicator::connect(&cfg(1, 2, port, token, Duration::from_secs(10)))
+        .expect_err("a rank 0 that cannot prove it holds the token must be refused");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, BootstrapError::TokenMismatch { rank: 1, .. }),
+        "{msg}"
+    );
+    assert!(msg.contains("did not prove it holds this job's"), "{msg}");
+    let seen = seen.join().unwrap();
+    let raw = token.as_bytes();
+    assert!(
+        !seen.windows(raw.len()).any(|w| w == raw),
+        "the token crossed the wire in clear"
+    );
+    assert!(!String::from_utf8_lossy(&seen).contains(&token.to_hex()));
+}
+
+#[test]
+fn ranks_wait_for_a_rank_0_that_starts_late_on_a_bound_socket() {
+    // As under the launcher: the socket is bound (and queues connections) before rank 0's
+    // process gets to accept them, which can take longer than a handshake's own bound (5 s).
+    let (listener, port) = bound_listener();
+    let token = JobToken::generate().unwrap();
+    let timeout = Duration::from_secs(30);
+    let member = thread::spawn(move || {
+        TcpCommunicator::connect(&cfg(1, 2, port, token, timeout)).map(|c| c.barrier())
+    });
+    thread::sleep(Duration::from_secs(6));
+    let root = TcpCommunicator::with_listener(&cfg(0, 2, port, token, timeout), listener).unwrap();
+    root.barrier().unwrap();
+    member.join().unwrap().unwrap().unwrap();
+}
+
+/// Relays a joining rank's connection to rank 0 (a process between the two, e.g. on the path
+/// between hosts), passing the handshake through untouched and flipping one byte of the first
+/// frame the joining rank sends after it (its first collective contribution).
+fn tamperer(listener: TcpListener, root_port: u16) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let (mut member, _) = listener.accept().unwrap();
+        let mut root = TcpStream::connect(("127.0.0.1", root_port)).unwrap();
+        let (mut m2, mut r2) = (member.try_clone().unwrap(), root.try_clone().unwrap());
+        // Rank 0 → joining rank: verbatim.
+        let down = thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = r2.read(&mut buf) {
+                if n == 0 || m2.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        });
+        // Joining rank → rank 0: frame by frame; hello and proof pass, the third is altered.
+        for i in 0.. {
+            let mut len = [0u8; 4];
+            if member.read_exact(&mut len).is_err() {
+                break;
+            }
+            let mut p = vec![0u8; u32::from_le_bytes(len) as usize];
+            if member.read_exact(&mut p).is_err() {
+                break;
+            }
+            if i == 2 {
+                p[10] ^= 0x01; // inside the contribution's data
+            }
+            if root
+                .write_all(&len)
+                .and_then(|_| root.write_all(&p))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let _ = root.shutdown(std::net::Shutdown::Both);
+        let _ = down.join();
+    })
+}
+
+#[test]
+fn bytes_changed_between_the_ranks_fail_the_collective() {
+    let (listener, port) = bound_listener();
+    let (relay, relay_port) = bound_listener();
+    let token = JobToken::generate().unwrap();
+    let timeout = Duration::from_secs(10);
+    let root = thread::spawn(move || {
+        let c = TcpCommunicator::with_listener(&cfg(0, 2, port, token, timeout), listener)?;
+        c.all_gather_bytes(b"zero")
+    });
+    let relaying = tamperer(relay, port);
+    let member = TcpCommunicator::connect(&cfg(1, 2, relay_port, token, timeout)).unwrap();
+    let mine = member.all_gather_bytes(b"one, to be altered on the way");
+    let theirs = root.join().unwrap();
+    let err = theirs.expect_err("rank 0 must not take altered bytes as rank 1's part");
+    let msg = err.to_string();
+    assert!(msg.contains("failed authentication"), "{msg}");
+    assert!(mine.is_err(), "rank 1 got {mine:?}");
+    // Closing rank 1's end lets the relay finish.
+    drop(member);
+    relaying.join().unwrap();
 }

@@ -175,3 +175,19 @@ fn one_rank_calls_from_several_threads() {
         }
     }
 }
+
+#[test]
+fn thread_group_timeouts_are_validated() {
+    use ep::bootstrap::{BootstrapError, ThreadGroup};
+    use std::time::Duration;
+    // Duration::MAX used to be accepted and then panic (`Instant + Duration`) in the first
+    // collective; zero failed every collective at once.
+    for bad in [Duration::ZERO, Duration::MAX, Duration::from_secs(86_401)] {
+        let e = ThreadGroup::with_timeout(2, bad).unwrap_err();
+        assert!(
+            matches!(e, BootstrapError::Config(_)) && e.to_string().contains("timeout"),
+            "{bad:?}: {e}"
+        );
+    }
+    assert!(ThreadGroup::with_timeout(2, Duration::from_secs(86_400)).is_ok());
+}

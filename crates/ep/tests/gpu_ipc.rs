@@ -171,3 +171,77 @@ fn tcp_ranks_in_one_process_use_peer_access() {
         }
     });
 }
+
+/// A communicator in the middle (a forged rank 0 relays every record): passes everything through
+/// but rewrites the address in rank 1's buffer record, keeping every other byte, so rank 0 would
+/// see "rank 1's buffer, in your process, at this address".
+struct Forger<'a> {
+    inner: &'a dyn Communicator,
+    ptr: u64,
+}
+
+impl Communicator for Forger<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn same_process(&self) -> bool {
+        self.inner.same_process()
+    }
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, ep::bootstrap::BootstrapError> {
+        let mut all = self.inner.all_gather_bytes(mine)?;
+        // Record layout: kind, salt[16], tag[32], ordinal u32, len u64, ptr u64, handle flag.
+        let at = 1 + 16 + 32 + 4 + 8;
+        if self.rank() == 0 && all[1].len() >= at + 8 {
+            all[1][at..at + 8].copy_from_slice(&self.ptr.to_le_bytes());
+        }
+        Ok(all)
+    }
+    fn barrier(&self) -> Result<(), ep::bootstrap::BootstrapError> {
+        self.inner.barrier()
+    }
+}
+
+#[test]
+fn a_forged_record_cannot_pass_an_arbitrary_pointer_for_same_process_memory() {
+    let Some(ctxs) = ep_kernels::testing::gpus(1) else {
+        return;
+    };
+    let ctx = &ctxs[0];
+    let comms = ThreadGroup::new(2).unwrap();
+    // Rank 0's own other allocation: a pointer that is even valid in this process, which the
+    // forger wants rank 0 to treat as rank 1's buffer (and write to).
+    let victim = DeviceBuffer::new(ctx, LEN).unwrap();
+    let results: Vec<Result<Vec<PeerBuffer>, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let victim = &victim;
+                s.spawn(move || {
+                    let buf = DeviceBuffer::new(ctx, LEN).map_err(|e| e.to_string())?;
+                    let forger = Forger {
+                        inner: c,
+                        ptr: victim.ptr(),
+                    };
+                    let got = exchange_buffers(&forger, ctx, &buf).map_err(|e| e.to_string());
+                    let _ = c.barrier();
+                    got
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let msg = match &results[0] {
+        Err(m) => m.clone(),
+        Ok(peers) => panic!(
+            "rank 0 accepted rank 1's forged record: {:?} at {:#x}",
+            peers[1],
+            peers[1].ptr()
+        ),
+    };
+    assert!(msg.contains("rank 1"), "{msg}");
+    // Rank 1's view was not tampered with.
+    assert!(results[1].is_ok(), "{:?}", results[1].as_ref().err());
+}

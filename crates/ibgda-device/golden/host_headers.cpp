@@ -17,6 +17,10 @@ extern "C" {
 
 uint8_t hdr_fm_ce_se(uint32_t fence_mode, bool cqe) { return ibgda_fm_ce_se(fence_mode, cqe); }
 
+// ---- bounds ---------------------------------------------------------------------------------
+
+uint64_t hdr_wait_bound_ns(uint64_t timeout_ns) { return ibgda_wait_bound_ns(timeout_ns); }
+
 void hdr_wqe_nop(uint8_t* out, uint32_t qpn, uint16_t idx, uint8_t fm_ce_se) {
     out_bb(out, ibgda_wqe_nop(qpn, idx, fm_ce_se));
 }

@@ -223,7 +223,15 @@ impl DeviceBuffer {
         legacy_stream_synchronize()
     }
 
-    /// Copies `count` elements of `T` from byte offset `offset` to the host (synchronous).
+    /// Copies `count` elements of `T` from byte offset `offset` to the host (synchronous), after
+    /// the work queued before on the legacy default stream, as `cuMemcpyDtoH` would, but bounded:
+    /// a kernel that never ends there gives [`CudaError::Timeout`] after
+    /// [`LEGACY_STREAM_BOUND`] instead of a hang.
+    ///
+    /// The copy itself runs on a stream of its own that waits for no other work (non-blocking),
+    /// so once the legacy stream has drained, its time is the copy's own (bytes over PCIe); into
+    /// pageable memory the driver returns only once it is done, so no DMA into `out` outlives
+    /// this call.
     pub fn download<T: bytemuck::Pod>(
         &self,
         offset: usize,
@@ -233,19 +241,28 @@ impl DeviceBuffer {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
         self.check_range(offset, bytes.len())?;
         bind(&self.ctx)?;
-        // SAFETY: the range was checked to lie inside this live allocation; `bytes` is writable.
+        legacy_stream_synchronize()?;
+        let stream = self.ctx.new_stream().map_err(|source| CudaError::Driver {
+            call: "cuStreamCreate",
+            source,
+        })?;
+        // SAFETY: the range was checked to lie inside this live allocation; `bytes` is writable
+        // and outlives the copy (a pageable destination makes the call return after the copy,
+        // and the stream is waited for below); the stream is live in the current context.
         unsafe {
-            cudarc::driver::sys::cuMemcpyDtoH_v2(
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
                 bytes.as_mut_ptr().cast(),
                 self.ptr + offset as u64,
                 bytes.len(),
+                stream.cu_stream(),
             )
         }
         .result()
         .map_err(|source| CudaError::Driver {
-            call: "cuMemcpyDtoH",
+            call: "cuMemcpyDtoHAsync",
             source,
         })?;
+        wait_stream(&stream, LEGACY_STREAM_BOUND, "a copy to the host")?;
         Ok(out)
     }
 
@@ -293,6 +310,20 @@ fn legacy_stream_synchronize() -> Result<(), CudaError> {
             "the legacy stream (a copy or memset to device memory)",
         )
     }
+}
+
+/// Waits, at most `bound`, for the legacy default stream of `ctx`, where the driver's
+/// "synchronous" copies and memsets run ([`CudaError::Timeout`] naming `what` after it). The
+/// bounded replacement for `cuCtxSynchronize` after such calls: that waits for every stream of a
+/// context, which ranks sharing a GPU's primary context share too, and without a bound.
+pub fn wait_legacy_stream(
+    ctx: &CudaContext,
+    bound: std::time::Duration,
+    what: &'static str,
+) -> Result<(), CudaError> {
+    bind(ctx)?;
+    // SAFETY: the null handle names the legacy default stream of the context just made current.
+    unsafe { poll_stream(core::ptr::null_mut(), bound, what) }
 }
 
 /// Polls `stream` until its work has finished, at most `bound` ([`CudaError::Timeout`] naming

@@ -85,6 +85,15 @@ proptest! {
     }
 
     #[test]
+    fn header_wait_bound_matches_rust(timeout_ns in any::<u64>()) {
+        // SAFETY: a pure function of its argument.
+        let got = unsafe { hdr_wait_bound_ns(timeout_ns) };
+        prop_assert_eq!(got, ibgda_device::timeout::wait_bound_ns(timeout_ns));
+        // SAFETY: as above.
+        prop_assert_eq!(unsafe { hdr_wait_bound_ns(0) }, ibgda_device::protocol::DEFAULT_TIMEOUT_NS);
+    }
+
+    #[test]
     fn header_doorbell_matches_rust(qpn in 0u32..1 << 24, pi in any::<u64>()) {
         // SAFETY: pure functions of their arguments.
         let (word, send) = unsafe { (hdr_db_word(qpn, pi), hdr_dbr_send_word(pi)) };

@@ -105,7 +105,11 @@ impl FaultPlan {
     /// How long `bytes` occupy the wire.
     pub(crate) fn wire_time(&self, bytes: u64) -> Duration {
         match self.bandwidth_gbps {
-            Some(g) if g > 0.0 => Duration::from_secs_f64(bytes as f64 / (g * 1e9)),
+            // A tiny bandwidth gives a time too large for a Duration: cap it (at a day) instead
+            // of panicking.
+            Some(g) if g > 0.0 => Duration::try_from_secs_f64(bytes as f64 / (g * 1e9))
+                .unwrap_or(ibgda_device::timeout::MAX_TIMEOUT)
+                .min(ibgda_device::timeout::MAX_TIMEOUT),
             _ => Duration::ZERO,
         }
     }
@@ -127,14 +131,14 @@ impl Wire {
         bytes: u64,
         now: Instant,
     ) -> Option<Instant> {
-        let mut start = announced_at + plan.per_op_latency;
+        let mut start = ibgda_device::timeout::deadline_after(announced_at, plan.per_op_latency);
         if let Some(f) = self.free_at {
             start = start.max(f);
         }
         if now < start {
             return None;
         }
-        let done = start + plan.wire_time(bytes);
+        let done = ibgda_device::timeout::deadline_after(start, plan.wire_time(bytes));
         self.free_at = Some(done);
         Some(done)
     }
@@ -159,5 +163,15 @@ mod tests {
         // The next one waits for the wire.
         assert_eq!(w.schedule(&plan, t0, 1000, t1), None);
         assert!(w.schedule(&plan, t0, 1000, done).is_some());
+    }
+
+    #[test]
+    fn extreme_shapes_do_not_panic() {
+        let plan = FaultPlan::default().shape(1e-30, Duration::MAX);
+        assert_eq!(plan.wire_time(1 << 40), ibgda_device::timeout::MAX_TIMEOUT);
+        let t0 = Instant::now();
+        let mut wire = Wire::default();
+        // Duration::MAX of latency: never due (no panic on `Instant + Duration`).
+        assert_eq!(wire.schedule(&plan, t0, 64, t0), None);
     }
 }

@@ -66,6 +66,35 @@ impl MrExport {
 pub(crate) struct IpcMapping {
     ctx: Arc<CudaContext>,
     ptr: u64,
+    /// Bytes mapped from `ptr` (the whole exported allocation).
+    len: u64,
+}
+
+/// Where registration `e` starts in the mapping of its allocation (`map_len` bytes from
+/// `e.alloc_base`): the registration must lie wholly inside it, or the emulator would read and
+/// write memory that is not the peer's (a forged or corrupt export).
+pub(crate) fn import_offset(e: &MrExport, map_len: u64) -> Result<u64, EmuError> {
+    let bad = |why: String| {
+        EmuError::BadPeerInfo(format!(
+            "registration rkey {:#x} at {:#x} (+{} bytes) {why} (allocation base {:#x}, {map_len} \
+             bytes mapped)",
+            e.mr.rkey, e.mr.addr, e.mr.len, e.alloc_base
+        ))
+    };
+    let offset =
+        e.mr.addr
+            .checked_sub(e.alloc_base)
+            .ok_or_else(|| bad("starts below its allocation".into()))?;
+    let end = offset
+        .checked_add(e.mr.len)
+        .ok_or_else(|| bad("wraps the address space".into()))?;
+    if end > map_len {
+        return Err(bad(format!(
+            "ends {} bytes past the mapping",
+            end - map_len
+        )));
+    }
+    Ok(offset)
 }
 
 impl Drop for IpcMapping {
@@ -151,20 +180,70 @@ pub(crate) fn import(nic: &NicShared, remote: &QpInfo) -> Result<Arc<Registry>, 
                 }
                 .result()
                 .map_err(EmuError::cuda("cuIpcOpenMemHandle"))?;
-                let m = Arc::new(IpcMapping {
+                let mut m = IpcMapping {
                     ctx: ctx.clone(),
                     ptr,
-                });
+                    len: 0,
+                };
+                let (mut base, mut size) = (0u64, 0usize);
+                // SAFETY: valid out-pointers; `ptr` was just mapped in the current context.
+                unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+                    .result()
+                    .map_err(EmuError::cuda("cuMemGetAddressRange"))?;
+                // The mapping starts at the allocation's base; what lies past its end is not the
+                // peer's memory.
+                m.len = size.saturating_sub((ptr - base) as usize) as u64;
+                let m = Arc::new(m);
                 imp.maps.insert(e.alloc_base, m.clone());
                 m
             }
         };
+        let offset = import_offset(e, map.len)?;
         let keep: Arc<dyn std::any::Any + Send + Sync> = map.clone();
         imp.registry.insert(Region {
             mr: e.mr,
-            base: map.ptr + (e.mr.addr - e.alloc_base),
+            base: map.ptr + offset,
             _keep: Some(keep),
         });
     }
     Ok(imp.registry.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn export(addr: u64, len: u64, alloc_base: u64) -> MrExport {
+        MrExport {
+            mr: Mr {
+                lkey: 7,
+                rkey: 7,
+                addr,
+                len,
+                access: Access::from_bits(0),
+                place: Place::Device,
+            },
+            alloc_base,
+            handle: [0; 64],
+        }
+    }
+
+    #[test]
+    fn an_import_must_lie_inside_the_mapping() {
+        let base = 0x7f00_0000_0000;
+        assert_eq!(import_offset(&export(base, 4096, base), 4096).unwrap(), 0);
+        assert_eq!(
+            import_offset(&export(base + 64, 64, base), 4096).unwrap(),
+            64
+        );
+        for (e, why) in [
+            (export(base, 4097, base), "ends 1 bytes past"),
+            (export(base + 4000, 200, base), "ends 104 bytes past"),
+            (export(base - 8, 8, base), "below its allocation"),
+            (export(base + 8, u64::MAX, base), "wraps"),
+        ] {
+            let msg = import_offset(&e, 4096).unwrap_err().to_string();
+            assert!(msg.contains(why), "{msg}");
+        }
+    }
 }

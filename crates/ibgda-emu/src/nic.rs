@@ -868,7 +868,36 @@ impl Drop for Nic {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.wake();
         if let Some(j) = self.join.take() {
-            let _ = j.join();
+            // The progress thread checks `stop` between steps, and every step is bounded by
+            // `op_timeout` (stream drains) or the idle sleep; give it that and a margin, then
+            // leave it (it owns an `Arc` of the shared state, so nothing it touches is freed).
+            let bound = self
+                .shared
+                .cfg
+                .op_timeout
+                .saturating_mul(2)
+                .saturating_add(Duration::from_secs(1));
+            let start = std::time::Instant::now();
+            while !j.is_finished() && start.elapsed() < bound {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if !j.is_finished() {
+                tracing::warn!(
+                    "emulated NIC {}: progress thread still running {bound:?} after stop; left \
+                     to end on its own",
+                    self.shared.cfg.name
+                );
+            } else if let Err(payload) = j.join() {
+                let text = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(a payload that is not text)".into());
+                tracing::error!(
+                    "emulated NIC {}: progress thread panicked: {text}",
+                    self.shared.cfg.name
+                );
+            }
         }
         if let Some(f) = self.shared.fabric.upgrade() {
             f.remove(self.shared.node);

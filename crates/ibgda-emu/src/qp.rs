@@ -467,7 +467,10 @@ impl QpEngine {
                 }
             }
             if !cx.plan.delay_completions.is_zero() {
-                let d = Instant::now() + cx.plan.delay_completions;
+                let d = ibgda_device::timeout::deadline_after(
+                    Instant::now(),
+                    cx.plan.delay_completions,
+                );
                 due = Some(due.map_or(d, |x: Instant| x.max(d)));
             }
             self.wqes_executed += 1;

@@ -128,7 +128,7 @@ extern "C" __global__ void protocol_bench_rtt(ibgda_qp_desc* descs, uint32_t qp,
                                               uint64_t* t_res, int* status) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     ibgda_qp_desc* d = &descs[qp];
-    const uint64_t limit = d->timeout_ns != 0 ? d->timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
+    const uint64_t limit = ibgda_wait_bound_ns(d->timeout_ns);
     for (uint32_t i = 1; i <= iters; ++i) {
         uint64_t want, t0 = ibgda_globaltimer();
         const uint64_t tr = t0;

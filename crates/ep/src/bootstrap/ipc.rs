@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys;
 use ibgda_device::cuda::{CudaContext, CudaError, DeviceBuffer, DriverError};
 
-use super::{BootstrapError, Communicator, JobToken};
+use super::{BootstrapError, Communicator};
 
 /// A CUDA IPC memory handle (`CUipcMemHandle`, 64 opaque bytes): sent to another process, it lets
 /// that process map the exported allocation ([`PeerMapping::open`]).
@@ -216,29 +216,36 @@ impl PeerBuffer {
     }
 }
 
-/// Random bytes naming this process, so ranks can tell whether a peer shares their address space
-/// (process ids repeat across hosts and containers).
-fn process_nonce() -> [u8; 16] {
-    static NONCE: OnceLock<[u8; 16]> = OnceLock::new();
-    *NONCE.get_or_init(|| match JobToken::generate() {
-        Ok(t) => *t.as_bytes(),
-        Err(_) => {
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            let mut b = [0u8; 16];
-            b[..4].copy_from_slice(&std::process::id().to_le_bytes());
-            b[4..].copy_from_slice(&t.to_le_bytes()[..12]);
-            b
-        }
-    })
+/// A secret of this process: 32 random bytes that never leave it. A rank proves "my buffer
+/// lives in your address space" to a peer by a tag under this key, which only a thread of the
+/// same process can make or check; a stranger (a forged rank 0 relaying the records, a rank of
+/// another process) can neither forge such a tag nor reuse one it has seen, since the tag covers
+/// the rank, the device, the address and the length (and a fresh salt). Process ids would not do:
+/// they repeat across hosts and containers, and are public.
+fn process_secret() -> Result<&'static [u8; 32], BootstrapError> {
+    static SECRET: OnceLock<[u8; 32]> = OnceLock::new();
+    if let Some(s) = SECRET.get() {
+        return Ok(s);
+    }
+    let fresh = super::token::random_bytes("this process's same-process secret")?;
+    // Two threads may race here: the first value set wins and both use it.
+    let _ = SECRET.set(fresh);
+    Ok(SECRET
+        .get()
+        .unwrap_or_else(|| unreachable!("set just above")))
 }
 
+/// Label of same-process tags (nothing else is tagged under the process secret, but say so).
+const SAME_PROCESS_LABEL: &[u8] = b"ep ipc v1: this buffer lives in your process";
+
 /// What each rank tells the others about its buffer.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Record {
-    nonce: [u8; 16],
+    /// Fresh random bytes per record, covered by the tag.
+    salt: [u8; 16],
+    /// `HMAC(process secret, label | salt | rank | ordinal | len | ptr)`: checks out only in the
+    /// process that made it (see [`process_secret`]).
+    tag: super::token::Tag,
     ordinal: u32,
     len: u64,
     ptr: u64,
@@ -249,9 +256,56 @@ const RECORD_OK: u8 = 1;
 const RECORD_FAILED: u8 = 2;
 
 impl Record {
+    /// The fields the tag covers, for rank `rank`'s record.
+    fn tagged(
+        salt: &[u8; 16],
+        rank: usize,
+        ordinal: u32,
+        len: u64,
+        ptr: u64,
+    ) -> [u8; 16 + 8 + 4 + 8 + 8] {
+        let mut b = [0u8; 44];
+        b[..16].copy_from_slice(salt);
+        b[16..24].copy_from_slice(&(rank as u64).to_le_bytes());
+        b[24..28].copy_from_slice(&ordinal.to_le_bytes());
+        b[28..36].copy_from_slice(&len.to_le_bytes());
+        b[36..44].copy_from_slice(&ptr.to_le_bytes());
+        b
+    }
+
+    /// Rank `rank`'s record of a buffer, tagged under `secret`.
+    fn new(
+        secret: &[u8; 32],
+        rank: usize,
+        ordinal: u32,
+        len: u64,
+        ptr: u64,
+        handle: Option<IpcHandle>,
+    ) -> Result<Self, BootstrapError> {
+        let salt = super::token::random_bytes("a buffer record's salt")?;
+        let fields = Self::tagged(&salt, rank, ordinal, len, ptr);
+        let tag = super::token::tag(secret, &[SAME_PROCESS_LABEL, &fields]);
+        Ok(Self {
+            salt,
+            tag,
+            ordinal,
+            len,
+            ptr,
+            handle,
+        })
+    }
+
+    /// Whether this record, received as rank `rank`'s, was made in the process holding `secret`:
+    /// only then may its address be used as it is.
+    fn made_in_process_of(&self, secret: &[u8; 32], rank: usize) -> bool {
+        let fields = Self::tagged(&self.salt, rank, self.ordinal, self.len, self.ptr);
+        super::token::tag_matches(secret, &[SAME_PROCESS_LABEL, &fields], &self.tag)
+    }
+
     fn encode(&self) -> Vec<u8> {
         let mut v = vec![RECORD_OK];
-        v.extend_from_slice(&self.nonce);
+        v.extend_from_slice(&self.salt);
+        v.extend_from_slice(&self.tag);
         v.extend_from_slice(&self.ordinal.to_le_bytes());
         v.extend_from_slice(&self.len.to_le_bytes());
         v.extend_from_slice(&self.ptr.to_le_bytes());
@@ -272,7 +326,7 @@ impl Record {
             Some(&RECORD_OK) => {}
             _ => return Err("malformed buffer record".into()),
         }
-        let fixed = 1 + 16 + 4 + 8 + 8 + 1;
+        let fixed = 1 + 16 + 32 + 4 + 8 + 8 + 1;
         if b.len() < fixed {
             return Err("truncated buffer record".into());
         }
@@ -283,13 +337,38 @@ impl Record {
         };
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
         Ok(Record {
-            nonce: b[1..17].try_into().unwrap_or_default(),
-            ordinal: u32::from_le_bytes(b[17..21].try_into().unwrap_or_default()),
-            len: u64_at(21),
-            ptr: u64_at(29),
+            salt: b[1..17].try_into().unwrap_or_default(),
+            tag: b[17..49].try_into().unwrap_or_default(),
+            ordinal: u32::from_le_bytes(b[49..53].try_into().unwrap_or_default()),
+            len: u64_at(53),
+            ptr: u64_at(61),
             handle,
         })
     }
+}
+
+/// Checks that `[ptr, ptr + len)` lies inside one live allocation of this process (the driver's
+/// own registry of allocations, `cuMemGetAddressRange`, asked with `owner`, the context of the GPU
+/// the peer names, current; `ours` is made current again after): the last line of defence before
+/// a same-process address is handed to kernels as a peer's buffer.
+fn check_local_allocation(
+    owner: &Arc<CudaContext>,
+    ours: &Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+) -> Result<(), CudaError> {
+    bind(owner)?;
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: valid out-pointers; the driver only looks `ptr` up in its allocation table, and
+    // fails for an address that is not in a live allocation of this process.
+    let found = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }.result();
+    bind(ours)?;
+    found.map_err(driver("cuMemGetAddressRange"))?;
+    let offset = (ptr - base) as usize;
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(CudaError::OutOfRange { offset, len, size });
+    }
+    Ok(())
 }
 
 /// Every rank's `local` buffer, indexed by rank, as device addresses valid in `ctx` (this rank's
@@ -325,19 +404,28 @@ pub fn exchange_buffers<C: Communicator + ?Sized>(
             "exchange_buffers: exporting this rank's buffer".into(),
         ))
     };
+    let secret = process_secret();
+    let mine = mine.and_then(|handle| {
+        let secret = secret
+            .as_ref()
+            .map_err(|e| BootstrapError::Config(e.to_string()))?;
+        Record::new(
+            secret,
+            rank,
+            ctx.ordinal() as u32,
+            local.len() as u64,
+            local.ptr(),
+            handle,
+        )
+    });
     let record = match &mine {
-        Ok(handle) => Record {
-            nonce: process_nonce(),
-            ordinal: ctx.ordinal() as u32,
-            len: local.len() as u64,
-            ptr: local.ptr(),
-            handle: *handle,
-        }
-        .encode(),
+        Ok(rec) => rec.encode(),
         Err(e) => [&[RECORD_FAILED][..], e.to_string().as_bytes()].concat(),
     };
     // Exchange even after a local failure, so every rank learns of it now, not at a timeout.
     let all = comm.all_gather_bytes(&record)?;
+    // The secret's own error first: `mine` then only says that it failed.
+    let secret = secret?;
     mine?;
     let step = "exchange_buffers";
     let mut out = Vec::with_capacity(all.len());
@@ -356,10 +444,15 @@ pub fn exchange_buffers<C: Communicator + ?Sized>(
                 len,
                 reach: Reach::Own,
             });
-        } else if rec.nonce == process_nonce() {
+        } else if rec.made_in_process_of(secret, r) {
             let peer_ctx = ibgda_device::cuda::context(rec.ordinal as usize).map_err(cuda(
                 format!("{step}: opening GPU {} of rank {r}", rec.ordinal),
             ))?;
+            check_local_allocation(&peer_ctx, ctx, rec.ptr, len).map_err(cuda(format!(
+                "{step}: rank {r}'s buffer {:#x} (+{len} bytes) is not a live allocation of this \
+                 process on GPU {}",
+                rec.ptr, rec.ordinal
+            )))?;
             ibgda_device::cuda::enable_peer_access(ctx, &peer_ctx).map_err(cuda(format!(
                 "{step}: enabling access to rank {r}'s GPU {}",
                 rec.ordinal
@@ -402,23 +495,45 @@ mod tests {
     fn record_round_trip() {
         let h = IpcHandle::from_bytes(&[9; 64]).unwrap();
         for handle in [None, Some(h)] {
-            let r = Record {
-                nonce: [3; 16],
-                ordinal: 2,
-                len: 1 << 33,
-                ptr: 0x7f00_0000_1000,
-                handle,
-            };
+            let r = Record::new(&[3; 32], 1, 2, 1 << 33, 0x7f00_0000_1000, handle).unwrap();
             let d = Record::decode(&r.encode()).unwrap();
             assert_eq!(
-                (d.nonce, d.ordinal, d.len, d.ptr, d.handle),
-                (r.nonce, r.ordinal, r.len, r.ptr, r.handle)
+                (d.salt, d.tag, d.ordinal, d.len, d.ptr, d.handle),
+                (r.salt, r.tag, r.ordinal, r.len, r.ptr, r.handle)
             );
         }
         let failed = [&[RECORD_FAILED][..], b"rank 3: no"].concat();
         assert_eq!(Record::decode(&failed).unwrap_err(), "rank 3: no");
         assert!(Record::decode(&[]).is_err());
         assert!(Record::decode(&[RECORD_OK, 1, 2]).is_err());
+    }
+
+    #[test]
+    fn a_forged_record_is_never_taken_for_same_process_memory() {
+        let secret = process_secret().unwrap();
+        // What every rank sees of rank 1's record: all its bytes (rank 0 relays them).
+        let honest = Record::new(secret, 1, 0, 4096, 0x7f00_0000_0000, None).unwrap();
+        assert!(honest.made_in_process_of(secret, 1));
+        let seen = Record::decode(&honest.encode()).unwrap();
+        assert!(seen.made_in_process_of(secret, 1));
+
+        // A forger replays it with another address, length or device, or as another rank's.
+        let mut forged = seen.clone();
+        forged.ptr = 0xdead_0000;
+        assert!(!forged.made_in_process_of(secret, 1), "another address");
+        let mut forged = seen.clone();
+        forged.len = 1 << 40;
+        assert!(!forged.made_in_process_of(secret, 1), "another length");
+        let mut forged = seen.clone();
+        forged.ordinal = 1;
+        assert!(!forged.made_in_process_of(secret, 1), "another GPU");
+        assert!(!seen.made_in_process_of(secret, 2), "as rank 2's record");
+        // Made up from scratch, or tagged under a secret of another process.
+        let mut made_up = seen.clone();
+        made_up.tag = [0; 32];
+        assert!(!made_up.made_in_process_of(secret, 1));
+        let other = Record::new(&[7; 32], 1, 0, 4096, 0x7f00_0000_0000, None).unwrap();
+        assert!(!other.made_in_process_of(secret, 1), "another process");
     }
 
     #[test]
@@ -430,7 +545,7 @@ mod tests {
     }
 
     #[test]
-    fn nonce_is_stable_within_a_process() {
-        assert_eq!(process_nonce(), process_nonce());
+    fn the_secret_is_stable_within_a_process() {
+        assert_eq!(process_secret().unwrap(), process_secret().unwrap());
     }
 }

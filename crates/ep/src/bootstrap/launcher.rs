@@ -31,8 +31,9 @@ const DRAIN_BOUND: Duration = Duration::from_secs(2);
 /// Starts the ranks of a job as copies of the current program, or, inside such a copy, runs one
 /// rank.
 ///
-/// Without `RANK` in the environment, [`run`](Self::run) is the *launcher*: it picks a free port on
-/// loopback and a fresh [`JobToken`], re-executes the current program `world_size` times with
+/// Without `RANK` in the environment, [`run`](Self::run) is the *launcher*: it binds a listening
+/// socket on a free loopback port (which rank 0 inherits, so no other process can take the port
+/// between choosing and binding it) and makes a fresh [`JobToken`], re-executes the current program `world_size` times with
 /// `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `EP_JOB_TOKEN` and `EP_LOCAL_RANK` (= rank:
 /// the GPU it uses) set, prints each rank's output with a `[rank N] ` prefix, and waits. When a
 /// rank fails, the others get a second to end on their own, then are killed, and the error lists
@@ -82,7 +83,8 @@ impl Launcher {
     }
 
     /// Kill the ranks and fail if they have not all finished after `timeout` (default:
-    /// `EP_LAUNCH_TIMEOUT_S` seconds, else [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)).
+    /// `EP_LAUNCH_TIMEOUT_S` seconds, else [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)). It must
+    /// lie in `(0, 1 day]`: [`run`](Self::run) refuses anything else before starting a rank.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
@@ -172,6 +174,7 @@ impl Launcher {
                     reason: format!("this program runs {} ranks", self.world_size),
                 });
             }
+            // Rank 0 takes the socket the launcher bound for it (EP_LISTEN_FD).
             let comm = Arc::new(TcpCommunicator::connect(&cfg)?);
             return f(comm).map_err(|e| BootstrapError::Rank {
                 rank: cfg.rank,
@@ -189,11 +192,13 @@ impl Launcher {
             )));
         }
         let timeout = match self.timeout {
-            Some(t) => t,
-            None => launch_timeout_from_env()?,
+            Some(t) => ibgda_device::timeout::check(t)
+                .map_err(|e| BootstrapError::Config(format!("launcher timeout: {e}")))?,
+            None => launch_timeout_from(|v| std::env::var(v).ok())?,
         };
         let token = JobToken::generate()?;
-        let port = free_port(&self.master_addr)?;
+        let listener = listen(&self.master_addr)?;
+        let port = listener.port;
         let exe = std::env::current_exe().map_err(|source| BootstrapError::Os {
             step: "launcher: finding the current executable".into(),
             source,
@@ -220,9 +225,13 @@ impl Launcher {
                 .env(vars::MASTER_PORT, port.to_string())
                 .env(vars::EP_JOB_TOKEN, token.to_hex())
                 .env(vars::EP_LOCAL_RANK, rank.to_string())
+                .env_remove(vars::EP_LISTEN_FD)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            if rank == 0 {
+                listener.pass_to(&mut cmd);
+            }
             die_with_parent(&mut cmd);
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
@@ -245,9 +254,12 @@ impl Launcher {
             }
             children.push(child);
         }
+        // Rank 0 holds the socket now; a copy here would keep queueing connections to a rank 0
+        // that died.
+        drop(listener);
 
         let started = Instant::now();
-        let deadline = started + timeout;
+        let deadline = ibgda_device::timeout::deadline_after(started, timeout);
         let mut status: Vec<Option<ExitStatus>> = vec![None; n];
         let mut killed = vec![false; n];
         let mut first_failed = None;
@@ -301,7 +313,12 @@ impl Launcher {
         }
         for p in pumps {
             if p.is_finished() {
-                let _ = p.join();
+                if let Err(payload) = p.join() {
+                    tracing::warn!(
+                        "launcher: a thread copying rank output panicked: {}",
+                        panic_text(payload.as_ref())
+                    );
+                }
             }
         }
 
@@ -337,36 +354,67 @@ where
     Launcher::new(world_size).run(f)
 }
 
-fn launch_timeout_from_env() -> Result<Duration, BootstrapError> {
-    let Some(v) = std::env::var(vars::EP_LAUNCH_TIMEOUT_S)
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-    else {
+/// The launch bound from `EP_LAUNCH_TIMEOUT_S` (read through `lookup`), else the default.
+fn launch_timeout_from(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Duration, BootstrapError> {
+    let Some(v) = lookup(vars::EP_LAUNCH_TIMEOUT_S).filter(|v| !v.trim().is_empty()) else {
         return Ok(Launcher::DEFAULT_TIMEOUT);
     };
-    v.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .ok_or(BootstrapError::EnvInvalid {
-            var: vars::EP_LAUNCH_TIMEOUT_S,
-            value: v,
-            reason: "must be a positive number of seconds".into(),
-        })
+    ibgda_device::timeout::parse_secs(&v).map_err(|e| BootstrapError::EnvInvalid {
+        var: vars::EP_LAUNCH_TIMEOUT_S,
+        value: v.clone(),
+        reason: e.to_string(),
+    })
 }
 
-/// A port on `addr` that nothing listens on right now. Rank 0 binds it moments later; the
-/// listener here sets `SO_REUSEADDR` (std does on Unix), so no TIME_WAIT state stands in the way.
-fn free_port(addr: &str) -> Result<u16, BootstrapError> {
+/// The text of a panic payload (`&str` or `String`, what `panic!` makes), for an error that must
+/// not lose why a thread died.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a panic with a payload that is not text)".into())
+}
+
+/// Rank 0's listening socket, bound by the launcher on a free port and inherited by rank 0's
+/// process (`EP_LISTEN_FD`), so the port cannot be taken between choosing and binding it.
+struct Listener {
+    socket: std::net::TcpListener,
+    port: u16,
+}
+
+fn listen(addr: &str) -> Result<Listener, BootstrapError> {
     let io = |source| BootstrapError::Io {
         rank: 0,
-        step: "launcher: finding a free port".into(),
+        step: "launcher: binding rank 0's listening socket".into(),
         peer: format!("{addr}:0"),
         source,
     };
-    let l = std::net::TcpListener::bind((addr, 0)).map_err(io)?;
-    Ok(l.local_addr().map_err(io)?.port())
+    let socket = std::net::TcpListener::bind((addr, 0)).map_err(io)?;
+    let port = socket.local_addr().map_err(io)?.port();
+    Ok(Listener { socket, port })
+}
+
+impl Listener {
+    /// Has `cmd`'s process inherit the socket (std opens it close-on-exec) and names it in
+    /// `EP_LISTEN_FD`. Only the process `cmd` starts gets it.
+    #[cfg(unix)]
+    fn pass_to(&self, cmd: &mut Command) {
+        use std::os::unix::io::AsRawFd as _;
+        use std::os::unix::process::CommandExt as _;
+        let fd = self.socket.as_raw_fd();
+        cmd.env(vars::EP_LISTEN_FD, fd.to_string());
+        // SAFETY: runs in the child between fork and exec, where only async-signal-safe calls are
+        // allowed: one fcntl on a descriptor the child inherited; nothing is allocated.
+        unsafe {
+            cmd.pre_exec(move || super::tcp::set_cloexec(fd, false));
+        }
+    }
+
+    #[cfg(not(unix))]
+    fn pass_to(&self, _cmd: &mut Command) {}
 }
 
 /// Kills the children marked in `kill` that are still running and reaps them all, within
@@ -531,9 +579,40 @@ mod tests {
     }
 
     #[test]
-    fn free_port_is_bindable() {
-        let p = free_port("127.0.0.1").unwrap();
-        assert_ne!(p, 0);
-        std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+    fn launch_timeouts_are_validated_without_panics() {
+        assert_eq!(
+            launch_timeout_from(|_| None).unwrap(),
+            Launcher::DEFAULT_TIMEOUT
+        );
+        assert_eq!(
+            launch_timeout_from(|_| Some("1.5".into())).unwrap(),
+            Duration::from_millis(1500)
+        );
+        for bad in ["0", "-3", "NaN", "inf", "1e300", "1e19", "86401", "later"] {
+            let e = launch_timeout_from(|_| Some(bad.into())).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                matches!(e, BootstrapError::EnvInvalid { .. })
+                    && msg.contains("EP_LAUNCH_TIMEOUT_S")
+                    && msg.contains(bad),
+                "{bad}: {msg}"
+            );
+        }
+        // Through the API: refused before any rank starts (Duration::MAX used to panic on
+        // `Instant + Duration`, zero to kill every rank at once).
+        for bad in [Duration::ZERO, Duration::MAX] {
+            let e = Launcher::new(2).timeout(bad).supervise().unwrap_err();
+            assert!(matches!(e, BootstrapError::Config(_)), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn panic_payloads_keep_their_text() {
+        let p = std::thread::spawn(|| panic!("rank {} broke", 3))
+            .join()
+            .unwrap_err();
+        assert_eq!(panic_text(p.as_ref()), "rank 3 broke");
+        let p = std::thread::spawn(|| panic!("plain")).join().unwrap_err();
+        assert_eq!(panic_text(p.as_ref()), "plain");
     }
 }

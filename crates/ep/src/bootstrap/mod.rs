@@ -6,8 +6,11 @@
 //!
 //! - **ranks as processes** ([`TcpCommunicator`]): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
 //!   (loopback by default), the others connect to it; every message goes through rank 0. A per-job
-//!   [`JobToken`] keeps a stray process (another job, an old run) from joining. Configured from the
-//!   environment ([`RankConfig::from_env`]) or through [`RankConfig::new`].
+//!   [`JobToken`], required for a job of several ranks (an opt-out must be explicit), lets rank 0
+//!   and each rank prove to each other that they belong to the job (challenge and response, the
+//!   token never on the wire), so a stray process (another job, an old run, a process that took
+//!   the port) can neither join nor pose as rank 0. Configured from the environment
+//!   ([`RankConfig::from_env`]) or through [`RankConfig::new`].
 //! - **ranks as threads** of one process ([`ThreadGroup`]): the same collectives through shared
 //!   memory.
 //!
@@ -15,11 +18,12 @@
 //! ([`IpcHandle`], [`PeerMapping`]) and through peer access between threads of one process.
 //!
 //! [`Launcher`] (or [`launch`]) lets a program start its own ranks: run without `RANK` set, it
-//! re-executes itself once per rank with the environment filled in, prefixes each rank's output with
-//! `[rank N] `, and fails as soon as one rank fails.
+//! re-executes itself once per rank with the environment filled in (a fresh token; rank 0 inherits
+//! the listening socket the launcher bound), prefixes each rank's output with `[rank N] `, and
+//! fails as soon as one rank fails.
 //!
-//! Every wait here has a time bound, and every error names the rank, the step and, for sockets, the
-//! peer's address.
+//! Every wait here has a time bound (in `(0, 1 day]`: see [`ibgda_device::timeout`]), and every
+//! error names the rank, the step and, for sockets, the peer's address.
 //!
 //! ```no_run
 //! use ep::bootstrap::{launch, Communicator};
@@ -48,6 +52,7 @@ pub use communicator::Communicator;
 pub use config::{vars, RankConfig, DEFAULT_MASTER_ADDR, DEFAULT_TIMEOUT, MAX_WORLD_SIZE};
 pub use error::BootstrapError;
 pub use ipc::{exchange_buffers, export, IpcHandle, PeerBuffer, PeerMapping};
+pub(crate) use launcher::panic_text;
 pub use launcher::{launch, Launcher};
 pub use tcp::TcpCommunicator;
 pub use thread::{ThreadCommunicator, ThreadGroup};

@@ -45,10 +45,10 @@ impl ThreadGroup {
                 "thread group of {world_size} ranks: must be 1..={MAX_WORLD_SIZE}"
             )));
         }
-        if timeout.is_zero() {
-            return Err(BootstrapError::Config(
-                "thread group timeout is zero".into(),
-            ));
+        if let Err(e) = ibgda_device::timeout::check(timeout) {
+            return Err(BootstrapError::Config(format!(
+                "thread group of {world_size} ranks: timeout: {e}"
+            )));
         }
         let shared = Arc::new(Shared {
             world_size,
@@ -131,7 +131,7 @@ impl ThreadCommunicator {
         let rank = self.rank;
         let sh = &*self.shared;
         let started = Instant::now();
-        let deadline = started + sh.timeout;
+        let deadline = ibgda_device::timeout::deadline_after(started, sh.timeout);
         let mut st = sh.lock();
         let abort = |st: &mut State, err: &BootstrapError| {
             st.aborted.get_or_insert_with(|| err.to_string());

@@ -1,36 +1,29 @@
-//! The per-job secret that keeps strangers out of a rendezvous.
+//! The per-job secret that keeps strangers out of a rendezvous, and the keyed hashes built on it.
 
 use std::fmt;
 use std::io::Read as _;
+
+use hmac::{Hmac, Mac as _};
+use sha2::Sha256;
 
 use super::BootstrapError;
 
 /// 128 random bits shared by the ranks of one job (`EP_JOB_TOKEN`, 32 hex digits).
 ///
-/// Rank 0 turns away any process whose token differs, so a process of another job, or a leftover
-/// of an earlier run, cannot join by connecting to the right port. It is a guard against
-/// accidents on a shared host, not authentication against an attacker who can read the
-/// environment of the job's processes.
+/// The ranks prove to each other that they hold it (HMAC-SHA256 over fresh nonces from both
+/// sides, see the [`TcpCommunicator`](super::TcpCommunicator) docs); the token itself never
+/// crosses the network. A process of another job, a leftover of an earlier run, or a process that
+/// took rank 0's port first can therefore neither join nor pass for rank 0. It does not protect
+/// against someone who can read the environment of the job's processes.
 ///
 /// `Debug` does not print the value.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct JobToken([u8; 16]);
 
 impl JobToken {
-    /// The token of a job started without `EP_JOB_TOKEN`: all zeros. Processes without a token can
-    /// join each other, and only each other.
-    pub const UNSET: JobToken = JobToken([0; 16]);
-
     /// A fresh token from the kernel's random source (`/dev/urandom`).
     pub fn generate() -> Result<Self, BootstrapError> {
-        let mut bytes = [0u8; 16];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut bytes))
-            .map_err(|source| BootstrapError::Os {
-                step: "reading 16 random bytes from /dev/urandom for the job token".into(),
-                source,
-            })?;
-        Ok(Self(bytes))
+        random_bytes("the job token").map(Self)
     }
 
     /// The token with these bytes.
@@ -62,30 +55,51 @@ impl JobToken {
     pub const fn as_bytes(&self) -> &[u8; 16] {
         &self.0
     }
-
-    /// Whether this is [`JobToken::UNSET`].
-    pub fn is_unset(&self) -> bool {
-        *self == Self::UNSET
-    }
-
-    /// Compares in time independent of where the tokens differ.
-    pub(crate) fn matches(&self, other: &JobToken) -> bool {
-        self.0
-            .iter()
-            .zip(other.0.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-    }
 }
 
 impl fmt::Debug for JobToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.is_unset() {
-            f.write_str("JobToken(unset)")
-        } else {
-            f.write_str("JobToken(<redacted>)")
-        }
+        f.write_str("JobToken(<redacted>)")
     }
+}
+
+/// `N` bytes from the kernel's random source; `what` names their use in the error.
+pub(crate) fn random_bytes<const N: usize>(what: &str) -> Result<[u8; N], BootstrapError> {
+    let mut bytes = [0u8; N];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|source| BootstrapError::Os {
+            step: format!("reading {N} random bytes from /dev/urandom for {what}"),
+            source,
+        })?;
+    Ok(bytes)
+}
+
+/// An HMAC-SHA256 tag.
+pub(crate) type Tag = [u8; 32];
+
+/// HMAC-SHA256 under `key` of the concatenation of `parts`. Callers start `parts` with a label
+/// naming the tag's purpose, so a tag made for one purpose is never valid for another.
+pub(crate) fn tag(key: &[u8], parts: &[&[u8]]) -> Tag {
+    let mut mac = new_mac(key);
+    for p in parts {
+        mac.update(p);
+    }
+    mac.finalize().into_bytes().into()
+}
+
+/// Whether `claimed` is the tag of `parts` under `key`, compared in constant time.
+pub(crate) fn tag_matches(key: &[u8], parts: &[&[u8]], claimed: &Tag) -> bool {
+    let mut mac = new_mac(key);
+    for p in parts {
+        mac.update(p);
+    }
+    mac.verify_slice(claimed).is_ok()
+}
+
+fn new_mac(key: &[u8]) -> Hmac<Sha256> {
+    // HMAC takes a key of any length (longer ones are hashed first), so this cannot fail.
+    <Hmac<Sha256> as hmac::Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!())
 }
 
 #[cfg(test)]
@@ -109,7 +123,6 @@ mod tests {
         let a = JobToken::generate().unwrap();
         let b = JobToken::generate().unwrap();
         assert_ne!(a, b);
-        assert!(!a.is_unset());
     }
 
     #[test]
@@ -123,6 +136,27 @@ mod tests {
     fn debug_hides_the_value() {
         let t = JobToken::parse(&"ab".repeat(16)).unwrap();
         assert!(!format!("{t:?}").contains("abab"));
-        assert!(t.matches(&t) && !t.matches(&JobToken::UNSET));
+    }
+
+    #[test]
+    fn tags_bind_key_label_and_data() {
+        // RFC 4231 test case 2: key "Jefe", data "what do ya want for nothing?".
+        let t = tag(b"Jefe", &[b"what do ya want ", b"for nothing?"]);
+        let hex: String = t.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        assert!(tag_matches(b"Jefe", &[b"what do ya want for nothing?"], &t));
+        assert!(!tag_matches(
+            b"Jeff",
+            &[b"what do ya want for nothing?"],
+            &t
+        ));
+        assert!(!tag_matches(
+            b"Jefe",
+            &[b"what do ya want for nothing!"],
+            &t
+        ));
     }
 }

@@ -900,7 +900,12 @@ impl LowLatencyBuffer {
         // The memsets and uploads above ran on the legacy stream (cuMemsetD8 and pageable
         // uploads may return before the device has finished them); the kernels run on a
         // non-blocking stream and peers (or their NICs) write here: all of it must have landed.
-        ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
+        ibgda_device::cuda::wait_legacy_stream(
+            ctx,
+            ibgda_device::cuda::LEGACY_STREAM_BOUND,
+            "the memsets and uploads of buffer creation",
+        )
+        .map_err(|source| EpError::Device { rank, source })?;
         // Nobody signals a peer before every rank has zeroed its own signals and connected its
         // QPs.
         group.all_gather(&[])?;
@@ -1104,7 +1109,7 @@ impl LowLatencyBuffer {
     }
 
     fn timeout_ns(&self) -> u64 {
-        self.opts.timeout.as_nanos().min(u64::MAX as u128) as u64
+        ibgda_device::timeout::device_ns(self.opts.timeout)
     }
 
     /// Sends each token to the ranks of its top-k experts and (without a hook) receives the
@@ -1509,7 +1514,10 @@ impl LowLatencyBuffer {
     /// error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
         let e = Event::record(&self.stream, self.rank)?;
-        let r = e.wait_host(self.opts.timeout * 2, "the low-latency stream");
+        let r = e.wait_host(
+            self.opts.timeout.saturating_mul(2),
+            "the low-latency stream",
+        );
         self.check_device_error()?;
         r
     }
@@ -1738,7 +1746,11 @@ fn device_error(
     }
 }
 
-fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
+pub(crate) fn check_options(
+    rank: usize,
+    ranks: usize,
+    o: &LowLatencyOptions,
+) -> Result<(), EpError> {
     let bad = |what: String| Err(invalid(rank, what));
     if ranks == 0 || ranks > k::MAX_RANKS {
         return bad(format!(
@@ -1775,6 +1787,9 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
             o.max_topk,
             k::MAX_TOPK
         ));
+    }
+    if let Err(e) = ibgda_device::timeout::check(o.timeout) {
+        return bad(format!("timeout: {e}"));
     }
     Ok(())
 }
@@ -1947,5 +1962,24 @@ mod tests {
         let huge = LowLatencyOptions::new(usize::MAX / 2, 7168, 8, 288);
         assert!(check_options(0, 4, &huge).is_err());
         assert_eq!(huge.bytes_per_rank(4), None);
+    }
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn low_latency_timeouts_are_validated() {
+        let ok = LowLatencyOptions::new(128, 7168, 8, 288);
+        check_options(0, 2, &ok).unwrap();
+        for bad in [Duration::ZERO, Duration::MAX, Duration::from_secs(86_401)] {
+            let o = LowLatencyOptions {
+                timeout: bad,
+                ..ok.clone()
+            };
+            let e = check_options(0, 2, &o).unwrap_err();
+            assert!(e.to_string().contains("timeout"), "{bad:?}: {e}");
+        }
     }
 }

@@ -574,6 +574,12 @@ impl QpGroup {
                 cfg.nwqes
             )));
         }
+        if let Err(e) = ibgda_device::timeout::check(cfg.timeout) {
+            return Err(TransportError::Config(format!(
+                "QP group to rank {}: timeout: {e}",
+                cfg.peer_rank
+            )));
+        }
         let mode = cfg.handler;
         let plan = ModePlan::new(mode, NicImpl::Emulated);
         // Say what is missing before allocating anything.
@@ -692,7 +698,7 @@ impl QpGroup {
                 qp_index: i as u32,
                 peer_rank: cfg.peer_rank,
                 reserved0: 0,
-                timeout_ns: cfg.timeout.as_nanos().min(u64::MAX as u128) as u64,
+                timeout_ns: ibgda_device::timeout::device_ns(cfg.timeout),
                 error_record: host_dev + layout.err as u64,
                 scratch: local.scratch(),
                 reserved1: [0; 2],
@@ -886,7 +892,9 @@ impl QpGroup {
     /// Host-side bound for waiting on kernels that use this group: twice the device bound plus
     /// five seconds, so the device always reports first.
     pub fn host_bound(&self) -> Duration {
-        self.timeout * 2 + Duration::from_secs(5)
+        self.timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(5))
     }
 
     /// Waits (bounded by `bound`, default [`host_bound`](QpGroup::host_bound)) until `stream` has

@@ -54,10 +54,7 @@
 // thread, possibly on another QP sharing the record). The record says what happened.
 #define IBGDA_STATUS_ABORTED 0x100
 
-// Bound of every wait when the descriptor's timeout_ns is 0: long enough for any sane completion
-// (a real NIC retries a lost packet for well under a second), short enough that a test suite
-// reports a broken protocol instead of stalling.
-#define IBGDA_DEFAULT_TIMEOUT_NS 10000000000ull
+// IBGDA_DEFAULT_TIMEOUT_NS, the bound of a wait whose timeout_ns is 0: see qp_desc.cuh.
 // Largest ring: a CQE's 16-bit wqe_counter names a WQEBB exactly only while fewer than 65536 are
 // outstanding, and half that keeps a margin.
 #define IBGDA_MAX_NWQES 32768u
@@ -209,16 +206,18 @@ __device__ __noinline__ void ibgda_record_error(ibgda_qp_desc* d, uint32_t kind,
     ibgda_st_release_sys_u32(&r->kind, kind);
 }
 
-// A bounded wait: started from the descriptor's timeout, stepped once per poll.
+// A bounded wait: started from the descriptor's timeout, stepped once per poll. It keeps the start
+// and the bound, not start + bound, so no timeout_ns (up to ~0) can wrap into a past deadline.
 struct ibgda_waiter {
-    uint64_t deadline;
+    uint64_t start;
+    uint64_t bound;
     uint32_t polls;
 };
 
 __device__ __forceinline__ ibgda_waiter ibgda_wait_begin(const ibgda_qp_desc* d) {
-    uint64_t bound = d->timeout_ns != 0 ? d->timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
     ibgda_waiter w;
-    w.deadline = ibgda_globaltimer() + bound;
+    w.start = ibgda_globaltimer();
+    w.bound = ibgda_wait_bound_ns(d->timeout_ns);
     w.polls = 0;
     return w;
 }
@@ -229,7 +228,7 @@ __device__ __forceinline__ int ibgda_wait_step(ibgda_qp_desc* d, ibgda_waiter& w
     ++w.polls;
     if (w.polls > IBGDA_SPIN_FAST) __nanosleep(IBGDA_SPIN_SLEEP_NS);
     if ((w.polls & IBGDA_ERROR_POLL_MASK) == 0u && ibgda_error_seen(d)) return IBGDA_STATUS_ABORTED;
-    if (ibgda_globaltimer() > w.deadline) {
+    if (ibgda_globaltimer() - w.start > w.bound) {
         ibgda_record_error(d, kind, nullptr);
         return (int)kind;
     }

@@ -100,6 +100,18 @@ struct alignas(64) ibgda_error_record {
     uint32_t claim;           // [60,64) 0 free, 1 taken
 };
 
+// Bound of every wait whose timeout_ns is 0, here and in every EP kernel: long enough for any
+// sane completion (a real NIC retries a lost packet for well under a second), short enough that a
+// test suite reports a broken protocol instead of stalling. 0 has this one meaning everywhere
+// (ibgda_device::timeout, which also keeps host options from ever being 0).
+#define IBGDA_DEFAULT_TIMEOUT_NS 10000000000ull
+
+// What a wait with bound `timeout_ns` waits, in %globaltimer ns. Waits compare elapsed time
+// (now - start > bound), which cannot wrap, rather than a deadline start + bound, which can.
+IBGDA_HD uint64_t ibgda_wait_bound_ns(uint64_t timeout_ns) {
+    return timeout_ns != 0 ? timeout_ns : IBGDA_DEFAULT_TIMEOUT_NS;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Layout checks against the shared table (layout.def).
 

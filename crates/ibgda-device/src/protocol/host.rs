@@ -19,7 +19,7 @@ use core::ptr::{self, addr_of_mut, NonNull};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::status::{Stopped, DEFAULT_TIMEOUT_NS, ERROR_INVALID_DESC};
+use super::status::{Stopped, ERROR_INVALID_DESC};
 use crate::qp_desc::{ErrorKind, ErrorRecord, NicHandler, QpCounters, QpDesc, QpDescError};
 use crate::wire::{
     db_word, dbr_send_word, wqe_index_from_counter, Be32, Cqe64, CqeState, CqeStatus, FenceMode,
@@ -219,13 +219,10 @@ impl HostQp {
     }
 
     fn wait_begin(&self) -> Waiter {
-        let ns = if self.cfg.timeout_ns == 0 {
-            DEFAULT_TIMEOUT_NS
-        } else {
-            self.cfg.timeout_ns
-        };
+        // 0 is the default bound, as on the device (`ibgda_wait_bound_ns`).
+        let ns = crate::timeout::wait_bound_ns(self.cfg.timeout_ns);
         Waiter {
-            deadline: Instant::now() + Duration::from_nanos(ns),
+            deadline: crate::timeout::deadline_after(Instant::now(), Duration::from_nanos(ns)),
             polls: 0,
         }
     }

@@ -242,7 +242,7 @@ impl Proxy {
 
     fn shutdown(&mut self) -> Result<ProxyReport, ProxyError> {
         self.shared.stop.store(true, Ordering::Release);
-        let deadline = Instant::now() + self.shutdown_timeout;
+        let deadline = crate::timeout::deadline_after(Instant::now(), self.shutdown_timeout);
         let mut first_err = None;
         for w in &mut self.workers {
             let Some(handle) = w.handle.take() else {

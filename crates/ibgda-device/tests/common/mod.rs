@@ -292,6 +292,7 @@ extern "C" {
     pub fn hdr_cqe_poll(cqe: *const u8, cons_idx: u64, ncqes: u32, out: *mut CqeStatus);
     pub fn hdr_wqe_index_from_counter(counter: u16, frontier: u64) -> u64;
     pub fn hdr_db_word(qpn: u32, pi: u64) -> u64;
+    pub fn hdr_wait_bound_ns(timeout_ns: u64) -> u64;
     pub fn hdr_dbr_send_word(pi: u64) -> u32;
     pub static ibgda_layout_table: [LayoutEntry; 0];
     pub static ibgda_layout_table_len: usize;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "ep/intranode.cuh"
+#include "ibgda/qp_desc.cuh"  // ibgda_wait_bound_ns: a timeout_ns of 0 is the default bound
 
 namespace ep {
 
@@ -98,8 +99,13 @@ __device__ __forceinline__ void release_to_peers(const uint64_t* signals, int ra
     }
 }
 
+// Polls of a flag between two reads of the error slot in a wait (keeps the wait loop tight).
+constexpr uint32_t kErrorPollMask = 1023u;
+
 // Thread r < ranks waits, bounded, until rank r has released `epoch` to this rank. Returns false
-// on every thread of the block if any wait ran out (the error is recorded).
+// on every thread of the block if any wait ran out (the error is recorded) or an error recorded
+// by another wait of this rank was seen (that wait's record stands: the peer it names is the
+// cause, this one would only time out later). `timeout_ns` 0 is the default bound.
 __device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
                                                uint64_t timeout_ns, uint64_t error_addr, uint32_t what) {
     __shared__ int timed_out;
@@ -109,9 +115,15 @@ __device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank
     if (r < ranks) {
         const uint64_t* f = &signal_of(signals, rank)->flag[r];
         const uint64_t start = globaltimer_ns();
+        const uint64_t bound = ibgda_wait_bound_ns(timeout_ns);
+        uint32_t polls = 0;
         uint64_t seen;
         while ((seen = ld_acquire_sys(f)) < epoch) {
-            if (globaltimer_ns() - start > timeout_ns) {
+            if ((++polls & kErrorPollMask) == 0u && error_recorded(error_addr)) {
+                atomicExch(&timed_out, 1);
+                break;
+            }
+            if (globaltimer_ns() - start > bound) {
                 record_error(error_addr, kErrTimeout, rank, r, what, epoch, seen);
                 atomicExch(&timed_out, 1);
                 break;
