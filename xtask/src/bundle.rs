@@ -79,6 +79,8 @@ pub fn run() -> Result<()> {
         std::fs::read_to_string(kernels.join("manifest.txt")).unwrap_or_default(),
     )?;
 
+    crate::python::bundle(&dir.join("python"))?;
+
     let size = dir_size(&dir)?;
     if size > MAX_BUNDLE_BYTES {
         bail!(
@@ -88,7 +90,7 @@ pub fn run() -> Result<()> {
         );
     }
     step(&format!(
-        "bundle ready: {} ({} test binaries, {} programs, {:.1} MiB)\n    run it there with: bash bundle/run.sh   (carry: [\"bundle\"])",
+        "bundle ready: {} ({} test binaries, {} programs, {:.1} MiB)\n    run it there with: bash bundle/run.sh; the Python package: bash bundle/python/run.sh   (carry: [\"bundle\"])",
         dir.display(),
         tests.len(),
         bins.len(),

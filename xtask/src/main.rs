@@ -7,10 +7,14 @@
 //!   is `cargo xtask example dispatch_combine`).
 //! - `test`: everything CI runs: Debian packages, nvcc, kernels, fmt, clippy, every CPU test.
 //! - `device-bundle`: release builds of the GPU tests and examples, the kernels, the shared
-//!   libraries they need and `run.sh`, in `bundle/`, to carry to the device machine.
+//!   libraries they need and `run.sh`, in `bundle/`, to carry to the device machine; with the
+//!   Python package's wheel and GPU tests in `bundle/python/`.
+//! - `python`: build the `ep_ibgda` wheel (maturin from PyPI) and install it into `python3`'s
+//!   environment.
 
 mod bundle;
 mod kernels;
+mod python;
 mod test;
 mod util;
 
@@ -24,6 +28,7 @@ commands:
   example <name> [args..]   set up (apt packages, nvcc, kernels), then run an example in release mode
   test                      set up (apt packages, nvcc), build kernels, fmt check, clippy -D warnings, CPU tests
   device-bundle             build GPU tests + examples (release) into bundle/ for the device machine
+  python                    build the ep_ibgda wheel (maturin) and pip-install it into python3's environment
 ";
 
 fn main() -> std::process::ExitCode {
@@ -49,6 +54,7 @@ fn run() -> Result<()> {
         "test" => test::run(),
         "example" => test::example(rest),
         "device-bundle" => bundle::run(),
+        "python" => python::install(),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())
