@@ -332,11 +332,11 @@ class Buffer:
             comm.wait_stream(compute)
         return compute, comm
 
-    @staticmethod
-    def _view(view: Any, dtype: Any):
+    def _view(self, view: Any, dtype: Any):
+        """A torch tensor over a native view (no copy), re-typed to ``dtype``."""
         import torch
 
-        t = torch.as_tensor(view, device="cuda")
+        t = torch.as_tensor(view, device=torch.device("cuda", self._device))
         return t.view(dtype) if t.dtype != dtype else t
 
     def _finish(self, compute, comm, async_finish: bool, keep: Tuple[Any, ...], outputs: Tuple[Any, ...]) -> EventOverlap:
@@ -532,11 +532,12 @@ class Buffer:
 
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
         rows = out.x.shape[0]
-        recv_x = torch.empty((rows, h), dtype=dtype, device="cuda")
+        dev = torch.device("cuda", self._device)
+        recv_x = torch.empty((rows, h), dtype=dtype, device=dev)
         recv_x.copy_(self._view(out.x, dtype))
         recv_scales = None
         if fp8:
-            recv_scales = torch.empty(tuple(out.scales.shape), dtype=torch.float32, device="cuda")
+            recv_scales = torch.empty(tuple(out.scales.shape), dtype=torch.float32, device=dev)
             recv_scales.copy_(self._view(out.scales, torch.float32))
         return recv_x, recv_scales
 
