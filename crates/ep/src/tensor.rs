@@ -145,7 +145,9 @@ impl IntoStorage for Arc<DeviceBuffer> {
 
 /// A dense row-major tensor of `T` in GPU memory.
 ///
-/// The memory comes from `cuMemAlloc` (peer-mappable). Cloning shares the storage. Outputs of
+/// The memory comes from `cuMemAlloc` (peer-mappable), or is the caller's
+/// ([`from_device_ptr`](Self::from_device_ptr): inputs from another framework, never freed or
+/// mapped by peers here). Cloning shares the storage. Outputs of
 /// [`Buffer`](crate::Buffer) operations are views into the buffer's pooled regions, which stay
 /// reserved while any view or handle on them is alive.
 #[derive(Debug)]
