@@ -641,7 +641,7 @@ class Buffer:
         """Sends each token straight into its slot at the ranks of its experts (decode path).
 
         Returns ``(recv_x or (recv_x_fp8, recv_scales), recv_count [L] int32, handle,
-        EventOverlap, hook)``; ``recv_x`` is ``[L, R*N, H]``, FP8 scales ``[L, R*N, H/128]``
+        EventOverlap, hook)`` (``hook`` is None without ``return_recv_hook``, as in DeepEP); ``recv_x`` is ``[L, R*N, H]``, FP8 scales ``[L, R*N, H/128]``
         float32 (or ``[L, R*N, H/512]`` int32 packed UE8M0), a column-major view as DeepEP's.
         """
         self._live()
@@ -718,7 +718,7 @@ class Buffer:
             return rx, recv_count, handle, EventOverlap(None), hook
         copy_out()
         event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats), outputs)
-        return rx, recv_count, handle, event, (lambda: None)
+        return rx, recv_count, handle, event, None
 
     def low_latency_combine(
         self,
@@ -735,7 +735,8 @@ class Buffer:
     ):
         """Sums each token's top-k weighted expert outputs back (BF16, f32 accumulation).
 
-        Returns ``(combined_x [T, H] bf16, EventOverlap, hook)``.
+        Returns ``(combined_x [T, H] bf16, EventOverlap, hook)`` (``hook`` None without
+        ``return_recv_hook``).
         """
         self._live()
         if not self.low_latency_mode:
@@ -799,7 +800,7 @@ class Buffer:
         copy_out()
         event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out),
                              (combined,) if out is None else ())
-        return combined, event, (lambda: None)
+        return combined, event, None
 
     def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle):
         """The BF16 ``[L, R*N, H]`` buffer that a ``zero_copy`` combine reads (a view of the

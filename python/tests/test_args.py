@@ -209,3 +209,14 @@ def test_event_overlap_without_event():
 def test_config_type_errors():
     with pytest.raises(TypeError, match="num_sms must be an int"):
         Config(num_sms=2.5)
+
+
+def test_native_buffers_without_a_driver_fail_cleanly():
+    from ep_ibgda import _ep
+
+    if _ep.cuda_driver_present():
+        pytest.skip("a CUDA driver is present: this checks the machine without one")
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.Intranode(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, 2, 1.0)
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.LowLatency(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, True, 1.0)

@@ -63,7 +63,7 @@ def _body(rank, world, base_seed):
     # BF16, receiving in the kernel.
     recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(
         x, topk_idx, N, experts, cumulative_local_expert_recv_stats=stats, use_fp8=False)
-    hook()  # a no-op without return_recv_hook
+    assert hook is None  # as DeepEP: a hook only with return_recv_hook
     check_bf16(recv_x, recv_count)
     assert torch.equal(stats.cpu(), counts)
     combined, ev, hook = buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
