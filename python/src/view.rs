@@ -55,7 +55,8 @@ impl DeviceView {
 
 #[pymethods]
 impl DeviceView {
-    /// The CUDA array interface (version 3; no stream: the Python layer orders every use).
+    /// The CUDA array interface (version 3, without the optional `stream` key: the Python layer
+    /// orders every use on its streams).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -65,7 +66,6 @@ impl DeviceView {
         d.set_item("data", (self.ptr, false))?;
         d.set_item("version", 3)?;
         d.set_item("strides", py.None())?;
-        d.set_item("stream", py.None())?;
         Ok(d)
     }
 

@@ -185,3 +185,11 @@ def test_native_module():
 
 def test_is_sm90_compiled():
     assert Buffer.is_sm90_compiled() is True
+
+
+def test_device_view_is_importable_by_the_array_interface():
+    # Built on the native side only; its class and the interface's keys are checked here.
+    cls = ep_ibgda._ep.DeviceView
+    assert "__cuda_array_interface__" in dir(cls)
+    with pytest.raises(TypeError):
+        cls()  # not constructible from Python: views come from the buffers
