@@ -28,7 +28,7 @@ commands:
   example <name> [args..]   set up (apt packages, nvcc, kernels), then run an example in release mode
   test                      set up (apt packages, nvcc), build kernels, fmt check, clippy -D warnings, CPU tests
   device-bundle             build GPU tests + examples (release) into bundle/ for the device machine
-  python                    build the ep_ibgda wheel (maturin) and pip-install it into python3's environment
+  python [--no-install]     build the ep_ibgda wheel (maturin) and pip-install it into $PYTHON's (python3's) environment
 ";
 
 fn main() -> std::process::ExitCode {
@@ -54,7 +54,7 @@ fn run() -> Result<()> {
         "test" => test::run(),
         "example" => test::example(rest),
         "device-bundle" => bundle::run(),
-        "python" => python::install(),
+        "python" => python::install(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())

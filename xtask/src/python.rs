@@ -82,17 +82,32 @@ pub fn build_wheel(release: bool) -> Result<PathBuf> {
     }
 }
 
-/// `cargo xtask python`: kernels, release wheel, `pip install` into `python3`'s environment.
-pub fn install() -> Result<()> {
+/// `cargo xtask python [--no-install]`: kernels, release wheel, then `pip install` into the
+/// environment of `$PYTHON` (default `python3`: activate the venv or conda env that has torch
+/// first).
+pub fn install(args: &[String]) -> Result<()> {
     crate::test::setup()?;
     step("building the ep_ibgda wheel (release, maturin from PyPI)");
     let wheel = build_wheel(true)?;
-    step(&format!("installing {}", wheel.display()));
+    if args.iter().any(|a| a == "--no-install") {
+        step(&format!("wheel ready: {}", wheel.display()));
+        return Ok(());
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
+    step(&format!("installing {} with {python}", wheel.display()));
     util::run(
-        Command::new("python3")
+        Command::new(&python)
             .args(["-m", "pip", "install", "--force-reinstall", "--no-deps"])
             .arg(&wheel),
-    )?;
+    )
+    .with_context(|| {
+        format!(
+            "pip could not install the wheel into {python}'s environment (a system Python refuses \
+             with \"externally-managed-environment\": activate the venv or conda env that has \
+             torch, or set PYTHON=/path/to/that/python); the wheel is {}",
+            wheel.display()
+        )
+    })?;
     step(&format!(
         "ep_ibgda installed: `import ep_ibgda as deep_ep` (torch is the caller's; wheel: {})",
         wheel.display()
