@@ -379,7 +379,8 @@ class Buffer:
 
         Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank or None,
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``;
-        computed with torch operations on the current stream (after ``previous_event``).
+        computed with torch operations on the current stream (after ``previous_event``), with
+        no host synchronisation.
         """
         self._live()
         self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
@@ -398,7 +399,11 @@ class Buffer:
         rank_of = torch.where(valid, idx // local, torch.full_like(idx, -1))
         is_token_in_rank = (rank_of.unsqueeze(-1) == torch.arange(ranks, device=idx.device)).any(dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts)[:num_experts].to(torch.int32)
+        # scatter_add, not bincount or boolean indexing: no host synchronisation.
+        slot = torch.where(valid, idx, torch.full_like(idx, num_experts)).flatten()
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
+        counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+        num_tokens_per_expert = counts[:num_experts].contiguous()
         num_tokens_per_rdma_rank = None
         if self._num_nodes > 1:
             raise _not_implemented("internode get_dispatch_layout (num_tokens_per_rdma_rank)")
