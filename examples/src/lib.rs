@@ -98,3 +98,12 @@ pub mod bench {
         }
     }
 }
+
+/// Prints `usage` and exits with status 0 when the command line asks for help (`-h` or
+/// `--help` anywhere among the arguments); every example binary calls it first.
+pub fn exit_on_help(usage: &str) {
+    if std::env::args().skip(1).any(|a| a == "-h" || a == "--help") {
+        print!("{usage}");
+        std::process::exit(0);
+    }
+}

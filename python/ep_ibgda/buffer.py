@@ -200,9 +200,10 @@ class Buffer:
             experts = {n[3] for n in need}
             if len(experts) != 1:
                 raise ValueError(f"dispatch: ranks disagree on num_experts: {sorted(experts)}")
-            per = lambda m: _ep.intranode_bytes(
-                self.group_size, m, hidden_max, topk_max, num_experts, self._max_live
-            )
+            def per(m: int) -> float:
+                n = _ep.intranode_bytes(self.group_size, m, hidden_max, topk_max, num_experts, self._max_live)
+                return float("inf") if n is None else n
+
             # As many tokens per rank as num_nvl_bytes pays for, and at least this call's.
             lo, hi = 1, 1 << 20
             while lo < hi:

@@ -46,7 +46,7 @@ fn cuda_driver_present() -> bool {
 /// GPU bytes an intranode buffer takes on each rank, for the given shape limits (what
 /// `Buffer` sizes its `num_nvl_bytes` budget against): the window (signal region, combine
 /// staging for ranks as processes, `max_live_outputs` receive regions) plus the pooled combine
-/// outputs.
+/// outputs. `None` when the sizes overflow.
 #[pyfunction]
 #[pyo3(signature = (ranks, max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs))]
 fn intranode_bytes(
@@ -56,16 +56,21 @@ fn intranode_bytes(
     max_topk: usize,
     num_experts: usize,
     max_live_outputs: usize,
-) -> usize {
+) -> Option<usize> {
     let mut o = ep::BufferOptions::new(max_tokens_per_rank, max_hidden, max_topk, num_experts);
     o.max_live_outputs = max_live_outputs;
-    let out = max_tokens_per_rank * (max_hidden * 2 + max_topk * 4);
-    o.recv_region_bytes(ranks) * max_live_outputs
-        + o.combine_region_bytes(ranks)
-        + out * max_live_outputs
+    let out = max_hidden
+        .checked_mul(2)?
+        .checked_add(max_topk.checked_mul(4)?)?
+        .checked_mul(max_tokens_per_rank)?;
+    o.recv_region_bytes(ranks)?
+        .checked_add(out)?
+        .checked_mul(max_live_outputs)?
+        .checked_add(o.combine_region_bytes(ranks)?)
 }
 
-/// GPU bytes a low-latency buffer takes on each rank for the given limits.
+/// GPU bytes a low-latency buffer takes on each rank for the given limits (`None` for limits
+/// the buffer refuses).
 #[pyfunction]
 fn low_latency_bytes(
     ranks: usize,
@@ -73,7 +78,7 @@ fn low_latency_bytes(
     max_hidden: usize,
     max_topk: usize,
     num_experts: usize,
-) -> usize {
+) -> Option<usize> {
     ep::low_latency::LowLatencyOptions::new(max_tokens_per_rank, max_hidden, max_topk, num_experts)
         .bytes_per_rank(ranks)
 }

@@ -16,6 +16,13 @@ const SMOKE_EXAMPLES: &[(&str, &str)] = &[
     ("ibgda_info", ""),
     ("dispatch_combine", ""),
     ("dispatch_combine", "--procs"),
+    ("dispatch_combine", "--ranks 4"),
+    ("dispatch_combine", "--procs --ranks 2"),
+    ("low_latency", "--ranks 4"),
+    (
+        "low_latency",
+        "--ranks 2 --no-nvlink --handler cpu_host_memory",
+    ),
 ];
 
 /// Libraries every Linux system has (glibc and the C++ runtime): never bundled.

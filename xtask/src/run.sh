@@ -8,7 +8,9 @@
 #
 # Logs go to $OUT (or bundle/out): suite.log (every test's output), summary.txt (the table),
 # bench JSON files. The table is printed last. A test that prints "SKIPPED (needs N GPUs, found M)"
-# on a machine with at least N GPUs counts as a failure: nothing the machine could run is skipped.
+# on a machine with at least N GPUs counts as a failure (BADSKIP): nothing the machine could run is
+# skipped. A test that printed neither a skip nor the harness's "gpus:"/"ranks:" line ran no case:
+# NOCASE, a failure.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -59,6 +61,11 @@ run_one() { # name, command...
   elif grep -q 'SKIPPED (needs' "$tmp"; then
     local need; need=$(grep -o 'SKIPPED (needs [0-9]*' "$tmp" | head -1 | grep -o '[0-9]*$')
     if [ "$need" -le "$ngpu" ]; then result=BADSKIP; else result=SKIP; fi
+  fi
+  # A test that passed without taking GPUs from the harness (no "gpus:"/"ranks:" line) and
+  # without a skip ran no case: that is a failure, not a pass.
+  if [ $result = PASS ] && [ "${name#example::}" = "$name" ] && ! grep -Eq '(gpus: [0-9]+ of [0-9]+ visible|ranks: [0-9]+ ranks? on [0-9]+ GPU)' "$tmp"; then
+    result=NOCASE
   fi
   # A skip the machine could not have run is not a failure.
   if [ $result = SKIP ]; then rows+=("$(printf '%-58s %-8s %8s' "$name" SKIP "$secs")"); else record "$name" "$result" "$secs"; fi

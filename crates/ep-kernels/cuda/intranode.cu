@@ -54,6 +54,17 @@ __device__ __forceinline__ uint64_t next_epoch(const uint64_t* signals, int rank
     return epoch;
 }
 
+// `v`, a count read from a layout tensor, clamped to [0, limit]; one out of range is reported
+// (when `report`: each value is read by several threads) as kErrBadRouting.
+__device__ __forceinline__ int checked_count(int v, int limit, bool report, uint32_t what, int index,
+                                             const NotifyParams& p) {
+    if (v >= 0 && v <= limit) return v;
+    if (report)
+        record_error(p.error, kErrBadRouting, p.rank, limit, what, static_cast<uint64_t>(index),
+                     static_cast<uint64_t>(static_cast<int64_t>(v)));
+    return v < 0 ? 0 : limit;
+}
+
 extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify(const NotifyParams p) {
     __shared__ int abort;
     if (threadIdx.x == 0) abort = error_recorded(p.error);
@@ -65,15 +76,22 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     // per-expert counts, to every rank.
     for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) signal_of(p.signal, d)->recv_offset[p.rank] = p.recv_offset;
     if (!cached) {
+        // The layout's tensors are the caller's: a count outside [0, tokens] is reported and
+        // published clamped, so every rank's offsets stay inside its receive region (each rank
+        // receives at most ranks x max_tokens rows); the push then sends nothing past a count.
         const int* per_rank = reinterpret_cast<const int*>(p.tokens_per_rank);
         for (int i = threadIdx.x; i < p.ranks * p.ranks; i += blockDim.x) {
             const int d = i / p.ranks, j = i % p.ranks;
-            signal_of(p.signal, d)->tokens[p.rank][j] = per_rank[j];
+            signal_of(p.signal, d)->tokens[p.rank][j] =
+                checked_count(per_rank[j], p.num_tokens, d == 0, kRoutingTokensPerRank, j, p);
         }
         const int* per_expert = reinterpret_cast<const int*>(p.tokens_per_expert);
         for (int i = threadIdx.x; i < p.ranks * L; i += blockDim.x) {
             const int d = i / L, l = i % L;
-            experts_of(signal_of(p.signal, d))[p.rank * L + l] = per_expert != nullptr ? per_expert[d * L + l] : 0;
+            experts_of(signal_of(p.signal, d))[p.rank * L + l] =
+                per_expert != nullptr
+                    ? checked_count(per_expert[d * L + l], p.num_tokens, true, kRoutingTokensPerExpert, d * L + l, p)
+                    : 0;
         }
     }
     const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
@@ -102,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
             int off = 0;
             for (int r = 0; r < p.rank; ++r) off += ld_volatile_i32(&mine->tokens[r][d]);
             meta->send_offset[d] = off;
+            meta->send_count[d] = ld_volatile_i32(&mine->tokens[p.rank][d]);
         }
         const int align = p.expert_alignment > 0 ? p.expert_alignment : 1;
         for (int l = threadIdx.x; l < L; l += blockDim.x) {
@@ -113,7 +132,8 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     __syncthreads();
     const int num_recv = meta->num_recv;
     if (p.num_worst_tokens > 0 && num_recv > p.num_worst_tokens && threadIdx.x == 0)
-        record_error(p.error, kErrWorstTokensExceeded, p.rank, p.rank, 0, p.epoch, static_cast<uint64_t>(num_recv));
+        record_error(p.error, kErrWorstTokensExceeded, p.rank, p.rank, static_cast<uint32_t>(p.num_worst_tokens),
+                     p.epoch, static_cast<uint64_t>(num_recv));
 
     // 3. What the host waits for (skipped with num_worst_tokens: no host wait).
     if (p.host_info != 0) {
@@ -160,13 +180,18 @@ __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, i
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispatch(const DispatchParams p) {
     __shared__ uint64_t dst_base[kMaxRanks];
     __shared__ int send_offset[kMaxRanks];
+    __shared__ int send_count[kMaxRanks];
     __shared__ int abort;
     SignalHead* mine = signal_of(p.signal, p.rank);
     const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     if (threadIdx.x < p.ranks) {
-        dst_base[threadIdx.x] = p.window[threadIdx.x] + ld_volatile_u64(&mine->recv_offset[threadIdx.x]);
-        send_offset[threadIdx.x] = meta->send_offset[threadIdx.x];
+        const int d = threadIdx.x;
+        dst_base[d] = p.window[d] + ld_volatile_u64(&mine->recv_offset[d]);
+        send_offset[d] = meta->send_offset[d];
+        // What this rank published to d (clamped by notify; a cached dispatch's Meta keeps the
+        // original's): its rows there are [send_offset, send_offset + count), inside d's region.
+        send_count[d] = meta->send_count[d];
     }
     __syncthreads();
     if (abort) return;
@@ -177,7 +202,14 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     const int L = p.num_local_experts;
     const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
-        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        if (pos >= 0 && (pos >= send_count[lane] || static_cast<int64_t>(send_offset[lane]) + pos >= p.cap)) {
+            // Out of agreement with the published count (tokens_per_rank edited): not sent.
+            record_error(p.error, kErrBadRouting, p.rank, send_count[lane] > 0 ? send_count[lane] - 1 : 0,
+                         kRoutingSendPosition, static_cast<uint64_t>(t) * p.ranks + lane,
+                         static_cast<uint64_t>(static_cast<int64_t>(pos)));
+            pos = -1;
+        }
         const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
         if (mask == 0) continue;
         int64_t row[kMaxRanks];

@@ -19,14 +19,18 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) ep_dispatch_layout(
         // Tokens per expert (a token counts once per distinct expert) and invalid ids.
         extern __shared__ int hist[];
         for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) hist[e] = 0;
-        __shared__ int invalid;
-        if (threadIdx.x == 0) invalid = 0;
+        __shared__ int invalid, first;
+        if (threadIdx.x == 0) {
+            invalid = 0;
+            first = INT32_MAX;
+        }
         __syncthreads();
         for (int t = threadIdx.x; t < p.num_tokens; t += blockDim.x) {
             for (int k = 0; k < p.topk; ++k) {
                 const int e = ids[t * p.topk + k];
                 if (e < -1 || e >= p.num_experts) {
                     atomicAdd(&invalid, 1);
+                    atomicMin(&first, t * p.topk + k);
                     continue;
                 }
                 if (e < 0) continue;
@@ -38,7 +42,13 @@ extern "C" __global__ void __launch_bounds__(kLayoutThreads) ep_dispatch_layout(
         __syncthreads();
         int* out = reinterpret_cast<int*>(p.tokens_per_expert);
         for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) out[e] = hist[e];
-        if (threadIdx.x == 0) *reinterpret_cast<int*>(p.invalid) = invalid;
+        if (threadIdx.x == 0) {
+            LayoutInvalid* r = reinterpret_cast<LayoutInvalid*>(p.invalid);
+            r->count = invalid;
+            r->first = first;
+            r->id = invalid > 0 ? ids[first] : 0;
+            r->pad = 0;
+        }
         return;
     }
 

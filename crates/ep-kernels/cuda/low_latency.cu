@@ -92,6 +92,17 @@ constexpr uint32_t kErrBadExpert = 16;
 // Error code: a transport (protocol.cuh) call returned a non-zero status; `peer` is the
 // destination, `what` the call (kTransport*), `epoch` the status, `detail` the QP key.
 constexpr uint32_t kErrTransport = 17;
+// Error code: a routing value of the combine's handle out of range, not used: `what` a kRouting*
+// value, `epoch` its flat index, `detail` the value, `peer` the largest value allowed.
+constexpr uint32_t kErrBadRouting = 18;
+// Error code: a combine top-k id >= 0 that is not the dispatch's there: `epoch` the token, `what`
+// the slot, `detail` (dispatch id << 32) | combine id.
+constexpr uint32_t kErrTopkMismatch = 19;
+// Or-ed into `what` of kErrBadExpert when a combine found the id.
+constexpr uint32_t kBadExpertInCombine = 0x100;
+constexpr uint32_t kRoutingLayoutOffset = 31;
+constexpr uint32_t kRoutingLayoutCount = 32;
+constexpr uint32_t kRoutingSrcInfo = 33;
 constexpr uint32_t kTransportPut = 21;
 constexpr uint32_t kTransportSignal = 22;
 constexpr uint32_t kTransportQuiet = 23;
@@ -106,6 +117,7 @@ struct LlDispatchParams {
     uint64_t out_src_info;          // int32 [local][ranks * max_tokens]
     uint64_t out_layout;            // int32 [local][ranks][2] = (offset, count)
     uint64_t out_count;             // int32 [local]
+    uint64_t out_topk;              // int32 [tokens][topk]: a copy of topk_idx for combine's check
     uint64_t error;                 // ErrorSlot (device memory; points at the host-mapped ErrorWord)
     uint64_t timeout_ns;
     uint64_t signal_off;            // this half's dispatch signals
@@ -126,8 +138,9 @@ struct LlDispatchParams {
     int32_t msg_bytes;
     int32_t half;                   // which half (0 or 1)
 };
-static_assert(sizeof(LlDispatchParams) == 224, "LlDispatchParams layout");
-static_assert(offsetof(LlDispatchParams, rank) == 168, "LlDispatchParams layout");
+static_assert(sizeof(LlDispatchParams) == 232, "LlDispatchParams layout");
+static_assert(offsetof(LlDispatchParams, out_topk) == 128, "LlDispatchParams layout");
+static_assert(offsetof(LlDispatchParams, rank) == 176, "LlDispatchParams layout");
 
 struct LlCombineParams {
     uint64_t peer_base[kMaxRanks];
@@ -136,6 +149,7 @@ struct LlCombineParams {
     uint64_t layout;                // int32 [local][ranks][2] (the dispatch's)
     uint64_t topk_idx;              // int32 [tokens][topk] of this rank's tokens
     uint64_t topk_weights;          // f32 [tokens][topk]
+    uint64_t dispatch_topk;         // int32 [tokens][topk]: the dispatch's ids (its out_topk)
     uint64_t out;                   // bf16 [tokens][hidden]
     uint64_t state;
     uint64_t error;
@@ -154,8 +168,9 @@ struct LlCombineParams {
     int32_t phases;
     int32_t half;
 };
-static_assert(sizeof(LlCombineParams) == 200, "LlCombineParams layout");
-static_assert(offsetof(LlCombineParams, rank) == 160, "LlCombineParams layout");
+static_assert(sizeof(LlCombineParams) == 208, "LlCombineParams layout");
+static_assert(offsetof(LlCombineParams, dispatch_topk) == 104, "LlCombineParams layout");
+static_assert(offsetof(LlCombineParams, rank) == 168, "LlCombineParams layout");
 
 struct LlSleepParams {
     uint64_t ns;
@@ -461,10 +476,12 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
         //    token order without any atomics.
         if (warp < K) {
             int e = idx[t * K + warp];
+            // Combine checks its top-k ids against this copy (kept with the handle).
+            if (lane == 0) reinterpret_cast<int*>(p.out_topk)[t * K + warp] = e;
             if (e >= p.num_experts || e < -1) {
                 if (lane == 0)
-                    record_error(p.error, kErrBadExpert, p.rank, p.rank, 0, static_cast<uint64_t>(static_cast<int64_t>(e)),
-                                 static_cast<uint64_t>(t));
+                    record_error(p.error, kErrBadExpert, p.rank, p.rank, static_cast<uint32_t>(warp),
+                                 static_cast<uint64_t>(static_cast<int64_t>(e)), static_cast<uint64_t>(t));
                 e = -1;
             }
             bool dup = false;
@@ -658,9 +675,23 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
     for (int le = blockIdx.x; le < L; le += gridDim.x) {
         const int e = p.rank * L + le;
         if (threadIdx.x < R) {
-            const int* layout = reinterpret_cast<const int*>(p.layout) + (static_cast<int64_t>(le) * R + threadIdx.x) * 2;
-            s_off[threadIdx.x] = layout[0];
-            s_cnt[threadIdx.x] = max(0, min(layout[1], p.max_tokens));
+            // The handle's tensors are checked, not trusted: a source's rows must lie inside
+            // the expert's [0, cap) and number at most max_tokens, or none of them is sent.
+            const int64_t at = static_cast<int64_t>(le) * R + threadIdx.x;
+            const int* layout = reinterpret_cast<const int*>(p.layout) + at * 2;
+            const int off = layout[0], cnt = layout[1];
+            int ok_cnt = cnt;
+            if (off < 0 || off > cap) {
+                record_error(p.error, kErrBadRouting, p.rank, cap, kRoutingLayoutOffset, static_cast<uint64_t>(at * 2),
+                             static_cast<uint64_t>(static_cast<int64_t>(off)));
+                ok_cnt = 0;
+            } else if (cnt < 0 || cnt > p.max_tokens || cnt > cap - off) {
+                record_error(p.error, kErrBadRouting, p.rank, min(p.max_tokens, cap - off), kRoutingLayoutCount,
+                             static_cast<uint64_t>(at * 2 + 1), static_cast<uint64_t>(static_cast<int64_t>(cnt)));
+                ok_cnt = 0;
+            }
+            s_off[threadIdx.x] = ok_cnt > 0 ? off : 0;
+            s_cnt[threadIdx.x] = ok_cnt;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -684,6 +715,13 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
             while (r + 1 < R && s_pre[r + 1] <= j) ++r;
             const int64_t row = static_cast<int64_t>(le) * cap + s_off[r] + (j - s_pre[r]);
             const int src_token = reinterpret_cast<const int*>(p.src_info)[row];
+            if (src_token < 0 || src_token >= p.max_tokens) {
+                // A remote write offset: checked, and the row not sent.
+                if (lane == 0 && part == 0)
+                    record_error(p.error, kErrBadRouting, p.rank, p.max_tokens - 1, kRoutingSrcInfo,
+                                 static_cast<uint64_t>(row), static_cast<uint64_t>(static_cast<int64_t>(src_token)));
+                continue;
+            }
             const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
             const uint64_t off =
                 p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
@@ -737,6 +775,20 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
             const int k = threadIdx.x;
             const int e = idx[t * K + k];
             bool ok = e >= 0;
+            if (e >= p.num_experts || e < -1) {
+                record_error(p.error, kErrBadExpert, p.rank, p.rank, static_cast<uint32_t>(k) | kBadExpertInCombine,
+                             static_cast<uint64_t>(static_cast<int64_t>(e)), static_cast<uint64_t>(t));
+                ok = false;
+            } else if (ok) {
+                // The row for (e, t) was written by this dispatch only if the dispatch sent t to e.
+                const int d = reinterpret_cast<const int*>(p.dispatch_topk)[t * K + k];
+                if (d != e) {
+                    record_error(p.error, kErrTopkMismatch, p.rank, p.rank, static_cast<uint32_t>(k),
+                                 static_cast<uint64_t>(t),
+                                 (static_cast<uint64_t>(static_cast<uint32_t>(d)) << 32) | static_cast<uint32_t>(e));
+                    ok = false;
+                }
+            }
             if (ok) {
                 const uint64_t* flag = reinterpret_cast<const uint64_t*>(mine + p.flag_off) + e;
                 uint64_t seen = 0;

@@ -31,8 +31,39 @@ pub mod error_code {
     pub const NONE: u32 = 0;
     /// A bounded wait on peer flags ran out.
     pub const TIMEOUT: u32 = 1;
-    /// More tokens arrived than `num_worst_tokens` rows.
+    /// More tokens arrived than `num_worst_tokens` rows: [`ErrorWord::what`](super::ErrorWord)
+    /// holds `num_worst_tokens`, `detail` the rows received.
     pub const WORST_TOKENS_EXCEEDED: u32 = 2;
+    /// A routing value read from a layout tensor is out of range (nothing was written by it):
+    /// `what` is a [`routing_what`](super::routing_what) value, `epoch` the value's flat index,
+    /// `detail` the value (i64 bits), `peer` the largest value allowed.
+    pub const BAD_ROUTING: u32 = 3;
+}
+
+/// Which routing value was out of range ([`ErrorWord::what`] with
+/// [`error_code::BAD_ROUTING`]).
+pub mod routing_what {
+    /// `tokens_per_rank[dst]` outside `[0, tokens]` (notify; published clamped).
+    pub const TOKENS_PER_RANK: u32 = 1;
+    /// `tokens_per_expert[e]` outside `[0, tokens]` (notify; published clamped).
+    pub const TOKENS_PER_EXPERT: u32 = 2;
+    /// A token's send position to a rank (flat index `token × ranks + rank`) at or past the
+    /// count this rank published to it (push; the row was not sent).
+    pub const SEND_POSITION: u32 = 3;
+}
+
+/// What the layout kernel reports about top-k ids outside `[-1, experts)` (`LayoutInvalid`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayoutInvalid {
+    /// How many ids were out of range.
+    pub count: i32,
+    /// The flat index (`token × topk + slot`) of the first, or `i32::MAX`.
+    pub first: i32,
+    /// The id there.
+    pub id: i32,
+    /// Padding.
+    pub pad: i32,
 }
 
 /// What a device wait was waiting for ([`ErrorWord::what`]).
@@ -126,8 +157,11 @@ pub struct Meta {
     pub recv_offset: [i32; MAX_RANKS + 1],
     /// Rows received.
     pub num_recv: i32,
+    /// Tokens this rank sends to each destination (as published, clamped): no row past
+    /// `send_offset + send_count` is written.
+    pub send_count: [i32; MAX_RANKS],
     /// Padding.
-    pub pad: [i32; 14],
+    pub pad: [i32; 6],
 }
 
 /// What the host waits for after the count exchange (`HostInfo`); expert counts follow it.
@@ -156,7 +190,7 @@ pub struct LayoutParams {
     pub is_token_in_rank: u64,
     /// `i32 [tokens][ranks]`: position among the tokens sent to that rank, or -1.
     pub send_pos: u64,
-    /// `i32`: ids outside `[-1, num_experts)`.
+    /// [`LayoutInvalid`]: ids outside `[-1, num_experts)`.
     pub invalid: u64,
     /// Tokens.
     pub num_tokens: i32,
@@ -203,8 +237,8 @@ pub struct NotifyParams {
     pub expert_alignment: i32,
     /// Fixed output rows, or 0.
     pub num_worst_tokens: i32,
-    /// Padding.
-    pub pad: i32,
+    /// Tokens this rank sends: every published count must lie in `[0, num_tokens]`.
+    pub num_tokens: i32,
 }
 
 /// Byte offsets of a receive region's sections (`RegionLayout`).
@@ -267,6 +301,11 @@ pub struct DispatchParams {
     pub num_local_experts: i32,
     /// Fixed output rows, or 0.
     pub num_worst_tokens: i32,
+    /// Rows of every receive region (`ranks × max_tokens_per_rank`): no row at or past it is
+    /// written.
+    pub cap: i32,
+    /// Padding.
+    pub pad: i32,
 }
 
 /// `ep_intranode_barrier` parameters.
@@ -359,6 +398,7 @@ const _: () = {
     assert!(offset_of!(SignalHead, epoch) == 520);
     assert!(size_of::<Meta>() == 128);
     assert!(offset_of!(Meta, num_recv) == 68);
+    assert!(offset_of!(Meta, send_count) == 72);
     assert!(size_of::<HostInfo>() == 16);
     assert!(size_of::<LayoutParams>() == 64);
     assert!(offset_of!(SignalHead, recv_offset) == 64);
@@ -366,7 +406,10 @@ const _: () = {
     assert!(offset_of!(NotifyParams, recv_offset) == 72);
     assert!(offset_of!(NotifyParams, rank) == 136);
     assert!(size_of::<RegionLayout>() == 32);
-    assert!(size_of::<DispatchParams>() == 264);
+    assert!(size_of::<DispatchParams>() == 272);
+    assert!(offset_of!(DispatchParams, cap) == 264);
+    assert!(offset_of!(NotifyParams, num_tokens) == 156);
+    assert!(size_of::<LayoutInvalid>() == 16);
     assert!(offset_of!(DispatchParams, region) == 128);
     assert!(offset_of!(DispatchParams, rank) == 232);
     assert!(size_of::<BarrierParams>() == 120);

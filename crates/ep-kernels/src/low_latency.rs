@@ -41,12 +41,37 @@ pub mod wait_what {
 
 /// Error codes of the low-latency kernels beside `intranode::error_code::TIMEOUT` (1).
 pub mod error_code {
-    /// A top-k id outside `[-1, experts)`; the error word's `epoch` holds the id (as i64 bits).
+    /// A top-k id outside `[-1, experts)` (dispatch) or `[-1, experts)` and not the dispatch's
+    /// (combine: see [`TOPK_MISMATCH`]); the error word's `epoch` holds the id (as i64 bits),
+    /// `detail` the token, `what` the top-k slot, | [`BAD_EXPERT_IN_COMBINE`](super::BAD_EXPERT_IN_COMBINE)
+    /// in a combine.
     pub const BAD_EXPERT: u32 = 16;
     /// A transport call (`ibgda/protocol.cuh`) failed: `peer` is the destination, `what` one of
     /// [`transport_what`](super::transport_what), `epoch` the protocol status, `detail` the QP
     /// key. The QP group's error record says why.
     pub const TRANSPORT: u32 = 17;
+    /// A routing value of the combine's handle is out of range (nothing was written by it):
+    /// `what` is a [`routing_what`](super::routing_what) value, `epoch` the value's flat index,
+    /// `detail` the value (i64 bits), `peer` the largest value allowed.
+    pub const BAD_ROUTING: u32 = 18;
+    /// A combine's top-k id (≥ 0) differs from the dispatch's in that place (that copy is not
+    /// summed): `epoch` is the token, `what` the slot, `detail` the dispatch's id (high 32 bits)
+    /// and the combine's (low 32 bits).
+    pub const TOPK_MISMATCH: u32 = 19;
+}
+
+/// Set in the error word's `what` with [`error_code::BAD_EXPERT`] when a combine found the id.
+pub const BAD_EXPERT_IN_COMBINE: u32 = 0x100;
+
+/// Which handle value was out of range ([`error_code::BAD_ROUTING`]).
+pub mod routing_what {
+    /// `layout_range[local][rank][0]`, the first row, outside `[0, ranks × max tokens]`.
+    pub const LAYOUT_OFFSET: u32 = 31;
+    /// `layout_range[local][rank][1]`, the rows, outside `[0, max tokens]` or past the expert's
+    /// rows.
+    pub const LAYOUT_COUNT: u32 = 32;
+    /// `src_info[local][row]`, a source token, outside `[0, max tokens)`.
+    pub const SRC_INFO: u32 = 33;
 }
 
 /// Which transport call failed (the error word's `what` with [`error_code::TRANSPORT`]).
@@ -138,6 +163,8 @@ pub struct LlDispatchParams {
     pub out_layout: u64,
     /// `i32 [local]`: rows per local expert.
     pub out_count: u64,
+    /// `i32 [tokens][topk]`: a copy of `topk_idx`, which combine checks its own against.
+    pub out_topk: u64,
     /// Where errors are reported (`ep_kernels::intranode::ErrorSlot`, pointing at the host-mapped
     /// error word).
     pub error: u64,
@@ -195,6 +222,8 @@ pub struct LlCombineParams {
     pub topk_idx: u64,
     /// `f32 [tokens][topk]`.
     pub topk_weights: u64,
+    /// The dispatch's `out_topk`: its top-k ids `[tokens][topk]`.
+    pub dispatch_topk: u64,
     /// `bf16 [tokens][hidden]`.
     pub out: u64,
     /// [`LlState`].
@@ -256,10 +285,12 @@ const _: () = {
     assert!(offset_of!(LlState, dispatch_seq) == 16);
     assert!(offset_of!(LlState, dispatch_blocks_done) == 36);
     assert!(offset_of!(LlTransport, nqps) == 192);
-    assert!(size_of::<LlDispatchParams>() == 224);
-    assert!(offset_of!(LlDispatchParams, rank) == 168);
-    assert!(size_of::<LlCombineParams>() == 200);
-    assert!(offset_of!(LlCombineParams, rank) == 160);
+    assert!(size_of::<LlDispatchParams>() == 232);
+    assert!(offset_of!(LlDispatchParams, out_topk) == 128);
+    assert!(offset_of!(LlDispatchParams, rank) == 176);
+    assert!(size_of::<LlCombineParams>() == 208);
+    assert!(offset_of!(LlCombineParams, dispatch_topk) == 104);
+    assert!(offset_of!(LlCombineParams, rank) == 168);
     assert!(size_of::<LlSleepParams>() == 8);
 };
 

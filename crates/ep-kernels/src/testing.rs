@@ -6,21 +6,17 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-/// Contexts on the first `n` GPUs, or `None` after printing
-/// `SKIPPED (needs n GPUs, found m)` when fewer are visible (or there is no driver).
+/// Contexts on the first `n` GPUs, one per GPU, or `None` after printing
+/// `SKIPPED (needs n GPUs, found m)` when fewer are visible (or there is no driver). Only for
+/// tests that truly need distinct GPUs (peer access, copy-engine P2P); multi-rank tests take
+/// [`rank_gpus`], which shares GPUs among ranks.
 ///
 /// ```no_run
 /// let Some(gpus) = ep_kernels::testing::gpus(2) else { return };
 /// assert_eq!(gpus.len(), 2);
 /// ```
 pub fn gpus(n: usize) -> Option<Vec<Arc<CudaContext>>> {
-    let found = match ibgda_device::cuda::device_count() {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("note: {e}");
-            0
-        }
-    };
+    let found = visible_gpus();
     if found < n {
         let test = std::thread::current().name().unwrap_or("?").to_string();
         // Straight to the process's stderr: libtest captures `eprintln!` of passing tests, and
@@ -35,7 +31,88 @@ pub fn gpus(n: usize) -> Option<Vec<Arc<CudaContext>>> {
     let ctxs = (0..n)
         .map(|i| ibgda_device::cuda::context(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}")))
         .collect();
+    say(&format!("gpus: {n} of {found} visible"));
     Some(ctxs)
+}
+
+/// A line straight to the process's stderr, past libtest's capture (the device suite's `run.sh`
+/// reads these: a test that printed neither a `gpus:`/`ranks:` line nor a skip ran no case).
+fn say(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The GPU of rank `rank` when a group is spread round robin over `gpus` GPUs.
+pub fn gpu_of(rank: usize, gpus: usize) -> usize {
+    rank % gpus.max(1)
+}
+
+/// How `ranks` ranks spread round robin over `gpus` GPUs, as the harness prints it:
+/// `4 ranks on 1 GPU: 0,0,0,0`.
+///
+/// ```
+/// assert_eq!(ep_kernels::testing::mapping(4, 1), "4 ranks on 1 GPU: 0,0,0,0");
+/// assert_eq!(ep_kernels::testing::mapping(3, 2), "3 ranks on 2 GPUs: 0,1,0");
+/// ```
+pub fn mapping(ranks: usize, gpus: usize) -> String {
+    let used = gpus.min(ranks).max(1);
+    let list: Vec<String> = (0..ranks).map(|r| gpu_of(r, used).to_string()).collect();
+    format!(
+        "{ranks} rank{} on {used} GPU{}: {}",
+        if ranks == 1 { "" } else { "s" },
+        if used == 1 { "" } else { "s" },
+        list.join(",")
+    )
+}
+
+/// Contexts for `n` ranks on however many GPUs are visible, round robin (rank `i` on GPU
+/// `i % m`; ranks on one GPU share its primary context), after printing the mapping
+/// (`ranks: 4 ranks on 1 GPU: 0,0,0,0`). `None`, after printing `SKIPPED (needs 1 GPUs, found
+/// 0)`, only where there is no GPU at all.
+///
+/// ```no_run
+/// let Some(ctxs) = ep_kernels::testing::rank_gpus(8) else { return };
+/// assert_eq!(ctxs.len(), 8);
+/// ```
+pub fn rank_gpus(n: usize) -> Option<Vec<Arc<CudaContext>>> {
+    let found = visible_gpus();
+    if found == 0 {
+        let test = std::thread::current().name().unwrap_or("?").to_string();
+        say(&format!("SKIPPED (needs 1 GPUs, found 0): {test}"));
+        return None;
+    }
+    let used = found.min(n).max(1);
+    let opened: Vec<Arc<CudaContext>> = (0..used)
+        .map(|i| ibgda_device::cuda::context(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}")))
+        .collect();
+    say(&format!("ranks: {}", mapping(n, found)));
+    Some((0..n).map(|r| opened[gpu_of(r, used)].clone()).collect())
+}
+
+/// The context of rank `rank` of a group of processes spread round robin over the visible GPUs
+/// (the process's own view: `CUDA_VISIBLE_DEVICES` applies).
+pub fn rank_context(rank: usize) -> Result<Arc<CudaContext>, ibgda_device::cuda::CudaError> {
+    let found = ibgda_device::cuda::device_count()?;
+    ibgda_device::cuda::context(gpu_of(rank, found))
+}
+
+/// How many different GPUs `ctxs` are on.
+pub fn distinct_gpus(ctxs: &[Arc<CudaContext>]) -> usize {
+    let mut devices: Vec<_> = ctxs.iter().map(|c| c.cu_device()).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    devices.len()
+}
+
+/// Visible GPUs (0 without a driver, after saying why).
+pub fn visible_gpus() -> usize {
+    match ibgda_device::cuda::device_count() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("note: {e}");
+            0
+        }
+    }
 }
 
 /// A seed for a test's random inputs: `EP_TEST_SEED` if set, else fresh from the clock. Printed,

@@ -45,15 +45,24 @@ impl BufferOptions {
     }
 
     /// Bytes of one receive region for `ranks` ranks (GPU memory per live dispatch output; a
-    /// buffer holds `max_live_outputs` of them).
-    pub fn recv_region_bytes(&self, ranks: usize) -> usize {
-        crate::intranode::RegionPlan::new(self, ranks).bytes
+    /// buffer holds `max_live_outputs` of them); `None` when the sizes overflow a `usize`.
+    pub fn recv_region_bytes(&self, ranks: usize) -> Option<usize> {
+        crate::intranode::RegionPlan::new(self, ranks)
+            .ok()
+            .map(|p| p.bytes)
     }
 
     /// Bytes of the combine staging region (GPU memory, once per buffer, for ranks as
-    /// processes; ranks as threads combine without it).
-    pub fn combine_region_bytes(&self, ranks: usize) -> usize {
-        ranks * self.max_tokens_per_rank * (self.max_hidden * 2 + self.max_topk * 4)
+    /// processes; ranks as threads combine without it); `None` when the sizes overflow a
+    /// `usize`.
+    pub fn combine_region_bytes(&self, ranks: usize) -> Option<usize> {
+        let row = self
+            .max_hidden
+            .checked_mul(2)?
+            .checked_add(self.max_topk.checked_mul(4)?)?;
+        ranks
+            .checked_mul(self.max_tokens_per_rank)?
+            .checked_mul(row)
     }
 }
 

@@ -12,72 +12,80 @@ use crate::error::EpError;
 #[derive(Debug, Clone)]
 pub struct Event {
     pub(crate) inner: Arc<CudaEvent>,
-    pub(crate) rank: usize,
+    /// Where its errors say they happened: a buffer's rank, or (an event of the caller's own
+    /// stream, [`Event::on`], [`Event::timed`]) the GPU.
+    at: Where,
+}
+
+/// What an event's errors name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Where {
+    Rank(usize),
+    Gpu(usize),
+}
+
+impl Where {
+    fn cuda(self, call: &'static str, source: cudarc::driver::DriverError) -> EpError {
+        match self {
+            Where::Rank(rank) => EpError::Cuda { rank, call, source },
+            Where::Gpu(gpu) => EpError::Stream { gpu, call, source },
+        }
+    }
 }
 
 impl Event {
     pub(crate) fn record(stream: &CudaStream, rank: usize) -> Result<Self, EpError> {
-        let inner = stream.record_event(None).map_err(|source| EpError::Cuda {
-            rank,
-            call: "cuEventRecord",
-            source,
-        })?;
+        Self::make(stream, Where::Rank(rank), None)
+    }
+
+    fn make(
+        stream: &CudaStream,
+        at: Where,
+        flags: Option<cudarc::driver::sys::CUevent_flags>,
+    ) -> Result<Self, EpError> {
+        let inner = stream
+            .record_event(flags)
+            .map_err(|source| at.cuda("cuEventRecord", source))?;
         Ok(Self {
             inner: Arc::new(inner),
-            rank,
+            at,
         })
     }
 
     /// Records the current end of `stream`'s work.
     pub fn on(stream: &Arc<CudaStream>) -> Result<Self, EpError> {
-        Self::record(stream, usize::MAX)
+        Self::make(stream, Where::Gpu(stream.context().ordinal()), None)
     }
 
     /// Records the current end of `stream`'s work in an event that can be timed with
     /// [`elapsed_ms`](Self::elapsed_ms).
     pub fn timed(stream: &Arc<CudaStream>) -> Result<Self, EpError> {
-        let inner = stream
-            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|source| EpError::Cuda {
-                rank: usize::MAX,
-                call: "cuEventRecord",
-                source,
-            })?;
-        Ok(Self {
-            inner: Arc::new(inner),
-            rank: usize::MAX,
-        })
+        Self::make(
+            stream,
+            Where::Gpu(stream.context().ordinal()),
+            Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT),
+        )
     }
 
     /// Milliseconds from this event to `end` (both from [`timed`](Self::timed), both complete).
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32, EpError> {
         self.inner
             .elapsed_ms(&end.inner)
-            .map_err(|source| EpError::Cuda {
-                rank: self.rank,
-                call: "cuEventElapsedTime",
-                source,
-            })
+            .map_err(|source| self.at.cuda("cuEventElapsedTime", source))
     }
 
     /// Makes `stream` wait (on the GPU) for this event.
     pub fn wait_on(&self, stream: &CudaStream) -> Result<(), EpError> {
-        stream.wait(&self.inner).map_err(|source| EpError::Cuda {
-            rank: self.rank,
-            call: "cuStreamWaitEvent",
-            source,
-        })
+        stream
+            .wait(&self.inner)
+            .map_err(|source| self.at.cuda("cuStreamWaitEvent", source))
     }
 
     /// Whether the work before the event has finished.
     pub fn is_complete(&self) -> Result<bool, EpError> {
         match self.inner.try_is_complete() {
             Ok(done) => Ok(done),
-            Err(source) => Err(EpError::Cuda {
-                rank: self.rank,
-                call: "cuEventQuery",
-                source,
-            }),
+            Err(source) => Err(self.at.cuda("cuEventQuery", source)),
         }
     }
 
@@ -87,10 +95,13 @@ impl Event {
         let mut spins = 0u32;
         while !self.is_complete()? {
             if start.elapsed() > timeout {
-                return Err(EpError::HostTimeout {
-                    rank: self.rank,
-                    what,
-                    timeout,
+                return Err(match self.at {
+                    Where::Rank(rank) => EpError::HostTimeout {
+                        rank,
+                        what,
+                        timeout,
+                    },
+                    Where::Gpu(gpu) => EpError::StreamTimeout { gpu, what, timeout },
                 });
             }
             backoff(&mut spins);
@@ -108,5 +119,37 @@ pub(crate) fn backoff(spins: &mut u32) {
         std::thread::yield_now();
     } else {
         std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_of_the_callers_own_events_name_the_gpu_not_a_rank() {
+        let e = cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY);
+        assert!(matches!(
+            Where::Gpu(3).cuda("cuEventQuery", e),
+            EpError::Stream {
+                gpu: 3,
+                call: "cuEventQuery",
+                ..
+            }
+        ));
+        assert!(matches!(
+            Where::Rank(1).cuda("cuEventQuery", e),
+            EpError::Cuda {
+                rank: 1,
+                call: "cuEventQuery",
+                ..
+            }
+        ));
+        let t = EpError::StreamTimeout {
+            gpu: 3,
+            what: "the compute stream",
+            timeout: Duration::from_secs(1),
+        };
+        assert!(!t.to_string().contains(&usize::MAX.to_string()), "{t}");
     }
 }

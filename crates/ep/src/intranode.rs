@@ -39,6 +39,7 @@ use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::{backoff, Event};
 use crate::rendezvous::Exchange;
+use crate::residency::{gated, GpuShare, LaunchGate};
 use crate::tensor::{Region, Tensor};
 
 const ALIGN: usize = 256;
@@ -47,8 +48,53 @@ const HOST_INFO_OFFSET: usize = 64;
 /// FP8 scales cover this many channels each.
 pub const FP8_BLOCK: usize = 128;
 
-fn align_up(x: usize) -> usize {
-    x.div_ceil(ALIGN) * ALIGN
+/// Largest `max_hidden`: rows of up to 2 MiB of BF16, so that every byte count the kernels take
+/// as `i32` (`row_bytes`, `hidden`) stays far inside its range.
+pub(crate) const MAX_HIDDEN: usize = 1 << 20;
+/// Largest `max_topk` (the layout kernel's duplicate check is quadratic in it).
+pub(crate) const MAX_TOPK: usize = 1024;
+/// Largest `max_live_outputs` (each is a receive region of the window peers map).
+pub(crate) const MAX_LIVE_OUTPUTS: usize = 1024;
+/// Largest `expert_alignment`: per-expert counts (at most `ranks × max_tokens_per_rank`, below
+/// `i32::MAX / 8`) rounded up to it stay inside `i32` on the GPU.
+pub(crate) const MAX_EXPERT_ALIGNMENT: usize = 1 << 24;
+
+fn align_up(x: usize) -> Option<usize> {
+    x.checked_next_multiple_of(ALIGN)
+}
+
+/// `a × b × …` or `None` when it does not fit a `usize`.
+fn product(factors: &[usize]) -> Option<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+}
+
+/// Bump allocation of aligned sections with checked arithmetic.
+struct Sections {
+    at: usize,
+}
+
+impl Sections {
+    fn new(start: usize) -> Option<Self> {
+        Some(Self {
+            at: align_up(start)?,
+        })
+    }
+    /// `n` bytes (`None` when the product overflowed); returns the section's offset.
+    fn take(&mut self, n: Option<usize>) -> Option<usize> {
+        let here = self.at;
+        self.at = align_up(here.checked_add(n?)?)?;
+        Some(here)
+    }
+}
+
+fn too_big(what: &str, o: &BufferOptions, ranks: usize) -> String {
+    format!(
+        "{what} of {ranks} ranks × max_tokens_per_rank {} × max_hidden {} × max_topk {} \
+         (× max_live_outputs {}) does not fit a usize",
+        o.max_tokens_per_rank, o.max_hidden, o.max_topk, o.max_live_outputs
+    )
 }
 
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
@@ -58,31 +104,63 @@ static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 pub(crate) struct RegionPlan {
     pub(crate) layout: k::RegionLayout,
     pub(crate) bytes: usize,
+    /// Rows it holds: `ranks × max_tokens_per_rank`.
+    pub(crate) cap: usize,
 }
 
 impl RegionPlan {
-    pub(crate) fn new(o: &BufferOptions, ranks: usize) -> Self {
-        let cap = ranks * o.max_tokens_per_rank;
-        let local = o.num_experts / ranks.max(1);
-        let mut at = align_up(std::mem::size_of::<k::Meta>() + 4 * local);
-        let mut take = |n: usize| {
-            let here = at;
-            at = align_up(at + n);
-            here as u64
+    /// The plan, or why the sizes do not fit (every product checked).
+    pub(crate) fn new(o: &BufferOptions, ranks: usize) -> Result<Self, String> {
+        let plan = || -> Option<Self> {
+            let cap = ranks.checked_mul(o.max_tokens_per_rank)?;
+            let local = o.num_experts / ranks.max(1);
+            let mut s =
+                Sections::new(std::mem::size_of::<k::Meta>().checked_add(local.checked_mul(4)?)?)?;
+            let x = s.take(product(&[cap, o.max_hidden, 2]))?;
+            let scales = s.take(product(&[cap, o.max_hidden.div_ceil(FP8_BLOCK), 4]))?;
+            let topk_idx = s.take(product(&[cap, o.max_topk, 4]))?;
+            let topk_weights = s.take(product(&[cap, o.max_topk, 4]))?;
+            Some(Self {
+                layout: k::RegionLayout {
+                    x: x as u64,
+                    scales: scales as u64,
+                    topk_idx: topk_idx as u64,
+                    topk_weights: topk_weights as u64,
+                },
+                bytes: s.at,
+                cap,
+            })
         };
-        let x = take(cap * o.max_hidden * 2);
-        let scales = take(cap * o.max_hidden.div_ceil(FP8_BLOCK) * 4);
-        let topk_idx = take(cap * o.max_topk * 4);
-        let topk_weights = take(cap * o.max_topk * 4);
-        Self {
-            layout: k::RegionLayout {
-                x,
-                scales,
-                topk_idx,
-                topk_weights,
-            },
-            bytes: at,
-        }
+        plan().ok_or_else(|| too_big("a receive region", o, ranks))
+    }
+}
+
+/// Where the sections of one pooled combine output lie: `[max_tokens][max_hidden]` BF16 rows,
+/// then `[max_tokens][max_topk]` f32 weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OutputPlan {
+    /// Offset of the weights.
+    pub(crate) weights: usize,
+    /// Bytes of one output.
+    pub(crate) bytes: usize,
+    /// Bytes of the pool (`max_live_outputs` outputs).
+    pub(crate) pool_bytes: usize,
+}
+
+impl OutputPlan {
+    /// The plan, or why the sizes do not fit (every product checked).
+    pub(crate) fn new(o: &BufferOptions) -> Result<Self, String> {
+        let plan = || -> Option<Self> {
+            let mut s = Sections::new(0)?;
+            s.take(product(&[o.max_tokens_per_rank, o.max_hidden, 2]))?;
+            let weights = s.take(product(&[o.max_tokens_per_rank, o.max_topk, 4]))?;
+            Some(Self {
+                weights,
+                bytes: s.at,
+                pool_bytes: s.at.checked_mul(o.max_live_outputs)?,
+            })
+        };
+        plan().ok_or_else(|| too_big("the combine output pool", o, 1))
     }
 }
 
@@ -106,33 +184,41 @@ pub(crate) struct WindowPlan {
 }
 
 impl WindowPlan {
-    pub(crate) fn new(o: &BufferOptions, ranks: usize, staging: bool) -> Self {
-        let num_local_experts = o.num_experts / ranks.max(1);
-        let signal_bytes =
-            align_up(std::mem::size_of::<k::SignalHead>() + 4 * ranks * num_local_experts);
-        let comb_x = signal_bytes;
-        let (x_bytes, w_bytes) = if staging {
-            let rows = ranks * o.max_tokens_per_rank;
-            (
-                align_up(rows * o.max_hidden * 2),
-                align_up(rows * o.max_topk * 4),
-            )
-        } else {
-            (0, 0)
+    /// The plan, or why the sizes do not fit (every product and sum checked).
+    pub(crate) fn new(o: &BufferOptions, ranks: usize, staging: bool) -> Result<Self, String> {
+        let recv_bytes = RegionPlan::new(o, ranks)?.bytes;
+        let plan = || -> Option<Self> {
+            let num_local_experts = o.num_experts / ranks.max(1);
+            let signal_bytes =
+                align_up(std::mem::size_of::<k::SignalHead>().checked_add(product(&[
+                    4,
+                    ranks,
+                    num_local_experts,
+                ])?)?)?;
+            let comb_x = signal_bytes;
+            let (x_bytes, w_bytes) = if staging {
+                let rows = ranks.checked_mul(o.max_tokens_per_rank)?;
+                (
+                    align_up(product(&[rows, o.max_hidden, 2])?)?,
+                    align_up(product(&[rows, o.max_topk, 4])?)?,
+                )
+            } else {
+                (0, 0)
+            };
+            let comb_w = comb_x.checked_add(x_bytes)?;
+            let recv_at = comb_w.checked_add(w_bytes)?;
+            let recv_count = o.max_live_outputs;
+            Some(Self {
+                signal_bytes,
+                comb_x,
+                comb_w,
+                recv_at,
+                recv_bytes,
+                recv_count,
+                bytes: recv_at.checked_add(recv_bytes.checked_mul(recv_count)?)?,
+            })
         };
-        let comb_w = comb_x + x_bytes;
-        let recv_at = comb_w + w_bytes;
-        let recv_bytes = RegionPlan::new(o, ranks).bytes;
-        let recv_count = o.max_live_outputs;
-        Self {
-            signal_bytes,
-            comb_x,
-            comb_w,
-            recv_at,
-            recv_bytes,
-            recv_count,
-            bytes: recv_at + recv_bytes * recv_count,
-        }
+        plan().ok_or_else(|| too_big("the window", o, ranks))
     }
 
     /// Bytes of the staging section at `offset` (`comb_x` or `comb_w`; 0 without staging).
@@ -160,6 +246,92 @@ impl WindowPlan {
         ]
         .map(|w| w as u64)
     }
+}
+
+/// The error the layout kernel's [`k::LayoutInvalid`] report (`words`) describes, if any.
+fn layout_invalid_error(
+    rank: usize,
+    words: &[i32],
+    topk: usize,
+    num_experts: usize,
+) -> Option<EpError> {
+    let (count, first, id) = (*words.first()?, *words.get(1)?, *words.get(2)?);
+    if count == 0 {
+        return None;
+    }
+    let first = first.max(0) as usize;
+    Some(EpError::ExpertIdOutOfRange {
+        rank,
+        op: "dispatch layout",
+        id: i64::from(id),
+        token: first / topk.max(1),
+        slot: Some(first % topk.max(1)),
+        count: Some(count.max(0) as usize),
+        num_experts,
+    })
+}
+
+/// The error an intranode kernel recorded in `w` (see [`k::error_code`] for what each code puts
+/// in which field), as this rank reports it.
+fn device_error(rank: usize, w: &k::ErrorWord, timeout: std::time::Duration) -> EpError {
+    match w.code {
+        k::error_code::WORST_TOKENS_EXCEEDED => EpError::WorstTokensExceeded {
+            rank,
+            received: w.detail as usize,
+            worst: w.what as usize,
+        },
+        k::error_code::BAD_ROUTING => EpError::CorruptRouting {
+            rank,
+            what: match w.what {
+                k::routing_what::TOKENS_PER_RANK => "tokens_per_rank",
+                k::routing_what::TOKENS_PER_EXPERT => "tokens_per_expert",
+                k::routing_what::SEND_POSITION => "send position (token, rank)",
+                _ => "routing value",
+            },
+            index: w.epoch,
+            value: w.detail as i64,
+            limit: u64::from(w.peer),
+        },
+        k::error_code::TIMEOUT => EpError::PeerTimeout {
+            rank,
+            peer: w.peer as usize,
+            what: match w.what {
+                k::wait_what::DISPATCH_COUNTS => "dispatch count exchange",
+                k::wait_what::DISPATCH_DATA => "dispatch data",
+                k::wait_what::COMBINE_START => "combine start",
+                k::wait_what::COMBINE_DATA => "combine data",
+                _ => "unknown wait",
+            },
+            expert: None,
+            epoch: w.epoch,
+            seen: w.detail,
+            timeout,
+        },
+        other => EpError::Poisoned {
+            rank,
+            first: format!(
+                "unknown device error code {other} (peer {}, what {}, epoch {}, detail {})",
+                w.peer, w.what, w.epoch, w.detail
+            ),
+        },
+    }
+}
+
+/// A row count the GPU reported, as rows of a region of `cap` rows: negatives are 0, and no
+/// count exceeds the region.
+fn clamp_count(n: i32, cap: usize) -> usize {
+    (n.max(0) as usize).min(cap)
+}
+
+/// `expert_alignment` is cast to `i32` for the kernels: only after this check.
+fn check_expert_alignment(rank: usize, a: usize) -> Result<(), EpError> {
+    if a > MAX_EXPERT_ALIGNMENT {
+        return Err(invalid(
+            rank,
+            format!("expert_alignment {a} above {MAX_EXPERT_ALIGNMENT}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Regions handed out as tensor storage: fixed slots of one allocation, made at creation (the
@@ -217,15 +389,15 @@ impl Kernels {
     }
 }
 
-/// Where each token goes: the result of [`Buffer::get_dispatch_layout`].
+/// Where each token goes: the result of [`Buffer::get_dispatch_layout`]. Its tensors are
+/// [read-only](Tensor::is_read_only): dispatch reads them, and they must agree with the send
+/// order the layout keeps privately (the kernels check them all the same, and report a value
+/// edited out of range as [`EpError::CorruptRouting`] instead of writing by it).
 #[derive(Debug, Clone)]
 pub struct DispatchLayout {
-    /// Tokens this rank sends to each rank, `[ranks]`.
-    pub tokens_per_rank: Tensor<i32>,
-    /// Tokens this rank sends to each expert, `[num_experts]`.
-    pub tokens_per_expert: Tensor<i32>,
-    /// Whether each token goes to each rank (0/1), `[tokens][ranks]`.
-    pub is_token_in_rank: Tensor<u8>,
+    tokens_per_rank: Tensor<i32>,
+    tokens_per_expert: Tensor<i32>,
+    is_token_in_rank: Tensor<u8>,
     /// Each token's position among those sent to each rank, or -1, `[tokens][ranks]`.
     send_pos: Tensor<i32>,
     num_tokens: usize,
@@ -233,6 +405,18 @@ pub struct DispatchLayout {
 }
 
 impl DispatchLayout {
+    /// Tokens this rank sends to each rank, `[ranks]`.
+    pub fn tokens_per_rank(&self) -> &Tensor<i32> {
+        &self.tokens_per_rank
+    }
+    /// Tokens this rank sends to each expert, `[num_experts]`.
+    pub fn tokens_per_expert(&self) -> &Tensor<i32> {
+        &self.tokens_per_expert
+    }
+    /// Whether each token goes to each rank (0/1), `[tokens][ranks]`.
+    pub fn is_token_in_rank(&self) -> &Tensor<u8> {
+        &self.is_token_in_rank
+    }
     /// Tokens the layout was computed for.
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
@@ -461,11 +645,25 @@ pub struct Buffer {
     recv_pool: Pool,
     out_pool: Pool,
     out_w_offset: usize,
-    mapped: crate::mapped::MappedHost,
+    mapped: Arc<crate::mapped::MappedHost>,
     /// What the kernels get as `error` (points at the error word in `mapped`).
-    errors: crate::mapped::ErrorReport,
+    errors: Arc<crate::mapped::ErrorReport>,
+    /// Every window of the group, when its ranks are threads built together
+    /// ([`Buffer::create_group`]): each rank's window is freed only once no rank's buffer holds
+    /// it, so a drop never frees memory a peer's kernels may still write. `None` otherwise.
+    group_windows: Option<Vec<Arc<DeviceBuffer>>>,
     epoch: u64,
     poisoned: Option<String>,
+    /// Who shares this GPU: ranks of this process on it must fit on it together.
+    share: GpuShare,
+    /// Where the ranks of this process sharing this GPU meet around every launch of a kernel
+    /// that waits for them (`None`: this rank has its GPU to itself).
+    gate: Option<Arc<LaunchGate>>,
+    /// Set when a rank sharing the GPU never came to the gate: the peers' flags are then in an
+    /// unknown state, as after a timeout.
+    gate_failure: std::sync::OnceLock<String>,
+    /// Set by [`Buffer::shutdown`], which did the teardown; drop then only frees what it left.
+    shut_down: bool,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -477,6 +675,30 @@ impl std::fmt::Debug for Buffer {
             .field("same_space", &self.same_space)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
+    }
+}
+
+/// Dropping a buffer without [`Buffer::shutdown`] waits (bounded) for its stream, and never frees
+/// memory a kernel may still write: when the stream did not finish, everything its kernels write
+/// is leaked (logged); ranks as threads of [`Buffer::create_group`] keep each other's windows
+/// alive, so a window is freed only when the last buffer of the group has gone; any other
+/// multi-rank buffer leaks its window (logged: peers may still map or write it; end such groups
+/// with [`Buffer::shutdown`]).
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if self.shut_down {
+            return;
+        }
+        if let Err(e) = self.wait_stream() {
+            self.leak_own(&format!("buffer dropped while its stream was busy ({e})"));
+            return;
+        }
+        if let Err(e) = self.check_device_error() {
+            tracing::warn!(rank = self.rank, "buffer dropped after an error: {e}");
+        }
+        if self.ranks > 1 && self.group_windows.is_none() {
+            self.leak_window("buffer dropped without shutdown: the peers may still map its window");
+        }
     }
 }
 
@@ -496,7 +718,7 @@ impl Parts {
         (rank, ranks): (usize, usize),
         opts: &BufferOptions,
         wplan: &WindowPlan,
-        out_bytes: usize,
+        out_pool_bytes: usize,
     ) -> Result<Self, EpError> {
         let dev = |source| EpError::Device { rank, source };
         let cuda = |call, source| EpError::Cuda { rank, call, source };
@@ -513,7 +735,7 @@ impl Parts {
         // Peers write the signal region as soon as the exchange returns: it must be zero by then
         // (a memset is asynchronous to the host).
         ctx.synchronize().map_err(|e| cuda("cuCtxSynchronize", e))?;
-        let out = DeviceBuffer::new(ctx, out_bytes * opts.max_live_outputs).map_err(dev)?;
+        let out = DeviceBuffer::new(ctx, out_pool_bytes).map_err(dev)?;
         let num_local_experts = opts.num_experts / ranks;
         let mapped = crate::mapped::MappedHost::new(
             ctx,
@@ -539,9 +761,14 @@ impl Buffer {
         ctxs: &[Arc<CudaContext>],
         opts: &BufferOptions,
     ) -> Result<Vec<Buffer>, EpError> {
-        crate::rendezvous::build_as_threads(ctxs, opts.timeout, |ctx, comm| {
+        let mut bufs = crate::rendezvous::build_as_threads(ctxs, opts.timeout, |ctx, comm| {
             Buffer::new(ctx, &comm, opts)
-        })
+        })?;
+        let windows: Vec<_> = bufs.iter().map(|b| b.window.clone()).collect();
+        for b in &mut bufs {
+            b.group_windows = Some(windows.clone());
+        }
+        Ok(bufs)
     }
 
     /// Builds this rank's buffer on `ctx` (this rank's GPU); every rank of `group` calls this at
@@ -564,10 +791,8 @@ impl Buffer {
         // to every rank when all are threads of one process; processes stage inputs in their
         // windows.
         let same_space = group.same_process();
-        let wplan = WindowPlan::new(opts, ranks, !same_space);
-        let out_w_offset = align_up(opts.max_tokens_per_rank * opts.max_hidden * 2);
-        let out_bytes = align_up(out_w_offset + opts.max_tokens_per_rank * opts.max_topk * 4);
-        let parts = Parts::allocate(ctx, (rank, ranks), opts, &wplan, out_bytes);
+        let (plan, wplan, oplan) = Self::plans(rank, ranks, opts, same_space)?;
+        let parts = Parts::allocate(ctx, (rank, ranks), opts, &wplan, oplan.pool_bytes);
 
         // Every rank learns whether all could allocate, and that all agree on the window, before
         // anyone maps anything.
@@ -607,6 +832,23 @@ impl Buffer {
         // barrier after which peers may write there.
         let peers = exchange_buffers(group, ctx, &parts.window)
             .map_err(|source| EpError::Bootstrap { rank, source })?;
+        // Who shares this GPU: every kernel that waits for peers keeps a block resident while it
+        // waits, so the ranks of this process on one GPU must fit on it together.
+        let share = GpuShare::gather(ctx, group)?;
+        share.default_budget("an intranode buffer", 0)?;
+        let gate = share.gate();
+        // Ranks of this process on one GPU each get their own compute stream: the context's
+        // legacy stream is shared by all of them, and ordering one rank's operation after it
+        // would chain it behind another rank's, whose kernels wait for this one.
+        let compute = if gate.is_some() {
+            ctx.new_stream().map_err(|source| EpError::Cuda {
+                rank,
+                call: "cuStreamCreate (compute stream)",
+                source,
+            })?
+        } else {
+            ctx.default_stream()
+        };
         let mut peer_window = [0u64; k::MAX_RANKS];
         for p in &peers {
             if p.len() != wplan.bytes || p.rank() >= ranks {
@@ -623,7 +865,6 @@ impl Buffer {
             peer_window[p.rank()] = p.ptr();
         }
 
-        let plan = RegionPlan::new(opts, ranks);
         let limit = opts.max_live_outputs;
         Ok(Buffer {
             peers,
@@ -632,7 +873,7 @@ impl Buffer {
             ranks,
             ctx: ctx.clone(),
             comm: parts.comm,
-            compute: ctx.default_stream(),
+            compute,
             opts: opts.clone(),
             num_local_experts: opts.num_experts / ranks,
             kernels: parts.kernels,
@@ -643,17 +884,22 @@ impl Buffer {
                 wplan.recv_bytes,
                 limit,
             ),
-            out_pool: Pool::new("combine output", &parts.out, 0, out_bytes, limit),
+            out_pool: Pool::new("combine output", &parts.out, 0, oplan.bytes, limit),
             window: parts.window,
             wplan,
             peer_window,
             same_space,
             plan,
-            out_w_offset,
-            mapped: parts.mapped,
-            errors: parts.errors,
+            out_w_offset: oplan.weights,
+            mapped: Arc::new(parts.mapped),
+            errors: Arc::new(parts.errors),
+            group_windows: None,
             epoch: 0,
             poisoned: None,
+            share,
+            gate,
+            gate_failure: std::sync::OnceLock::new(),
+            shut_down: false,
         })
     }
 
@@ -661,16 +907,94 @@ impl Buffer {
     /// built with): waits (bounded) for this rank's work, unmaps the peers' windows, meets every
     /// rank, then frees this rank's memory (what live outputs still view is freed when they go).
     /// Ranks as processes must end this way, since a process must not free memory that a peer
-    /// still maps. Returns the first error; everything is released either way.
+    /// still maps. Returns the first error.
+    ///
+    /// Memory a kernel may still write is never freed: when this rank's stream did not finish
+    /// within the bound, its memory and its mappings of the peers are leaked (its kernels may
+    /// still write through them), and when any rank's did not (or the ranks could not meet),
+    /// every rank leaks its window, which that rank's kernels may still write into. Each leak
+    /// is logged.
     pub fn shutdown(mut self, group: &dyn Communicator) -> Result<(), EpError> {
-        let synced = self.synchronize();
-        self.peers.clear();
-        let met = group.barrier().map_err(|source| EpError::Bootstrap {
-            rank: self.rank,
-            source,
+        self.shut_down = true;
+        let drained = self.wait_stream();
+        let finished = drained.is_ok();
+        let device = self.check_device_error();
+        if finished {
+            self.peers.clear();
+        } else {
+            self.leak_own("shutdown: this rank's stream did not finish");
+        }
+        let met = group.all_gather(&[u64::from(!finished)]).and_then(|all| {
+            match all.iter().position(|v| v.first() != Some(&0)) {
+                Some(r) => Err(EpError::HostTimeout {
+                    rank: self.rank,
+                    what: if r == self.rank {
+                        "this rank's stream at shutdown"
+                    } else {
+                        "a peer's stream at shutdown (its error names it)"
+                    },
+                    timeout: self.opts.timeout * 2,
+                }),
+                None => Ok(()),
+            }
         });
+        if met.is_err() {
+            self.leak_window(
+                "shutdown: a rank's stream did not finish, or the ranks could not meet",
+            );
+        }
         drop(self);
-        synced.and(met)
+        drained.and(device).and(met)
+    }
+
+    /// Waits (bounded) for everything queued on the communication stream; `Ok` once it ran.
+    fn wait_stream(&self) -> Result<(), EpError> {
+        self.not_capturing("teardown")?;
+        Event::record(&self.comm, self.rank)?
+            .wait_host(self.opts.timeout * 2, "the communication stream")
+    }
+
+    /// This rank's kernels may still run: leaks every allocation they write (its window, the
+    /// combine outputs, the error and host-info words) and its mappings of the peers' windows.
+    fn leak_own(&mut self, why: &str) {
+        tracing::error!(
+            rank = self.rank,
+            "{why}: leaking this rank's window ({} bytes), combine outputs and error words, and \
+             its mappings of the peers' windows, which its kernels may still write",
+            self.wplan.bytes
+        );
+        std::mem::forget(std::mem::take(&mut self.peers));
+        std::mem::forget(self.window.clone());
+        std::mem::forget(self.out_pool.slots.first().cloned());
+        std::mem::forget(self.mapped.clone());
+        std::mem::forget(self.errors.clone());
+        if let Some(w) = self.group_windows.take() {
+            std::mem::forget(w);
+        }
+    }
+
+    /// A peer's kernels may still write into this rank's window: leaks it.
+    fn leak_window(&mut self, why: &str) {
+        tracing::error!(
+            rank = self.rank,
+            "{why}: leaking this rank's window ({} bytes), which a peer's kernels may still write",
+            self.wplan.bytes
+        );
+        std::mem::forget(self.window.clone());
+    }
+
+    /// The receive-region, window and combine-output plans of valid options, or why their sizes
+    /// do not fit (checked arithmetic: nothing wraps).
+    fn plans(
+        rank: usize,
+        ranks: usize,
+        opts: &BufferOptions,
+        same_space: bool,
+    ) -> Result<(RegionPlan, WindowPlan, OutputPlan), EpError> {
+        let plan = RegionPlan::new(opts, ranks).map_err(|w| invalid(rank, w))?;
+        let wplan = WindowPlan::new(opts, ranks, !same_space).map_err(|w| invalid(rank, w))?;
+        let oplan = OutputPlan::new(opts).map_err(|w| invalid(rank, w))?;
+        Ok((plan, wplan, oplan))
     }
 
     fn check_options(rank: usize, ranks: usize, o: &BufferOptions) -> Result<(), EpError> {
@@ -692,7 +1016,7 @@ impl Buffer {
                 ),
             ));
         }
-        if o.num_experts * 4 > 48 * 1024 {
+        if o.num_experts > 48 * 1024 / 4 {
             return Err(invalid(
                 rank,
                 format!("num_experts {} above 12288", o.num_experts),
@@ -704,18 +1028,32 @@ impl Buffer {
                 format!("max_tokens_per_rank {} out of range", o.max_tokens_per_rank),
             ));
         }
-        if o.max_hidden == 0 || o.max_hidden % 8 != 0 {
+        if o.max_hidden == 0 || o.max_hidden % 8 != 0 || o.max_hidden > MAX_HIDDEN {
             return Err(invalid(
                 rank,
                 format!(
-                    "max_hidden {} is not a positive multiple of 8",
+                    "max_hidden {} is not a multiple of 8 in 8..={MAX_HIDDEN}",
                     o.max_hidden
                 ),
             ));
         }
-        if o.max_live_outputs == 0 {
-            return Err(invalid(rank, "max_live_outputs must be at least 1"));
+        if o.max_topk > MAX_TOPK {
+            return Err(invalid(
+                rank,
+                format!("max_topk {} above {MAX_TOPK}", o.max_topk),
+            ));
         }
+        if o.max_live_outputs == 0 || o.max_live_outputs > MAX_LIVE_OUTPUTS {
+            return Err(invalid(
+                rank,
+                format!(
+                    "max_live_outputs {} out of 1..={MAX_LIVE_OUTPUTS}",
+                    o.max_live_outputs
+                ),
+            ));
+        }
+        // Every size the buffer will compute, checked once here (before any allocation).
+        Self::plans(rank, ranks, o, false)?;
         Ok(())
     }
 
@@ -739,11 +1077,24 @@ impl Buffer {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// Which ranks of the group share this rank's GPU.
+    pub fn gpu_share(&self) -> &GpuShare {
+        &self.share
+    }
+
+    /// The largest `Config::num_sms` that keeps the ranks of this process on this GPU
+    /// co-resident (every SM when this rank has its GPU to itself).
+    pub fn sm_budget(&self) -> u32 {
+        self.share.default_budget("", 0).unwrap_or(1)
+    }
+
     /// The stream every operation runs on.
     pub fn comm_stream(&self) -> &Arc<CudaStream> {
         &self.comm
     }
-    /// The stream operations order against by default (the context's default stream).
+    /// The stream operations order against by default: the context's default stream, or, where
+    /// ranks of this process share the GPU, a stream of this rank's own (the default stream is
+    /// shared by all of them). Queue work that feeds an operation here, or pass an event.
     pub fn compute_stream(&self) -> &Arc<CudaStream> {
         &self.compute
     }
@@ -757,7 +1108,7 @@ impl Buffer {
     }
 
     fn usable(&self) -> Result<(), EpError> {
-        match &self.poisoned {
+        match self.poisoned.as_ref().or(self.gate_failure.get()) {
             Some(first) => Err(EpError::Poisoned {
                 rank: self.rank,
                 first: first.clone(),
@@ -800,7 +1151,32 @@ impl Buffer {
         Ok(())
     }
 
+    /// Launches a kernel that waits for the other ranks: through the launch gate where ranks of
+    /// this process share the GPU ([`crate::residency`]).
     fn launch<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        p: &P,
+        call: &'static str,
+    ) -> Result<(), EpError> {
+        let r = gated(
+            self.gate.as_deref(),
+            self.rank,
+            call,
+            self.opts.timeout,
+            || self.launch_local(f, grid, block, smem, p, call),
+        );
+        if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
+            let _ = self.gate_failure.set(e.to_string());
+        }
+        r
+    }
+
+    /// Launches a kernel that waits for no other rank.
+    fn launch_local<P: DeviceRepr>(
         &self,
         f: &CudaFunction,
         grid: u32,
@@ -875,6 +1251,9 @@ impl Buffer {
                 format!("config.num_sms {} out of 1..=1024", c.num_sms),
             ));
         }
+        // Blocks past the GPU's SMs would only queue behind the others; ranks of this process
+        // sharing the GPU must fit on it together.
+        self.share.check("intranode config.num_sms", c.num_sms, 0)?;
         if c.block_threads < 32 || c.block_threads > k::PUSH_THREADS || c.block_threads % 32 != 0 {
             return Err(invalid(
                 self.rank,
@@ -907,39 +1286,10 @@ impl Buffer {
 
     /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
     fn check_device_error(&mut self) -> Result<(), EpError> {
-        let Some(k::ErrorWord {
-            code,
-            peer,
-            what,
-            epoch,
-            detail,
-            ..
-        }) = self.mapped.read_error(ERROR_OFFSET)
-        else {
+        let Some(word) = self.mapped.read_error(ERROR_OFFSET) else {
             return Ok(());
         };
-        let peer = peer as usize;
-        let err = match code {
-            k::error_code::WORST_TOKENS_EXCEEDED => EpError::WorstTokensExceeded {
-                rank: self.rank,
-                received: detail as usize,
-                worst: 0,
-            },
-            _ => EpError::PeerTimeout {
-                rank: self.rank,
-                peer,
-                what: match what {
-                    k::wait_what::DISPATCH_COUNTS => "dispatch count exchange",
-                    k::wait_what::DISPATCH_DATA => "dispatch data",
-                    k::wait_what::COMBINE_START => "combine start",
-                    k::wait_what::COMBINE_DATA => "combine data",
-                    _ => "unknown wait",
-                },
-                epoch,
-                seen: detail,
-                timeout: self.opts.timeout,
-            },
-        };
+        let err = device_error(self.rank, &word, self.opts.timeout);
         self.poisoned = Some(err.to_string());
         Err(err)
     }
@@ -990,12 +1340,26 @@ impl Buffer {
             ));
         }
         let (r, e) = (self.ranks, self.opts.num_experts);
-        let per_rank_at = 0;
-        let per_expert_at = align_up(4 * r);
-        let invalid_at = per_expert_at + align_up(4 * e);
-        let in_rank_at = invalid_at + ALIGN;
-        let send_pos_at = in_rank_at + align_up(t * r);
-        let bytes = send_pos_at + 4 * t * r;
+        // Small (tokens, ranks and experts are bounded at creation), checked all the same.
+        let sections = || -> Option<[usize; 6]> {
+            let mut s = Sections::new(0)?;
+            let per_rank_at = s.take(product(&[4, r]))?;
+            let per_expert_at = s.take(product(&[4, e]))?;
+            let invalid_at = s.take(Some(std::mem::size_of::<k::LayoutInvalid>()))?;
+            let in_rank_at = s.take(product(&[t, r]))?;
+            let send_pos_at = s.take(product(&[4, t, r]))?;
+            Some([
+                per_rank_at,
+                per_expert_at,
+                invalid_at,
+                in_rank_at,
+                send_pos_at,
+                s.at,
+            ])
+        };
+        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at, bytes] =
+            sections()
+                .ok_or_else(|| invalid(self.rank, format!("layout of {t} tokens overflows")))?;
         let buf =
             Arc::new(
                 DeviceBuffer::new(&self.ctx, bytes).map_err(|source| EpError::Device {
@@ -1016,7 +1380,7 @@ impl Buffer {
             ranks: r as i32,
             num_experts: e as i32,
         };
-        self.launch(
+        self.launch_local(
             &self.kernels.layout,
             r as u32 + 1,
             k::LAYOUT_THREADS,
@@ -1027,22 +1391,18 @@ impl Buffer {
         let done = self.finish(&StreamOrder::default(), false)?;
         done.wait_host(self.opts.timeout, "the dispatch layout")?;
         let bad: Vec<i32> = buf
-            .download(invalid_at, 1)
+            .download(invalid_at, 4)
             .map_err(|source| EpError::Device {
                 rank: self.rank,
                 source,
             })?;
-        if bad[0] != 0 {
-            return Err(EpError::ExpertIdOutOfRange {
-                rank: self.rank,
-                count: bad[0] as usize,
-                num_experts: e,
-            });
+        if let Some(err) = layout_invalid_error(self.rank, &bad, kk, e) {
+            return Err(err);
         }
         Ok(DispatchLayout {
-            tokens_per_rank: Tensor::view(buf.clone(), per_rank_at, vec![r]),
-            tokens_per_expert: Tensor::view(buf.clone(), per_expert_at, vec![e]),
-            is_token_in_rank: Tensor::view(buf.clone(), in_rank_at, vec![t, r]),
+            tokens_per_rank: Tensor::view(buf.clone(), per_rank_at, vec![r]).read_only(),
+            tokens_per_expert: Tensor::view(buf.clone(), per_expert_at, vec![e]).read_only(),
+            is_token_in_rank: Tensor::view(buf.clone(), in_rank_at, vec![t, r]).read_only(),
             send_pos: Tensor::view(buf, send_pos_at, vec![t, r]),
             num_tokens: t,
             buffer_id: self.id,
@@ -1170,7 +1530,10 @@ impl Buffer {
         }
         std::sync::atomic::fence(Ordering::Acquire);
         self.check_device_error()?;
-        let n = self.mapped.read_i32(HOST_INFO_OFFSET + 8).max(0) as usize;
+        // The kernels keep the count inside the receive region (each rank checks the counts it
+        // publishes); clamped here too, since the output views are shaped by it.
+        let cap = self.plan.cap;
+        let n = clamp_count(self.mapped.read_i32(HOST_INFO_OFFSET + 8), cap);
         let counts = (0..self.num_local_experts)
             .map(|l| self.mapped.read_i32(HOST_INFO_OFFSET + 16 + 4 * l).max(0) as usize)
             .collect();
@@ -1239,6 +1602,7 @@ impl Buffer {
                 ));
             }
         }
+        check_expert_alignment(self.rank, args.expert_alignment)?;
         let capturing = self.is_capturing()?;
         if capturing && args.num_worst_tokens.is_none() {
             return Err(invalid(
@@ -1276,7 +1640,7 @@ impl Buffer {
             num_local_experts: self.num_local_experts as i32,
             expert_alignment: args.expert_alignment.max(1) as i32,
             num_worst_tokens: worst as i32,
-            pad: 0,
+            num_tokens: t as i32,
         };
         self.launch(
             &self.kernels.notify,
@@ -1376,6 +1740,8 @@ impl Buffer {
             topk: topk_n as i32,
             num_local_experts: self.num_local_experts as i32,
             num_worst_tokens: worst as i32,
+            cap: self.plan.cap as i32,
+            pad: 0,
         };
         self.launch(
             &self.kernels.dispatch,
@@ -1427,7 +1793,7 @@ impl Buffer {
             num_local_experts: self.num_local_experts as i32,
             expert_alignment: 1,
             num_worst_tokens: worst as i32,
-            pad: 0,
+            num_tokens: t as i32,
         };
         self.launch(
             &self.kernels.notify,
@@ -1629,5 +1995,188 @@ impl Buffer {
             .map_err(self.cuda("cuMemcpyDtoDAsync"))?;
         }
         Ok(k::IN_WINDOW | staging as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(max_tokens: usize, hidden: usize, topk: usize, experts: usize) -> BufferOptions {
+        BufferOptions::new(max_tokens, hidden, topk, experts)
+    }
+
+    #[test]
+    fn plans_keep_their_sizes_for_ordinary_options() {
+        let o = opts(128, 7168, 8, 64);
+        let p = RegionPlan::new(&o, 4).unwrap();
+        assert_eq!(p.cap, 512);
+        // Meta + 16 local expert counts, then the sections, each 256-aligned.
+        assert_eq!(p.layout.x, 256);
+        assert_eq!(p.layout.scales, 256 + 512 * 7168 * 2);
+        assert_eq!(p.layout.topk_idx, p.layout.scales + 512 * 56 * 4);
+        assert_eq!(p.layout.topk_weights, p.layout.topk_idx + 512 * 8 * 4);
+        assert_eq!(p.bytes, p.layout.topk_weights as usize + 512 * 8 * 4);
+        let w = WindowPlan::new(&o, 4, true).unwrap();
+        assert_eq!(w.recv_bytes, p.bytes);
+        assert!(w.comb_x >= std::mem::size_of::<k::SignalHead>() + 4 * 4 * 16);
+        assert_eq!(w.staging_bytes(w.comb_x), 512 * 7168 * 2);
+        assert_eq!(w.bytes, w.recv_at + 4 * p.bytes);
+        let out = OutputPlan::new(&o).unwrap();
+        assert_eq!(out.weights, 128 * 7168 * 2);
+        assert_eq!(out.pool_bytes, 4 * out.bytes);
+        assert_eq!(o.recv_region_bytes(4), Some(p.bytes));
+    }
+
+    #[test]
+    fn plans_refuse_sizes_that_would_wrap() {
+        // Each product below overflows a usize: the plans must say so, not wrap (release) or
+        // panic (debug).
+        let huge_hidden = opts(1 << 20, (usize::MAX / 8) & !7, 8, 8);
+        assert!(RegionPlan::new(&huge_hidden, 8).is_err());
+        assert!(WindowPlan::new(&huge_hidden, 8, false).is_err());
+        assert!(OutputPlan::new(&huge_hidden).is_err());
+        assert_eq!(huge_hidden.recv_region_bytes(8), None);
+        assert_eq!(huge_hidden.combine_region_bytes(8), None);
+        let huge_topk = opts(1 << 20, 8, usize::MAX / 16, 8);
+        assert!(RegionPlan::new(&huge_topk, 8).is_err());
+        let mut many_regions = opts(1 << 20, MAX_HIDDEN, 8, 8);
+        many_regions.max_live_outputs = usize::MAX / 2;
+        let e = WindowPlan::new(&many_regions, 8, true).unwrap_err();
+        assert!(e.contains("does not fit"), "{e}");
+    }
+
+    #[test]
+    fn options_are_bounded_before_any_allocation() {
+        let ok = opts(4096, 7168, 8, 256);
+        assert!(Buffer::check_options(0, 8, &ok).is_ok());
+        for (o, what) in [
+            (opts(4096, MAX_HIDDEN + 8, 8, 256), "max_hidden"),
+            (opts(4096, (usize::MAX / 4) & !7, 8, 256), "max_hidden"),
+            (opts(4096, 7168, MAX_TOPK + 1, 256), "max_topk"),
+            (opts(4096, 7168, 8, 1 << 40), "num_experts"),
+            (
+                BufferOptions {
+                    max_live_outputs: MAX_LIVE_OUTPUTS + 1,
+                    ..ok.clone()
+                },
+                "max_live_outputs",
+            ),
+        ] {
+            match Buffer::check_options(3, 8, &o) {
+                Err(EpError::InvalidArgument { rank: 3, what: w }) => {
+                    assert!(w.contains(what), "{w}")
+                }
+                other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_i32_arguments_are_range_checked() {
+        assert!(check_expert_alignment(0, 0).is_ok());
+        assert!(check_expert_alignment(0, MAX_EXPERT_ALIGNMENT).is_ok());
+        assert!(check_expert_alignment(0, MAX_EXPERT_ALIGNMENT + 1).is_err());
+        // A usize that would wrap to a negative i32.
+        assert!(check_expert_alignment(0, 1usize << 31).is_err());
+        // Every row of a region is below i32::MAX, and so is a row's byte count.
+        let o = opts(i32::MAX as usize / k::MAX_RANKS, MAX_HIDDEN, 8, 8);
+        assert!(Buffer::check_options(0, 8, &o).is_ok());
+        assert!(RegionPlan::new(&o, 8).unwrap().cap <= i32::MAX as usize);
+        assert!(MAX_HIDDEN * 2 <= i32::MAX as usize);
+    }
+
+    #[test]
+    fn received_counts_are_clamped_to_the_region() {
+        assert_eq!(clamp_count(-7, 512), 0);
+        assert_eq!(clamp_count(300, 512), 300);
+        assert_eq!(clamp_count(i32::MAX, 512), 512);
+    }
+
+    fn word(code: u32, peer: u32, what: u32, epoch: u64, detail: u64) -> k::ErrorWord {
+        k::ErrorWord {
+            code,
+            rank: 2,
+            peer,
+            what,
+            epoch,
+            detail,
+        }
+    }
+
+    #[test]
+    fn device_errors_keep_their_values() {
+        let t = std::time::Duration::from_secs(1);
+        match device_error(
+            2,
+            &word(k::error_code::WORST_TOKENS_EXCEEDED, 2, 64, 9, 70),
+            t,
+        ) {
+            EpError::WorstTokensExceeded {
+                rank: 2,
+                received: 70,
+                worst: 64,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let e = device_error(
+            2,
+            &word(
+                k::error_code::BAD_ROUTING,
+                16,
+                k::routing_what::SEND_POSITION,
+                13,
+                (-3i64) as u64,
+            ),
+            t,
+        );
+        match &e {
+            EpError::CorruptRouting {
+                rank: 2,
+                what,
+                index: 13,
+                value: -3,
+                limit: 16,
+            } => assert!(what.starts_with("send position"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        match device_error(
+            2,
+            &word(k::error_code::TIMEOUT, 1, k::wait_what::COMBINE_DATA, 5, 4),
+            t,
+        ) {
+            EpError::PeerTimeout {
+                rank: 2,
+                peer: 1,
+                what: "combine data",
+                expert: None,
+                epoch: 5,
+                seen: 4,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        // An unknown code is not an argument error.
+        assert!(matches!(
+            device_error(2, &word(99, 0, 0, 0, 0), t),
+            EpError::Poisoned { .. }
+        ));
+    }
+
+    #[test]
+    fn a_bad_expert_id_is_named_with_its_token_slot_and_value() {
+        assert!(layout_invalid_error(0, &[0, i32::MAX, 0, 0], 4, 16).is_none());
+        match layout_invalid_error(1, &[3, 9, 77, 0], 4, 16) {
+            Some(EpError::ExpertIdOutOfRange {
+                rank: 1,
+                id: 77,
+                token: 2,
+                slot: Some(1),
+                count: Some(3),
+                num_experts: 16,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -21,6 +21,7 @@ pub mod low_latency;
 mod mapped;
 pub mod reference;
 mod rendezvous;
+pub mod residency;
 mod tensor;
 pub mod transport;
 

@@ -4,7 +4,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use ibgda_device::cuda::DeviceBuffer;
+use ibgda_device::cuda::{CudaError, DeviceBuffer};
 
 use crate::dtype::Element;
 use crate::error::EpError;
@@ -46,47 +46,37 @@ impl Backing {
         }
     }
 
-    fn download<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<Vec<T>, EpError> {
-        let device = |source| EpError::Device {
-            rank: usize::MAX,
-            source,
+    /// `count` elements from byte `offset` (synchronous), as [`DeviceBuffer::download`].
+    fn download<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<Vec<T>, CudaError> {
+        let (ctx, ptr, len) = match self {
+            Backing::Owned(b) => return b.download(offset, count),
+            Backing::Borrowed { ctx, ptr, len } => (ctx, *ptr, *len),
         };
-        match self {
-            Backing::Owned(b) => b.download(offset, count).map_err(device),
-            Backing::Borrowed { ctx, ptr, len } => {
-                let mut out = vec![T::zeroed(); count];
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-                if offset.checked_add(bytes.len()).is_none_or(|end| end > *len) {
-                    return Err(crate::error::invalid(
-                        usize::MAX,
-                        format!(
-                            "reading {} bytes at offset {offset} of caller memory of {len} bytes",
-                            bytes.len()
-                        ),
-                    ));
-                }
-                let cuda = |call, source| EpError::Cuda {
-                    rank: usize::MAX,
-                    call,
-                    source,
-                };
-                ctx.bind_to_thread()
-                    .map_err(|e| cuda("cuCtxSetCurrent", e))?;
-                // SAFETY: `from_device_ptr`'s caller promised `len` readable bytes at `ptr` on
-                // this context's device for the tensor's life; the range was checked above and
-                // `bytes` is writable host memory of exactly that size.
-                unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoH_v2(
-                        bytes.as_mut_ptr().cast(),
-                        ptr + offset as u64,
-                        bytes.len(),
-                    )
-                }
-                .result()
-                .map_err(|e| cuda("cuMemcpyDtoH", e))?;
-                Ok(out)
-            }
+        let mut out = vec![T::zeroed(); count];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        if offset.checked_add(bytes.len()).is_none_or(|end| end > len) {
+            return Err(CudaError::OutOfRange {
+                offset,
+                len: bytes.len(),
+                size: len,
+            });
         }
+        let driver = |call, source| CudaError::Driver { call, source };
+        ctx.bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `from_device_ptr`'s caller promised `len` readable bytes at `ptr` on this
+        // context's device for the tensor's life; the range was checked above and `bytes` is
+        // writable host memory of exactly that size.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoH_v2(
+                bytes.as_mut_ptr().cast(),
+                ptr + offset as u64,
+                bytes.len(),
+            )
+        }
+        .result()
+        .map_err(|e| driver("cuMemcpyDtoH", e))?;
+        Ok(out)
     }
 }
 
@@ -155,6 +145,9 @@ pub struct Tensor<T: Element> {
     storage: Arc<Region>,
     offset: usize,
     shape: Vec<usize>,
+    /// Routing a kernel reads (a layout's or handle's tensors): [`Tensor::copy_from_host`]
+    /// refuses to write it. Clones keep the flag.
+    read_only: bool,
     _t: PhantomData<T>,
 }
 
@@ -164,6 +157,7 @@ impl<T: Element> Clone for Tensor<T> {
             storage: self.storage.clone(),
             offset: self.offset,
             shape: self.shape.clone(),
+            read_only: self.read_only,
             _t: PhantomData,
         }
     }
@@ -173,38 +167,61 @@ fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// Why `data.len()` elements cannot fill `shape`, if they cannot (checked before any CUDA call).
+fn shape_mismatch(shape: &[usize], len: usize) -> Option<String> {
+    let n = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+    match n {
+        Some(n) if n == len => None,
+        Some(n) => Some(format!(
+            "shape {shape:?} holds {n} elements, data has {len}"
+        )),
+        None => Some(format!(
+            "shape {shape:?} holds more than usize::MAX elements"
+        )),
+    }
+}
+
+fn tensor_err(gpu: usize, what: &str, source: ibgda_device::cuda::CudaError) -> EpError {
+    EpError::Tensor {
+        gpu,
+        what: what.to_string(),
+        source: Some(source),
+    }
+}
+
 impl<T: Element> Tensor<T> {
     /// A tensor of `shape` holding a copy of `data` (row-major) on `ctx`'s GPU.
     pub fn from_host(ctx: &Arc<CudaContext>, data: &[T], shape: &[usize]) -> Result<Self, EpError> {
-        if numel(shape) != data.len() {
-            return Err(crate::error::invalid(
-                usize::MAX,
-                format!(
-                    "shape {shape:?} holds {} elements, data has {}",
-                    numel(shape),
-                    data.len()
-                ),
-            ));
+        let gpu = ctx.ordinal();
+        if let Some(what) = shape_mismatch(shape, data.len()) {
+            return Err(EpError::Tensor {
+                gpu,
+                what,
+                source: None,
+            });
         }
-        let storage =
-            DeviceBuffer::new(ctx, std::mem::size_of_val(data).max(16)).map_err(|source| {
-                EpError::Device {
-                    rank: usize::MAX,
-                    source,
-                }
-            })?;
+        let bytes = std::mem::size_of_val(data).max(16);
+        let storage = DeviceBuffer::new(ctx, bytes)
+            .map_err(|e| tensor_err(gpu, &format!("allocating {bytes} bytes"), e))?;
         if !data.is_empty() {
-            storage.upload(0, data).map_err(|source| EpError::Device {
-                rank: usize::MAX,
-                source,
-            })?;
+            storage
+                .upload(0, data)
+                .map_err(|e| tensor_err(gpu, &format!("uploading {bytes} bytes"), e))?;
         }
         Ok(Self::view(Arc::new(storage), 0, shape.to_vec()))
     }
 
     /// A tensor of `shape` with every element equal to `value`.
     pub fn filled(ctx: &Arc<CudaContext>, value: T, shape: &[usize]) -> Result<Self, EpError> {
-        Self::from_host(ctx, &vec![value; numel(shape)], shape)
+        let n = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| EpError::Tensor {
+                gpu: ctx.ordinal(),
+                what: format!("shape {shape:?} holds more than usize::MAX elements"),
+                source: None,
+            })?;
+        Self::from_host(ctx, &vec![value; n], shape)
     }
 
     /// A view of `shape` at byte `offset` of `storage` (an allocation or a pooled region).
@@ -217,8 +234,23 @@ impl<T: Element> Tensor<T> {
             storage,
             offset,
             shape,
+            read_only: false,
             _t: PhantomData,
         }
+    }
+
+    /// The same view, refusing [`copy_from_host`](Self::copy_from_host): routing that kernels
+    /// read and must not be edited out of agreement with what the buffer keeps privately.
+    pub(crate) fn read_only(mut self) -> Self {
+        self.read_only = true;
+        self
+    }
+
+    /// Whether [`copy_from_host`](Self::copy_from_host) refuses to write this tensor (the
+    /// tensors of a [`DispatchLayout`](crate::DispatchLayout) or a
+    /// [`LlHandle`](crate::low_latency::LlHandle)).
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
     }
 
     /// A tensor of `shape` over device memory the caller owns (another library's allocation, a
@@ -262,6 +294,13 @@ impl<T: Element> Tensor<T> {
         self.storage
             .buf
             .download(self.storage.offset + self.offset, self.numel())
+            .map_err(|e| {
+                tensor_err(
+                    self.device_ordinal(),
+                    &format!("downloading {:?} {}", self.shape, T::NAME),
+                    e,
+                )
+            })
     }
 
     /// Overwrites the tensor with `data` (row-major, exactly [`numel`](Self::numel) elements),
@@ -269,33 +308,43 @@ impl<T: Element> Tensor<T> {
     /// the tensors it was captured with. The copy runs on the legacy default stream and may still
     /// be in flight when this returns (pageable source): synchronize the context before work on
     /// another stream reads the tensor.
+    ///
+    /// Refused for [read-only](Self::is_read_only) tensors.
     pub fn copy_from_host(&self, data: &[T]) -> Result<(), EpError> {
-        if data.len() != self.numel() {
-            return Err(crate::error::invalid(
-                usize::MAX,
-                format!(
-                    "tensor of shape {:?} holds {} elements, data has {}",
-                    self.shape,
-                    self.numel(),
-                    data.len()
+        let gpu = self.device_ordinal();
+        if self.read_only {
+            return Err(EpError::Tensor {
+                gpu,
+                what: format!(
+                    "tensor of shape {:?} is read-only (routing of a layout or handle)",
+                    self.shape
                 ),
-            ));
+                source: None,
+            });
+        }
+        if let Some(what) = shape_mismatch(&self.shape, data.len()) {
+            return Err(EpError::Tensor {
+                gpu,
+                what,
+                source: None,
+            });
         }
         if data.is_empty() {
             return Ok(());
         }
         let Backing::Owned(buf) = &self.storage.buf else {
-            return Err(crate::error::invalid(
-                usize::MAX,
-                "copy_from_host on a tensor over caller memory (from_device_ptr): write it \
-                 through its owner",
-            ));
+            return Err(EpError::Tensor {
+                gpu,
+                what: format!(
+                    "tensor of shape {:?} views caller memory (from_device_ptr): write it \
+                     through its owner",
+                    self.shape
+                ),
+                source: None,
+            });
         };
         buf.upload(self.storage.offset + self.offset, data)
-            .map_err(|source| EpError::Device {
-                rank: usize::MAX,
-                source,
-            })
+            .map_err(|e| tensor_err(gpu, &format!("uploading {:?} {}", self.shape, T::NAME), e))
     }
 
     /// The shape.
@@ -322,5 +371,32 @@ impl<T: Element> Tensor<T> {
     /// The GPU ordinal holding the tensor.
     pub fn device_ordinal(&self) -> usize {
         self.storage.context().ordinal()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_mismatch_names_both_counts_and_never_overflows() {
+        assert_eq!(shape_mismatch(&[2, 3], 6), None);
+        assert_eq!(shape_mismatch(&[], 1), None);
+        let e = shape_mismatch(&[2, 3], 5).unwrap();
+        assert!(e.contains("6 elements") && e.contains("data has 5"), "{e}");
+        let e = shape_mismatch(&[usize::MAX, 2], 0).unwrap();
+        assert!(e.contains("more than usize::MAX"), "{e}");
+    }
+
+    #[test]
+    fn tensor_errors_name_the_gpu_not_a_rank() {
+        let e = EpError::Tensor {
+            gpu: 3,
+            what: "shape [2] holds 2 elements, data has 1".into(),
+            source: None,
+        };
+        let text = e.to_string();
+        assert!(text.starts_with("tensor on GPU 3: "), "{text}");
+        assert!(!text.contains(&usize::MAX.to_string()), "{text}");
     }
 }

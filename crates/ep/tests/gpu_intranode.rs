@@ -1,8 +1,9 @@
 //! Intranode dispatch/combine, ranks as threads of one process, against the CPU reference
 //! (`ep::reference`) on fresh random data: layout and dispatch bit-exact, combine within
 //! f32-accumulation rounding. Outputs are poisoned (0xAB) before every operation. Each case runs
-//! at every rank count in {2, 4, 8} that the machine has GPUs for. (Ranks as processes:
-//! `gpu_intranode_procs.rs`, same cases and checks.)
+//! at EP2, EP4 and EP8 on however many GPUs are visible, ranks sharing them round robin (the
+//! harness prints the mapping). (Ranks as processes: `gpu_intranode_procs.rs`, same cases and
+//! checks.)
 
 mod gpu_intranode_common;
 
@@ -14,17 +15,15 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, DispatchArgs, DispatchOutput, DispatchX, EpError,
     Fp8E4M3, Tensor,
 };
-use ep_kernels::testing::{gpus, seed, Rng};
+use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_intranode_common::{case_options, random_bf16, rank_rngs, Case, Round, Routing};
 
-fn rank_counts() -> Vec<usize> {
-    let n = ibgda_device::cuda::device_count().unwrap_or(0);
-    [2usize, 4, 8].into_iter().filter(|&r| r <= n).collect()
-}
+/// Every case runs at each of these, on however many GPUs there are (ranks share them).
+const RANK_COUNTS: [usize; 3] = [2, 4, 8];
 
 fn run_case(c: &Case) {
-    for ranks in rank_counts() {
-        let Some(ctxs) = gpus(ranks) else { return };
+    for ranks in RANK_COUNTS {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
         run_case_on(c, &ctxs);
     }
 }
@@ -183,7 +182,7 @@ fn gpu_intranode_edge_cases() {
 
 #[test]
 fn gpu_intranode_peer_missing_is_a_bounded_error() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let s = seed();
     let mut opts = BufferOptions::new(16, 128, 2, 4);
     opts.timeout = Duration::from_millis(300);
@@ -207,13 +206,20 @@ fn gpu_intranode_peer_missing_is_a_bounded_error() {
         "not bounded: {:?}",
         t0.elapsed()
     );
+    // On one GPU the two ranks share its context and meet on the host before every waiting
+    // launch: rank 0 is stopped there, naming rank 1, before it launches anything.
     match &err {
         EpError::PeerTimeout {
             rank: 0,
             peer: 1,
             what,
             ..
-        } => assert_eq!(*what, "dispatch count exchange"),
+        } if ctxs[0].cu_device() != ctxs[1].cu_device() => {
+            assert_eq!(*what, "dispatch count exchange")
+        }
+        EpError::SharedGpuTimeout {
+            rank: 0, missing, ..
+        } if ctxs[0].cu_device() == ctxs[1].cu_device() => assert_eq!(missing, &vec![1]),
         other => panic!("unexpected error: {other}"),
     }
     let again = b0
@@ -231,7 +237,7 @@ fn err<T>(r: Result<T, EpError>) -> EpError {
 
 #[test]
 fn gpu_intranode_bad_inputs_are_errors_before_launch() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let _ = seed();
     let opts = BufferOptions::new(8, 256, 2, 4);
     let mut a = Buffer::create_group(&ctxs, &opts).expect("create buffers");
@@ -243,7 +249,16 @@ fn gpu_intranode_bad_inputs_are_errors_before_launch() {
     let bad_ids = Tensor::from_host(ctx, &[0, 4, 1, -1], &[2, 2]).unwrap();
     let e = err(buf.get_dispatch_layout(&bad_ids));
     assert!(
-        matches!(e, EpError::ExpertIdOutOfRange { count: 1, .. }),
+        matches!(
+            e,
+            EpError::ExpertIdOutOfRange {
+                count: Some(1),
+                id: 4,
+                token: 0,
+                slot: Some(1),
+                ..
+            }
+        ),
         "{e}"
     );
     let bad_ids = Tensor::from_host(ctx, &[0, -2, 1, -1], &[2, 2]).unwrap();
@@ -297,9 +312,12 @@ fn gpu_intranode_bad_inputs_are_errors_before_launch() {
         "{e}"
     );
     // A tensor on the wrong GPU.
-    let x1 = Tensor::from_host(&ctxs[1], &[Bf16(0); 2 * 256], &[2, 256]).unwrap();
-    let e = err(buf.dispatch(&DispatchArgs::new(DispatchX::Bf16(&x1), &layout, 2)));
-    assert!(e.to_string().contains("GPU 1"), "{e}");
+    // A tensor on the wrong GPU (where there is another one).
+    if ctxs[1].cu_device() != ctx.cu_device() {
+        let x1 = Tensor::from_host(&ctxs[1], &[Bf16(0); 2 * 256], &[2, 256]).unwrap();
+        let e = err(buf.dispatch(&DispatchArgs::new(DispatchX::Bf16(&x1), &layout, 2)));
+        assert!(e.to_string().contains("GPU 1"), "{e}");
+    }
     // Nothing was launched: the buffers still work together afterwards (handle check below).
     let mut outs: Vec<Result<DispatchOutput, EpError>> = Vec::new();
     std::thread::scope(|sc| {
@@ -451,13 +469,13 @@ fn graph_rank(
         });
         let no_worst = buf.dispatch(&args).is_err();
         args.num_worst_tokens = Some(worst);
-        args.config = gpu_intranode_common::CONFIG;
+        args.config = gpu_intranode_common::config_for(buf);
         let d = buf.dispatch(&args)?;
         let recv_w = d.topk_weights.clone();
         let mut cargs = CArgs::new(&y, &d.handle, ranks);
         cargs.topk_weights = recv_w.as_ref();
         cargs.bias = [Some(&bias), None];
-        cargs.config = gpu_intranode_common::CONFIG;
+        cargs.config = gpu_intranode_common::config_for(buf);
         let comb = buf.combine(&cargs)?;
         Ok((d, comb, refused && no_worst))
     })();
@@ -534,13 +552,12 @@ fn graph_rank(
 /// Dispatch (num_worst_tokens) + combine captured in a CUDA graph on each rank's communication
 /// stream, replayed with fresh inputs written into the captured tensors between replays, outputs
 /// poisoned before each; every replay checked against the CPU reference, and an eager round
-/// between replays (epochs are counted on the GPU, so both kinds interleave). EP2 with two GPUs,
-/// EP1 with one.
+/// between replays (epochs are counted on the GPU, so both kinds interleave). EP2, on two GPUs
+/// or sharing one.
 #[test]
 fn gpu_intranode_graph_capture_worst_tokens() {
-    let have = ibgda_device::cuda::device_count().unwrap_or(0);
-    let ranks = if have >= 2 { 2 } else { 1 };
-    let Some(ctxs) = gpus(ranks) else { return };
+    let ranks = 2;
+    let Some(ctxs) = rank_gpus(ranks) else { return };
     let c = Case {
         worst: true,
         max_tokens: 128,
@@ -592,7 +609,7 @@ fn gpu_intranode_graph_capture_worst_tokens() {
 fn gpu_intranode_tcp_threads() {
     use ep::bootstrap::{Communicator, JobToken, RankConfig, TcpCommunicator};
     let ranks = 2;
-    let Some(ctxs) = gpus(ranks) else { return };
+    let Some(ctxs) = rank_gpus(ranks) else { return };
     let s = seed();
     let cases = [
         Case {
@@ -686,6 +703,49 @@ fn gpu_intranode_tcp_threads() {
                     .unwrap_or_else(|_| Err("rank thread panicked".into()))
             })
             .collect()
+    });
+    let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+}
+
+/// Two ranks of this process on one GPU: a `Config::num_sms` that would not fit beside the other
+/// rank is refused before launch with [`EpError::SmBudget`] naming the numbers (never a timeout),
+/// and a case on the same buffers still matches the reference afterwards.
+#[test]
+fn gpu_intranode_oversubscribed_sm_budget_is_refused_before_launch() {
+    let Some(one) = rank_gpus(1) else { return };
+    let ctxs = vec![one[0].clone(), one[0].clone()];
+    let s = seed();
+    let c = Case::new("after_refusal");
+    let mut bufs = Buffer::create_group(&ctxs, &case_options(&c, 2)).expect("create buffers");
+    let budget = bufs[0].sm_budget();
+    assert_eq!(bufs[0].gpu_share().threads, vec![0, 1]);
+    let ctx = &ctxs[0];
+    let ids = Tensor::from_host(ctx, &[0, 1, 2, 3], &[2, 2]).unwrap();
+    let x = Tensor::from_host(ctx, &vec![Bf16(0); 2 * c.hidden], &[2, c.hidden]).unwrap();
+    let b0 = &mut bufs[0];
+    let layout = b0.get_dispatch_layout(&ids).unwrap();
+    let mut args = DispatchArgs::new(DispatchX::Bf16(&x), &layout, 2);
+    args.config.num_sms = budget + 1;
+    let e = err(b0.dispatch(&args));
+    eprintln!("refused: {e}");
+    assert!(
+        matches!(e, EpError::SmBudget { ranks_on_gpu: 2, fits, .. } if fits == budget),
+        "{e}"
+    );
+    // Nothing was launched: a whole round on the same buffers still matches the reference.
+    let mut rngs = rank_rngs(s, 2);
+    let round = Round::generate(&c, 2, &mut rngs);
+    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
+        let joins: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, buf)| {
+                let (round, c, ctx) = (&round, &c, ctxs[r].clone());
+                sc.spawn(move || round.check_rank(c, r, buf, &ctx, "after a refused config"))
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
     });
     let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
     assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));

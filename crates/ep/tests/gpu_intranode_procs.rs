@@ -1,5 +1,6 @@
 //! Intranode dispatch/combine with ranks as processes: the `Launcher` re-executes this test once
-//! per rank (one GPU each, rendezvous over TCP), the buffers' windows are shared through CUDA
+//! per rank (spread round robin over the visible GPUs, so several share one where there are fewer
+//! GPUs than ranks: they time-slice it; rendezvous over TCP), the buffers' windows are shared through CUDA
 //! IPC and combine pushes rows back into the sources' windows, then reduces locally. Checked
 //! against the CPU reference on fresh random data, like the threads test (`gpu_intranode.rs`,
 //! same cases and checks): every rank derives every rank's inputs from the seed the launcher
@@ -14,7 +15,7 @@ use cudarc::driver::CudaContext;
 
 use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::{Bf16, Buffer, BufferOptions, DispatchArgs, DispatchX, EpError, Tensor};
-use ep_kernels::testing::{gpus, seed};
+use ep_kernels::testing::{rank_context, rank_gpus, seed};
 use gpu_intranode_common::{case_options, rank_rngs, Case, Round, Routing};
 
 /// The cases every rank runs, each on a fresh buffer.
@@ -96,7 +97,7 @@ fn text(e: EpError) -> String {
 
 /// Runs `body` as `ranks` processes (this test binary re-executed, running only `test`).
 fn launch(ranks: usize, test: &str, body: fn(&TcpCommunicator, u64) -> Res) {
-    let Some(ctxs) = gpus(ranks) else { return };
+    let Some(ctxs) = rank_gpus(ranks) else { return };
     // The launcher itself needs no GPU; each rank opens its own.
     drop(ctxs);
     let s = seed();
@@ -116,7 +117,7 @@ fn rank_main(comm: &TcpCommunicator, seed: u64) -> Res {
     if comm.same_process() {
         return Err("a TCP rank claims to share the process with its peers".into());
     }
-    let ctx = ibgda_device::cuda::context(comm.local_rank()).map_err(|e| e.to_string())?;
+    let ctx = rank_context(comm.local_rank()).map_err(|e| e.to_string())?;
     for (i, c) in cases().iter().enumerate() {
         let t0 = Instant::now();
         let mut buf = Buffer::new(&ctx, comm, &case_options(c, ranks)).map_err(text)?;

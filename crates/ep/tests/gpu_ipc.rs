@@ -1,6 +1,7 @@
-//! Buffers shared between ranks: CUDA IPC between processes (launched by `Launcher`, one GPU per
-//! process) and peer access between threads, each rank copying every peer's buffer through the
-//! address `exchange_buffers` gave it and checking every byte.
+//! Buffers shared between ranks: CUDA IPC between processes (launched by `Launcher`, spread
+//! round robin over the GPUs: same-device IPC where they share one) and peer access between
+//! threads (plain pointers where they share a GPU), each rank copying every peer's buffer through
+//! the address `exchange_buffers` gave it and checking every byte.
 
 use std::error::Error;
 use std::sync::Arc;
@@ -9,8 +10,8 @@ use ep::bootstrap::{
     exchange_buffers, Communicator, JobToken, Launcher, PeerBuffer, RankConfig, TcpCommunicator,
     ThreadGroup,
 };
-use ep_kernels::testing::{gpus, seed, Rng};
-use ibgda_device::cuda::{self, CudaContext, DeviceBuffer};
+use ep_kernels::testing::{rank_context, rank_gpus, seed, Rng};
+use ibgda_device::cuda::{CudaContext, DeviceBuffer};
 
 type Res<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -104,7 +105,7 @@ fn rank_body(comm: &dyn Communicator, ctx: &Arc<CudaContext>, seed: u64, ipc: bo
 
 #[test]
 fn ipc_between_processes() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     drop(ctxs);
     // The launcher passes the seed on, so every rank draws the same patterns.
     let seed = seed();
@@ -113,7 +114,7 @@ fn ipc_between_processes() {
         .env("EP_TEST_SEED", seed.to_string())
         .timeout(std::time::Duration::from_secs(180))
         .run(|comm| -> Res {
-            let ctx = cuda::context(comm.local_rank())?;
+            let ctx = rank_context(comm.local_rank())?;
             assert!(!comm.same_process());
             rank_body(comm, &ctx, seed, true)
         });
@@ -124,7 +125,7 @@ fn ipc_between_processes() {
 
 #[test]
 fn peer_access_between_threads() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let seed = seed();
     let comms = ThreadGroup::new(2).unwrap();
     std::thread::scope(|s| {
@@ -143,7 +144,7 @@ fn peer_access_between_threads() {
 /// peer access (a handle cannot be opened in the process that exported it).
 #[test]
 fn tcp_ranks_in_one_process_use_peer_access() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let seed = seed();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();

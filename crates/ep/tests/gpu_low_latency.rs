@@ -2,9 +2,9 @@
 //! reference (`ep::low_latency::reference`) on fresh random data: dispatch bit-exact (rows,
 //! FP8 values and scales, counts, layout, source tokens), combine within one BF16 unit (the
 //! reference makes the same f32 fused multiply-adds in the same order). Outputs are poisoned
-//! (0xAB) before every operation. Each case runs at every rank count in {2, 4, 8} the machine
-//! has GPUs for: every hidden size of the issue, top-k up to 11, BF16 / FP8 / power-of-two /
-//! UE8M0, hook mode, zero-copy combine, CUDA-graph capture and replay, a bounded-wait timeout
+//! (0xAB) before every operation. Each case runs at EP2, EP4 and EP8 on however many GPUs are
+//! visible, ranks sharing them round robin: every hidden size of the issue, top-k up to 11, BF16
+//! / FP8 / power-of-two / UE8M0, hook mode, zero-copy combine, CUDA-graph capture and replay, a bounded-wait timeout
 //! that names rank, peer and expert, and repeated create / use / teardown.
 //!
 //! With NVLink disabled (every byte to another rank through the IBGDA transport on the emulated
@@ -23,7 +23,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions};
 use ep::{EpError, Tensor};
-use ep_kernels::testing::{gpus, seed, Rng};
+use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
     cases, check, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
     transport_options, two_in_flight, two_in_flight_case, Case, RankData, RankResult,
@@ -32,10 +32,8 @@ use gpu_low_latency_common::{
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
 
-fn rank_counts() -> Vec<usize> {
-    let n = ibgda_device::cuda::device_count().unwrap_or(0);
-    [2usize, 4, 8].into_iter().filter(|&r| r <= n).collect()
-}
+/// Every matrix runs at each of these, on however many GPUs there are (ranks share them).
+const RANK_COUNTS: [usize; 3] = [2, 4, 8];
 
 fn on_ranks<R: Send>(
     bufs: &mut [LowLatencyBuffer],
@@ -57,10 +55,9 @@ fn group(ctxs: &[Arc<CudaContext>], opts: &LowLatencyOptions) -> Vec<LowLatencyB
 
 #[test]
 fn dispatch_combine_match_reference() {
-    let Some(_) = gpus(2) else { return };
     let mut rng = Rng::new(seed());
-    for ranks in rank_counts() {
-        let Some(ctxs) = gpus(ranks) else { continue };
+    for ranks in RANK_COUNTS {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
         run_matrix(&ctxs, ranks, &mut rng);
     }
 }
@@ -122,10 +119,9 @@ fn run_matrix(ctxs: &[Arc<CudaContext>], ranks: usize, rng: &mut Rng) {
 /// with fresh data written into the captured inputs before each replay.
 #[test]
 fn cuda_graph_replays_match_reference() {
-    let Some(_) = gpus(2) else { return };
     let mut rng = Rng::new(seed());
-    for ranks in rank_counts() {
-        let Some(ctxs) = gpus(ranks) else { continue };
+    for ranks in RANK_COUNTS {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
         let mut bufs = group(&ctxs, &options(ranks));
         for hook in [false, true] {
             let c = graph_case(hook);
@@ -157,7 +153,7 @@ fn cuda_graph_replays_match_reference() {
 /// peer and the expert; teardown still succeeds everywhere after.
 #[test]
 fn a_missing_rank_times_out_with_a_named_error() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let mut rng = Rng::new(seed());
     let mut o = options(2);
     o.timeout = Duration::from_secs(2);
@@ -171,11 +167,22 @@ fn a_missing_rank_times_out_with_a_named_error() {
         let d = &data[0];
         let x = Tensor::from_host(&ctx, &d.x, &[16, 2048]).unwrap();
         let idx = Tensor::from_host(&ctx, &d.idx, &[16, 4]).unwrap();
-        let out = b.dispatch(&LlDispatchArgs::new(&x, &idx)).unwrap();
-        let e = b
-            .synchronize()
-            .expect_err("rank 1 never sent: the wait must run out");
-        drop(out);
+        // Ranks sharing a GPU meet on the host before every launch: there rank 0 is stopped,
+        // naming rank 1, before it launches anything. On their own GPUs the kernel's wait runs
+        // out instead.
+        let shared = b.gpu_share().threads.len() > 1;
+        let e = match b.dispatch(&LlDispatchArgs::new(&x, &idx)) {
+            Err(e @ EpError::SharedGpuTimeout { .. }) if shared => e,
+            Err(e) => panic!("dispatch failed: {e}"),
+            Ok(_) if shared => panic!("a dispatch on a shared GPU without its peer launched"),
+            Ok(out) => {
+                let e = b
+                    .synchronize()
+                    .expect_err("rank 1 never sent: the wait must run out");
+                drop(out);
+                e
+            }
+        };
         // The buffer stays poisoned: no more work is queued on it.
         assert!(matches!(
             b.dispatch(&LlDispatchArgs::new(&x, &idx)),
@@ -186,7 +193,10 @@ fn a_missing_rank_times_out_with_a_named_error() {
     let msg = errs[0].clone().expect("rank 0 reports");
     eprintln!("rank 0: {msg}");
     assert!(msg.contains("rank 0") && msg.contains("rank 1"), "{msg}");
-    assert!(msg.contains("local expert"), "{msg}");
+    assert!(
+        msg.contains("local expert") || msg.contains("sharing GPU"),
+        "{msg}"
+    );
     // Teardown: rank 0 reports its recorded error again, rank 1 is clean; both free and return.
     std::thread::scope(|s| {
         let joins: Vec<_> = bufs
@@ -205,7 +215,7 @@ fn a_missing_rank_times_out_with_a_named_error() {
 /// Create, use, tear down, several times in a row: nothing leaks into the next buffer.
 #[test]
 fn repeated_create_use_teardown() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let mut rng = Rng::new(seed());
     for round in 0..3 {
         let mut bufs = group(&ctxs, &options(2));
@@ -274,10 +284,9 @@ fn transport_group(
 
 #[test]
 fn transport_matrix_matches_reference_in_gpu_and_cpu_host_memory_modes() {
-    let Some(_) = gpus(2) else { return };
     let mut rng = Rng::new(seed());
-    for ranks in rank_counts() {
-        let Some(ctxs) = gpus(ranks) else { continue };
+    for ranks in RANK_COUNTS {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
         for mode in TRANSPORT_MODES {
             let mut bufs = transport_group(&ctxs, mode);
             for c in transport_cases() {
@@ -307,7 +316,7 @@ fn transport_matrix_matches_reference_in_gpu_and_cpu_host_memory_modes() {
 
 #[test]
 fn transport_mode_cpu_fails_cleanly_without_gdrcopy() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     match LowLatencyBuffer::create_group(&ctxs, &transport_options(2, HandlerChoice::Cpu)) {
         Err(e) => {
             let msg = e.to_string();
@@ -337,7 +346,7 @@ fn transport_mode_cpu_fails_cleanly_without_gdrcopy() {
 /// mode; every teardown must succeed.
 #[test]
 fn transport_create_use_teardown_20_times_per_mode() {
-    let Some(ctxs) = gpus(2) else { return };
+    let Some(ctxs) = rank_gpus(2) else { return };
     let mut rng = Rng::new(seed());
     for mode in TRANSPORT_MODES {
         for round in 0..20 {
@@ -367,4 +376,55 @@ fn transport_create_use_teardown_20_times_per_mode() {
         }
         eprintln!("transport mode {}: 20 rounds passed", mode.1.name());
     }
+}
+
+/// Two ranks of this process on one GPU: each gets half its SMs as the default grid, a dispatch
+/// or combine asking for more than fits beside the other rank is refused before launch with
+/// [`EpError::SmBudget`] naming the numbers (never a timeout), and the buffers still work after.
+#[test]
+fn an_oversubscribed_sm_budget_is_refused_before_launch() {
+    let Some(one) = rank_gpus(1) else { return };
+    let ctxs = vec![one[0].clone(), one[0].clone()];
+    let mut rng = Rng::new(seed());
+    let mut bufs = group(&ctxs, &options(2));
+    let sms = bufs[0].num_sms();
+    assert_eq!(bufs[0].gpu_share().threads, vec![0, 1]);
+    assert_eq!(bufs[0].sm_budget(), sms / 2);
+    let c = cases()[0];
+    let data = random_data(&mut rng, 2, c.hidden, c.topk, None);
+    let refusals: Vec<String> = on_ranks(&mut bufs, |b| {
+        let d = &data[b.rank()];
+        let ctx = b.context().clone();
+        let x = Tensor::from_host(&ctx, &d.x, &[d.tokens, c.hidden]).unwrap();
+        let idx = Tensor::from_host(&ctx, &d.idx, &[d.tokens, c.topk]).unwrap();
+        let mut args = LlDispatchArgs::new(&x, &idx);
+        args.num_sms = Some(sms / 2 + 1);
+        let t0 = std::time::Instant::now();
+        let e = match b.dispatch(&args) {
+            Ok(_) => panic!("an oversubscribed grid must be refused"),
+            Err(e) => e,
+        };
+        assert!(t0.elapsed() < Duration::from_secs(1), "refused late: {e}");
+        match &e {
+            EpError::SmBudget {
+                budget,
+                ranks_on_gpu: 2,
+                fits,
+                ..
+            } => {
+                assert_eq!(*budget, sms / 2 + 1, "{e}");
+                assert_eq!(*fits, sms / 2, "{e}");
+            }
+            other => panic!("expected SmBudget, got {other}"),
+        }
+        e.to_string()
+    });
+    eprintln!("refused: {}", refusals[0]);
+    // Nothing was launched: a whole case still matches the reference on the default grid.
+    let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+        let r = b.rank();
+        run_case(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+    });
+    check(2, &c, &data, &res, "EP2 on one GPU after a refused grid");
+    shutdown_all(bufs);
 }

@@ -1,6 +1,6 @@
 //! Low-latency dispatch/combine with ranks as processes: the `Launcher` re-executes this test
-//! once per rank (one GPU each, rendezvous over TCP). Over NVLink every rank maps the others'
-//! net buffers through CUDA IPC and the kernels store into them; with NVLink disabled every
+//! once per rank (round robin over the visible GPUs, sharing them where there are fewer; TCP).
+//! Over NVLink every rank maps the others' net buffers through CUDA IPC and the kernels store into them; with NVLink disabled every
 //! process runs its own emulated NIC, the ranks connect QPs to each other through the group (the
 //! NICs open each other's registered buffers through CUDA IPC) and every byte to another rank
 //! goes through the IBGDA transport. Checked against the CPU reference on fresh random data
@@ -28,7 +28,7 @@ use cudarc::driver::CudaContext;
 use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions};
 use ep::{EpError, Tensor};
-use ep_kernels::testing::{gpus, seed, Rng};
+use ep_kernels::testing::{rank_context, rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
     cases, check_rank, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
     transport_options, two_in_flight, two_in_flight_case, Case, RankResult, TRANSPORT_MODES,
@@ -81,7 +81,7 @@ impl Rank {
 /// Runs `body` as `ranks` processes (this test binary re-executed, running only `test`).
 fn launch(ranks: usize, test: &str, body: fn(&Rank) -> Res) {
     // The launcher checks the machine; a rank opens only its own GPU.
-    if !Launcher::is_rank_process() && gpus(ranks).is_none() {
+    if !Launcher::is_rank_process() && rank_gpus(ranks).is_none() {
         return;
     }
     let s = seed();
@@ -93,7 +93,7 @@ fn launch(ranks: usize, test: &str, body: fn(&Rank) -> Res) {
             if comm.same_process() {
                 return Err("a TCP rank claims to share the process with its peers".into());
             }
-            let ctx = ibgda_device::cuda::context(comm.local_rank()).map_err(|e| e.to_string())?;
+            let ctx = rank_context(comm.local_rank()).map_err(|e| e.to_string())?;
             let t0 = Instant::now();
             let rank = Rank { comm, ctx, seed: s };
             body(&rank)?;

@@ -3,8 +3,8 @@
 //! kernel launches anywhere, so the emulator progresses even when kernels fill every SM.
 //!
 //! Atomics on GPU memory are a read (device to pinned host), a compute on the host and a write
-//! back, on the QP's stream after its earlier writes, under one process-wide lock. See the crate
-//! docs for the atomicity this gives.
+//! back, on the QP's stream after its earlier writes ([`crate::cuda_atomic`]: no process-wide
+//! lock, and only the read is waited for). See the crate docs for the atomicity this gives.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -14,11 +14,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, DriverError};
 
 use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
+use crate::cuda_atomic::{atomic_on_device, is_word, store_word, WriteBackEvent};
 use crate::error::EmuError;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
-
-/// Serialises every read-modify-write of GPU memory the emulator does in this process.
-static GPU_ATOMICS: Mutex<()> = Mutex::new(());
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
 /// words); larger reads go in pieces.
@@ -151,7 +149,9 @@ impl MemoryBackend for CudaMemory {
             next_mark: 0,
             landed_upto: 0,
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
+            wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
+            memop_stores: true,
             timeout: self.timeout,
         }))
     }
@@ -216,10 +216,15 @@ struct CudaLane {
     free: Vec<Event>,
     next_mark: u64,
     landed_upto: u64,
-    /// Pinned bytes for atomics: [0, 8) the old value, [8, 16) the new one.
+    /// Pinned bytes for atomics: [0, 8) the old value.
     scratch: HostBuffer,
+    /// Recorded after each atomic's write-back (see [`crate::cuda_atomic`]).
+    wb: Arc<WriteBackEvent>,
     /// Whether stream batch memory operations work here (cleared after the first failure).
     memops: bool,
+    /// Whether single-word stream stores work here, for words and write-backs (cleared after the
+    /// first failure).
+    memop_stores: bool,
     timeout: Duration,
 }
 
@@ -309,16 +314,30 @@ impl Lane for CudaLane {
                 unsafe { std::ptr::copy(bytes.as_ptr(), d as *mut u8, bytes.len()) };
                 Ok(())
             }
-            // SAFETY: the caller guarantees the range. From pageable memory the driver stages
-            // the bytes before returning, so `bytes` need not outlive the call.
-            Loc::Device(d) => check("cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    d,
-                    bytes.as_ptr() as *const c_void,
-                    bytes.len(),
-                    self.stream.raw,
-                )
-            }),
+            Loc::Device(d) => {
+                if self.memop_stores && is_word(d, bytes.len()) {
+                    // An aligned 4- or 8-byte word (inline signals, atomic replies): one stream
+                    // store instead of a staged copy.
+                    // SAFETY: the caller guarantees the range; the stream is live.
+                    match unsafe { store_word(self.stream.raw, d, bytes) } {
+                        Ok(()) => return Ok(()),
+                        Err(e) => {
+                            tracing::warn!("word stores fall back to copies: {e}");
+                            self.memop_stores = false;
+                        }
+                    }
+                }
+                // SAFETY: the caller guarantees the range. From pageable memory the driver
+                // stages the bytes before returning, so `bytes` need not outlive the call.
+                check("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        d,
+                        bytes.as_ptr() as *const c_void,
+                        bytes.len(),
+                        self.stream.raw,
+                    )
+                })
+            }
         }
     }
 
@@ -328,7 +347,6 @@ impl Lane for CudaLane {
         op: AtomicOp,
         timeout: Duration,
     ) -> Result<u64, EmuError> {
-        let w = op.width();
         match target {
             Loc::Host(a) => {
                 self.fence(timeout)?;
@@ -336,36 +354,25 @@ impl Lane for CudaLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
-                let _serial = GPU_ATOMICS.lock().unwrap_or_else(|p| p.into_inner());
-                let s = self.stream.raw;
-                // SAFETY: the caller guarantees the device word; the scratch is pinned and ours.
-                check("cuMemcpyDtoHAsync", unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(self.scratch.addr() as *mut c_void, a, w, s)
-                })?;
-                self.stream.wait(timeout, "the read of an atomic")?;
-                let old = if w == 8 {
-                    self.scratch.load_u64(0)
-                } else {
-                    self.scratch.load_u32(0) as u64
+                let stream = self.stream.raw;
+                let s = &self.stream;
+                let mut drain = || s.wait(timeout, "the read of an atomic");
+                // SAFETY: the caller guarantees an aligned, writable device word; the stream is
+                // live and its context current (the NIC binds its thread); the scratch is this
+                // lane's.
+                let old = unsafe {
+                    atomic_on_device(
+                        stream,
+                        &mut drain,
+                        &self.scratch,
+                        &self.wb,
+                        &mut self.memop_stores,
+                        a,
+                        op,
+                    )?
                 };
-                let new = op.apply(old);
-                if new != old {
-                    if w == 8 {
-                        self.scratch.store_u64(8, new);
-                    } else {
-                        self.scratch.store_u32(8, new as u32);
-                    }
-                    // SAFETY: as above.
-                    check("cuMemcpyHtoDAsync", unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            a,
-                            (self.scratch.addr() + 8) as *const c_void,
-                            w,
-                            s,
-                        )
-                    })?;
-                    self.stream.wait(timeout, "the write of an atomic")?;
-                }
+                // Everything marked so far preceded the read, which has completed; the
+                // write-back, if any, follows every mark taken so far.
                 self.recycle_all();
                 Ok(old)
             }

@@ -1,13 +1,14 @@
 //! The WQE executor: checks every access against the registrations, then moves bytes through a
 //! [`Lane`]. Backend-agnostic; nothing is touched unless every check of the WQE has passed.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ibgda_device::wire::{syndrome, Sge, WqeOp};
 
 use crate::backend::{AtomicOp, Lane, Loc};
 use crate::error::EmuError;
-use crate::mr::{Access, Denied, Registry};
+use crate::mr::{Access, Denied, Region, Registry};
 
 /// Vendor syndromes (byte 54 of an error CQE) the emulator writes: its own codes, saying which
 /// check failed. Hardware's vendor syndromes are undocumented; these are not them.
@@ -38,6 +39,10 @@ pub mod vendor_syndrome {
     pub const INJECTED: u8 = 0xea;
     /// The QP is connected to no peer.
     pub const NO_PEER: u8 = 0xeb;
+    /// Strict mode: the control segment's QPN is not this QP's.
+    pub const CTRL_QPN: u8 = 0xec;
+    /// Strict mode: the control segment's WQE index is not the WQE's position in the ring.
+    pub const CTRL_INDEX: u8 = 0xed;
     /// The backend failed (a CUDA call, a bounded wait).
     pub const BACKEND: u8 = 0xef;
 }
@@ -121,75 +126,181 @@ pub(crate) fn wire_bytes(op: &WqeOp<'_>) -> u64 {
     }
 }
 
-/// Executes one decoded WQE. Returns `Err` only when the backend itself failed.
+/// One change to memory a WQE makes once every check has passed: what [`plan`] produces and
+/// [`apply`] performs. Strict mode holds effects back, cuts writes into chunks and reorders them
+/// ([`crate::strict`]); otherwise they are applied at once, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Effect {
+    /// Copy `len` bytes from `src` to `dst` (a gather entry of an RDMA write, or a chunk of one).
+    Copy { dst: Loc, src: Loc, len: u64 },
+    /// Write these bytes at `dst` (inline data, or a chunk of it).
+    Put { dst: Loc, bytes: Vec<u8> },
+    /// The atomic on `target`, its old value then written to `result`.
+    Atomic {
+        target: Loc,
+        op: AtomicOp,
+        result: Loc,
+    },
+}
+
+impl Effect {
+    /// Bytes a write effect places (0 for an atomic).
+    pub fn len(&self) -> u64 {
+        match self {
+            Effect::Copy { len, .. } => *len,
+            Effect::Put { bytes, .. } => bytes.len() as u64,
+            Effect::Atomic { .. } => 0,
+        }
+    }
+
+    /// The piece `[from, from + len)` of a write effect (`None` for an atomic).
+    pub fn piece(&self, from: u64, len: u64) -> Option<Effect> {
+        match self {
+            Effect::Copy { dst, src, .. } => Some(Effect::Copy {
+                dst: dst.offset(from),
+                src: src.offset(from),
+                len,
+            }),
+            Effect::Put { dst, bytes } => Some(Effect::Put {
+                dst: dst.offset(from),
+                bytes: bytes[from as usize..(from + len) as usize].to_vec(),
+            }),
+            Effect::Atomic { .. } => None,
+        }
+    }
+}
+
+/// What [`plan`] hands back for a WQE whose checks passed: its effects, and the registrations
+/// they touch (held so that memory a registration owns outlives effects applied later).
+#[derive(Debug, Default)]
+pub(crate) struct Planned {
+    pub effects: Vec<Effect>,
+    pub held: Vec<Arc<Region>>,
+}
+
+/// Performs one effect through `lane`.
+///
+/// # Safety
+/// The effect must come from [`plan`] (every range checked against a registration) and those
+/// registrations must still be live.
+pub(crate) unsafe fn apply(
+    effect: &Effect,
+    lane: &mut dyn Lane,
+    fetch_order: FetchOrder,
+    timeout: Duration,
+) -> Result<(), EmuError> {
+    match effect {
+        // SAFETY: both ranges were checked against live registrations (the caller's promise).
+        Effect::Copy { dst, src, len } => unsafe { lane.copy(*dst, *src, *len) },
+        // SAFETY: as above.
+        Effect::Put { dst, bytes } => unsafe { lane.put(*dst, bytes) },
+        Effect::Atomic { target, op, result } => {
+            // SAFETY: the word was checked against a live registration and is aligned.
+            let old = unsafe { lane.atomic(*target, *op, timeout)? };
+            let reply = fetch_reply(op, old, fetch_order);
+            // SAFETY: the result range was checked against a live registration with LOCAL_WRITE.
+            unsafe { lane.put(*result, &reply) }
+        }
+    }
+}
+
+/// Executes one decoded WQE at once: [`plan`], then [`apply`] of every effect in order. Returns
+/// `Err` only when the backend itself failed.
 pub(crate) fn execute(
     op: &WqeOp<'_>,
     cx: &ExecCtx<'_>,
     lane: &mut dyn Lane,
 ) -> Result<Outcome, EmuError> {
+    let mut planned = Planned::default();
+    let outcome = plan(op, cx, &mut planned);
+    for e in &planned.effects {
+        // SAFETY: `plan` checked every range against the registrations, which live while the
+        // round that called this runs.
+        unsafe { apply(e, lane, cx.fetch_order, cx.timeout)? };
+    }
+    Ok(outcome)
+}
+
+/// Checks one decoded WQE against the registrations and, when every check passes, pushes the
+/// effects it has onto `out` (nothing is pushed for a failure).
+pub(crate) fn plan(op: &WqeOp<'_>, cx: &ExecCtx<'_>, out: &mut Planned) -> Outcome {
     match op {
-        WqeOp::Nop => Ok(Outcome::Done { byte_count: 0 }),
-        WqeOp::Other => Ok(Outcome::failed(
-            syndrome::LOCAL_QP_OP_ERR,
-            vendor_syndrome::BAD_WQE,
-        )),
+        WqeOp::Nop => Outcome::Done { byte_count: 0 },
+        WqeOp::Other => Outcome::failed(syndrome::LOCAL_QP_OP_ERR, vendor_syndrome::BAD_WQE),
         WqeOp::RdmaWrite { remote, sges, .. } => {
             // Every local entry first (the NIC gathers before it sends), then the remote range.
             let mut srcs: Vec<(Loc, u64)> = Vec::with_capacity(sges.len());
             let mut total = 0u64;
             for s in sges.iter() {
                 let len = sge_len(&s);
-                match cx.local.check(s.lkey, s.addr, len, Access::NONE) {
-                    Ok(loc) => srcs.push((loc, len)),
-                    Err(d) => return Ok(local_denied(d)),
+                match cx.local.check_held(s.lkey, s.addr, len, Access::NONE) {
+                    Ok((loc, r)) => {
+                        srcs.push((loc, len));
+                        out.held.push(r);
+                    }
+                    Err(d) => {
+                        out.held.clear();
+                        return local_denied(d);
+                    }
                 }
                 total += len;
             }
             if total > MAX_MESSAGE {
-                return Ok(Outcome::failed(
-                    syndrome::LOCAL_LENGTH_ERR,
-                    vendor_syndrome::LENGTH,
-                ));
+                out.held.clear();
+                return Outcome::failed(syndrome::LOCAL_LENGTH_ERR, vendor_syndrome::LENGTH);
             }
             let Some(peer) = cx.remote else {
-                return Ok(no_peer());
+                out.held.clear();
+                return no_peer();
             };
-            let dst = match peer.check(remote.rkey, remote.addr, total, Access::REMOTE_WRITE) {
-                Ok(loc) => loc,
-                Err(d) => return Ok(remote_denied(d)),
+            let dst = match peer.check_held(remote.rkey, remote.addr, total, Access::REMOTE_WRITE) {
+                Ok((loc, r)) => {
+                    out.held.push(r);
+                    loc
+                }
+                Err(d) => {
+                    out.held.clear();
+                    return remote_denied(d);
+                }
             };
             let mut off = 0;
             for (src, len) in srcs {
-                // SAFETY: both ranges were checked against live registrations above.
-                unsafe { lane.copy(dst.offset(off), src, len)? };
+                out.effects.push(Effect::Copy {
+                    dst: dst.offset(off),
+                    src,
+                    len,
+                });
                 off += len;
             }
-            Ok(Outcome::Done {
+            Outcome::Done {
                 byte_count: total as u32,
-            })
+            }
         }
         WqeOp::InlineWrite { remote, data, .. } => {
             if data.is_empty() {
                 // A zero-length write carries no key check on IB and touches nothing.
-                return Ok(Outcome::Done { byte_count: 0 });
+                return Outcome::Done { byte_count: 0 };
             }
             let Some(peer) = cx.remote else {
-                return Ok(no_peer());
+                return no_peer();
             };
             let len = data.len() as u64;
-            match peer.check(remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
-                Ok(dst) => {
-                    // SAFETY: the range was checked against a live registration.
-                    unsafe { lane.put(dst, data)? };
-                    Ok(Outcome::Done {
+            match peer.check_held(remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
+                Ok((dst, r)) => {
+                    out.held.push(r);
+                    out.effects.push(Effect::Put {
+                        dst,
+                        bytes: data.to_vec(),
+                    });
+                    Outcome::Done {
                         byte_count: len as u32,
-                    })
+                    }
                 }
-                Err(d) => Ok(remote_denied(d)),
+                Err(d) => remote_denied(d),
             }
         }
         WqeOp::FetchAdd64 { remote, fetch, add } => {
-            atomic(cx, lane, remote, fetch, AtomicOp::FetchAdd64 { add: *add })
+            atomic(cx, out, remote, fetch, AtomicOp::FetchAdd64 { add: *add })
         }
         WqeOp::CompareSwap64 {
             remote,
@@ -198,7 +309,7 @@ pub(crate) fn execute(
             compare,
         } => atomic(
             cx,
-            lane,
+            out,
             remote,
             fetch,
             AtomicOp::CompareSwap64 {
@@ -213,7 +324,7 @@ pub(crate) fn execute(
             field_boundary,
         } => atomic(
             cx,
-            lane,
+            out,
             remote,
             fetch,
             AtomicOp::MaskedFetchAdd32 {
@@ -230,7 +341,7 @@ pub(crate) fn execute(
             compare_mask,
         } => atomic(
             cx,
-            lane,
+            out,
             remote,
             fetch,
             AtomicOp::MaskedCompareSwap32 {
@@ -247,7 +358,7 @@ pub(crate) fn execute(
             field_boundary,
         } => atomic(
             cx,
-            lane,
+            out,
             remote,
             fetch,
             AtomicOp::MaskedFetchAdd64 {
@@ -283,51 +394,38 @@ pub(crate) fn fetch_reply(op: &AtomicOp, old: u64, order: FetchOrder) -> Vec<u8>
 
 fn atomic(
     cx: &ExecCtx<'_>,
-    lane: &mut dyn Lane,
+    out: &mut Planned,
     remote: &ibgda_device::wire::RemoteAddr,
     fetch: &Sge,
     op: AtomicOp,
-) -> Result<Outcome, EmuError> {
+) -> Outcome {
     let w = op.width() as u64;
     if fetch.len as u64 != w {
-        return Ok(Outcome::failed(
-            syndrome::LOCAL_LENGTH_ERR,
-            vendor_syndrome::LENGTH,
-        ));
+        return Outcome::failed(syndrome::LOCAL_LENGTH_ERR, vendor_syndrome::LENGTH);
     }
-    let result = match cx
-        .local
-        .check(fetch.lkey, fetch.addr, w, Access::LOCAL_WRITE)
-    {
-        Ok(loc) => loc,
-        Err(d) => return Ok(local_denied(d)),
-    };
+    let (result, held_result) =
+        match cx
+            .local
+            .check_held(fetch.lkey, fetch.addr, w, Access::LOCAL_WRITE)
+        {
+            Ok(x) => x,
+            Err(d) => return local_denied(d),
+        };
     let Some(peer) = cx.remote else {
-        return Ok(no_peer());
+        return no_peer();
     };
-    let target = match peer.check(remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
-        Ok(loc) => loc,
-        Err(d) => return Ok(remote_denied(d)),
-    };
-    if remote.addr % w != 0 {
-        return Ok(Outcome::failed(
-            syndrome::REMOTE_INVAL_REQ_ERR,
-            vendor_syndrome::MISALIGNED,
-        ));
+    let (target, held_target) =
+        match peer.check_held(remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
+            Ok(x) => x,
+            Err(d) => return remote_denied(d),
+        };
+    // The registered address, and the backing address (an odd IPC mapping could disagree).
+    if remote.addr % w != 0 || target.addr() % w != 0 {
+        return Outcome::failed(syndrome::REMOTE_INVAL_REQ_ERR, vendor_syndrome::MISALIGNED);
     }
-    if target.addr() % w != 0 {
-        // Registered address and backing address disagree on alignment (an odd IPC mapping).
-        return Ok(Outcome::failed(
-            syndrome::REMOTE_INVAL_REQ_ERR,
-            vendor_syndrome::MISALIGNED,
-        ));
-    }
-    // SAFETY: the word was checked against a live registration and is aligned.
-    let old = unsafe { lane.atomic(target, op, cx.timeout)? };
-    let reply = fetch_reply(&op, old, cx.fetch_order);
-    // SAFETY: the result range was checked against a live registration with LOCAL_WRITE.
-    unsafe { lane.put(result, &reply)? };
-    Ok(Outcome::Done {
+    out.effects.push(Effect::Atomic { target, op, result });
+    out.held.extend([held_result, held_target]);
+    Outcome::Done {
         byte_count: w as u32,
-    })
+    }
 }

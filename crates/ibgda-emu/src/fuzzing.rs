@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ibgda_device::wire::{cqe_opcode, WQEBB_BYTES};
 
-use crate::{Access, CqMode, Fabric, HostBuffer, Mr, NicConfig, QpState};
+use crate::{Access, CqMode, Fabric, HostBuffer, Mr, NicConfig, QpState, Reorder, StrictMode};
 
 /// Send-ring size the harness uses.
 pub const RING_WQEBBS: u32 = 16;
@@ -61,11 +61,17 @@ fn steer(bb: &mut [u8], local: &[Mr], remote: &[Mr]) {
 pub fn run_ring_bytes(data: &[u8]) -> Result<RunSummary, String> {
     let fabric = Fabric::new();
     let err = |e: crate::EmuError| e.to_string();
+    // Strict reordering on (its pipeline is fuzzed too), control-segment checks off: arbitrary
+    // bytes would almost all stop there, before the decoder.
+    let strict = StrictMode {
+        check_ctrl: false,
+        reorder: Some(Reorder::new(crate::DEFAULT_SEED)),
+    };
     let a = fabric
-        .host_nic(NicConfig::named("fuzz-a").manual())
+        .host_nic(NicConfig::named("fuzz-a").manual().strict(strict))
         .map_err(err)?;
     let b = fabric
-        .host_nic(NicConfig::named("fuzz-b").manual())
+        .host_nic(NicConfig::named("fuzz-b").manual().strict(strict))
         .map_err(err)?;
     let la = Arc::new(HostBuffer::new(ARENA));
     let ra = Arc::new(HostBuffer::new(ARENA));

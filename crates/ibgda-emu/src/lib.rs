@@ -35,7 +35,8 @@
 //! `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the first error in words.
 //!
 //! Choices where hardware is unspecified or unknowable here: the control segment's QPN and WQE
-//! index fields are not checked (the NIC uses its own counter for `wqe_counter`); a WQE whose DS
+//! index fields are checked only in [strict mode](#strict-mode) (the NIC uses its own counter
+//! for `wqe_counter` either way); a WQE whose DS
 //! reaches past the announced producer index fails with `LOCAL_QP_OP_ERR` (vendor
 //! [`vendor_syndrome::PAST_PRODUCER`]) instead of executing what lies beyond; the responder side
 //! of write-with-immediate (a receive WQE and a responder CQE at the peer) is not emulated; one
@@ -52,7 +53,9 @@
 //! [`MemoryBackend`] / [`Lane`] separate the engine from memory. [`HostMemory`] (CI): everything
 //! is host memory, every operation happens at once on the NIC's thread, atomics are CPU atomics.
 //! [`CudaMemory`]: one non-blocking stream per QP keeps reliable-connection order; data moves by
-//! `cuMemcpyAsync` (peer copies over NVLink between GPUs of a host); CQEs in GPU memory are
+//! `cuMemcpyAsync` (peer copies over NVLink between GPUs of a host), aligned 4- and 8-byte words
+//! (inline signals, atomic replies and write-backs) by stream stores (`cuStreamBatchMemOp`, a
+//! copy where the driver refuses one); CQEs in GPU memory are
 //! written by `cuStreamBatchMemOp` writes behind the data on the same stream (owner word last);
 //! CQEs in host memory are written by the NIC thread once an event recorded after the data has
 //! completed. The emulator never launches a kernel, so it progresses even when spinning kernels
@@ -60,12 +63,24 @@
 //!
 //! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
 //! GPU memory is read (device to pinned host), computed and written back on the QP's stream,
-//! after the QP's earlier writes have landed, under one lock for the whole process. It is atomic
-//! with respect to every other emulator atomic *in this process*, and ordered after the QP's
-//! earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
+//! after the QP's earlier writes have landed, under the lock of the target word's stripe (one of
+//! 256, by address); only the read is waited for, and the next atomic on the stripe from another
+//! stream waits on the GPU for the write-back. It is atomic with respect to every other emulator
+//! atomic on the same word *in this process*, atomics on other words run in parallel, and it is
+//! ordered after the QP's earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
 //! nor to emulator atomics issued by another process: give each such word a single remote
 //! writer process (counters indexed by source rank do) or keep it in host memory, where
 //! atomics are CPU atomics and atomic against everything.
+//!
+//! # Strict mode
+//!
+//! [`StrictMode`] (on by default; `IBGDA_EMU_STRICT=0` turns it off, `IBGDA_EMU_SEED` picks the
+//! seed) holds device code to what the hardware promises: each control segment's QPN and WQE
+//! index are checked against the ring (`LOCAL_QP_OP_ERR`, vendor
+//! [`vendor_syndrome::CTRL_QPN`] / [`vendor_syndrome::CTRL_INDEX`]); a WQE without a fence may
+//! execute before an earlier atomic has been performed and its result written; the data of one
+//! write lands in shuffled chunks spread over progress rounds, interleaved with other QPs'.
+//! Decisions are seeded per QP, so a failure replays. See [`StrictMode`] for the table.
 //!
 //! # Wiring a QP (what device code and a proxy see)
 //!
@@ -93,6 +108,7 @@
 mod backend;
 mod cq;
 mod cuda;
+mod cuda_atomic;
 mod doorbell;
 mod error;
 mod exec;
@@ -105,6 +121,7 @@ mod ipc;
 mod mr;
 mod nic;
 mod qp;
+mod strict;
 
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
@@ -119,3 +136,4 @@ pub use ipc::MrExport;
 pub use mr::{Access, Mr, Place};
 pub use nic::{DirectDoorbell, HostQp, Nic, NicConfig, ProgressMode};
 pub use qp::{QpConfig, QpError, QpHandle, QpState, QpStatus, MAX_WQEBBS};
+pub use strict::{Reorder, StrictMode, DEFAULT_SEED, SEED_ENV, STRICT_ENV};

@@ -174,7 +174,20 @@ impl Registry {
     /// Where `[addr, addr + len)` under `key` lives, if the key exists, the range is inside its
     /// registration and the registration grants `need`. A zero-length range is checked like a
     /// one-byte range at `addr` would be, except that it may sit at the very end.
+    #[cfg(test)]
     pub fn check(&self, key: u32, addr: u64, len: u64, need: Access) -> Result<Loc, Denied> {
+        self.check_held(key, addr, len, need).map(|(loc, _)| loc)
+    }
+
+    /// [`check`](Self::check), and the registration itself, which keeps the memory it owns
+    /// alive for as long as the caller holds it (strict mode's WQEs in flight hold theirs).
+    pub fn check_held(
+        &self,
+        key: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Loc, Arc<Region>), Denied> {
         let map = self.regions.read().expect("registry lock");
         let r = map.get(&key).ok_or(Denied::Key)?;
         let end = addr.checked_add(len).ok_or(Denied::Range)?;
@@ -185,7 +198,7 @@ impl Registry {
         if !r.mr.access.contains(need) {
             return Err(Denied::Access);
         }
-        Ok(r.mr.place.at(r.base + (addr - r.mr.addr)))
+        Ok((r.mr.place.at(r.base + (addr - r.mr.addr)), r.clone()))
     }
 }
 

@@ -21,6 +21,7 @@ use crate::fault::{FaultPlan, Wire};
 use crate::host::HostBuffer;
 use crate::mr::{Access, Mr, Place, Region, Registry};
 use crate::qp::{Peer, QpConfig, QpEngine, QpHandle, QpState, QpStatus, StepCtx};
+use crate::strict::StrictMode;
 
 /// Who drives the NIC.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -50,6 +51,9 @@ pub struct NicConfig {
     pub op_timeout: Duration,
     /// WQEs one QP may execute per round before the next QP's turn.
     pub wqe_budget: usize,
+    /// How strictly device code is held to what the hardware promises ([`StrictMode`]; from
+    /// the environment by default: full strict mode unless `IBGDA_EMU_STRICT=0`).
+    pub strict: StrictMode,
 }
 
 impl Default for NicConfig {
@@ -62,6 +66,7 @@ impl Default for NicConfig {
             fetch_order: FetchOrder::Mlx5,
             op_timeout: Duration::from_secs(10),
             wqe_budget: 64,
+            strict: StrictMode::from_env(),
         }
     }
 }
@@ -78,6 +83,12 @@ impl NicConfig {
     /// With manual progress.
     pub fn manual(mut self) -> Self {
         self.progress = ProgressMode::Manual;
+        self
+    }
+
+    /// With strict mode `strict`.
+    pub fn strict(mut self, strict: StrictMode) -> Self {
+        self.strict = strict;
         self
     }
 }
@@ -527,7 +538,14 @@ impl Nic {
             uar: db.uar_info(),
         };
         let direct = db.direct.clone();
-        let engine = QpEngine::new(qpn, cfg, lane, db);
+        let engine = QpEngine::new(
+            qpn,
+            cfg,
+            lane,
+            db,
+            &self.shared.cfg.strict,
+            backend.supports_device(),
+        );
         let slot = Arc::new(QpSlot {
             engine: Mutex::new(engine),
             direct,

@@ -5,18 +5,19 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ibgda_device::wire::{parse_wqe, syndrome, Cqe64, WQEBB_BYTES};
+use ibgda_device::wire::{parse_wqe, syndrome, Cqe64, FenceMode, WqeOp, WQEBB_BYTES};
 
 use crate::backend::{Lane, Loc, Mark, MemoryBackend};
 use crate::cq::{CqConfig, CqWriter};
 use crate::doorbell::{DoorbellConfig, DoorbellState, UarInfo};
 use crate::error::EmuError;
-use crate::exec::{execute, vendor_syndrome, wire_bytes, ExecCtx, Outcome};
+use crate::exec::{apply, execute, plan, vendor_syndrome, wire_bytes, ExecCtx, Outcome, Planned};
 use crate::fabric::NodeId;
 use crate::fault::{FaultPlan, Wire};
 use crate::host::store_cqe_host;
 use crate::mr::Registry;
 use crate::nic::NicConfig;
+use crate::strict::{Kind, Owed, Pipeline, StrictMode};
 
 /// Largest send ring: 16-bit WQE counters must name every outstanding WQEBB unambiguously.
 pub const MAX_WQEBBS: u32 = 1 << 15;
@@ -136,6 +137,9 @@ pub struct QpStatus {
     pub cqes_written: u64,
     /// CQEs waiting for their data to land or for an injected delay.
     pub pending_cqes: usize,
+    /// Strict mode: WQEs started whose effects have not all happened yet (held atomics, writes
+    /// with chunks still to land), or whose CQE waits for an earlier such WQE.
+    pub in_flight: usize,
     /// Doorbells seen (each a larger producer index, from any source).
     pub doorbells: u64,
     /// The first error, if any.
@@ -183,6 +187,10 @@ pub(crate) struct QpEngine {
     pending: VecDeque<PendingCqe>,
     first_error: Option<QpError>,
     ring_cache: (u64, Vec<u8>),
+    /// Strict mode: check each control segment's QPN and WQE index.
+    check_ctrl: bool,
+    /// Strict mode: WQEs started but not completed (reordering on).
+    pipeline: Option<Pipeline>,
 }
 
 /// What one engine step reads besides its QP.
@@ -195,7 +203,16 @@ pub(crate) struct StepCtx<'a> {
 }
 
 impl QpEngine {
-    pub fn new(qpn: u32, cfg: QpConfig, lane: Box<dyn Lane>, db: DoorbellState) -> Self {
+    /// A QP in state Reset; `device`: whether the backend reaches GPU memory (strict mode's
+    /// chunking depends on it).
+    pub fn new(
+        qpn: u32,
+        cfg: QpConfig,
+        lane: Box<dyn Lane>,
+        db: DoorbellState,
+        strict: &StrictMode,
+        device: bool,
+    ) -> Self {
         Self {
             qpn,
             state: QpState::Reset,
@@ -213,6 +230,8 @@ impl QpEngine {
             pending: VecDeque::new(),
             first_error: None,
             ring_cache: (0, Vec::new()),
+            check_ctrl: strict.check_ctrl,
+            pipeline: strict.reorder.map(|r| Pipeline::new(r, qpn, device)),
         }
     }
 
@@ -226,6 +245,7 @@ impl QpEngine {
             wqes_flushed: self.wqes_flushed,
             cqes_written: self.cqes_written,
             pending_cqes: self.pending.len(),
+            in_flight: self.pipeline.as_ref().map_or(0, Pipeline::len),
             doorbells: self.db.events,
             first_error: self.first_error.clone(),
             peer: self.peer.as_ref().map(|p| (p.node, p.qpn)),
@@ -248,6 +268,9 @@ impl QpEngine {
         self.pending.clear();
         self.first_error = None;
         self.ring_cache = (0, Vec::new());
+        if let Some(p) = &mut self.pipeline {
+            p.clear();
+        }
     }
 
     /// Moves to the error state for a reason outside any WQE (the program, a backend failure).
@@ -270,7 +293,9 @@ impl QpEngine {
     /// Whether everything announced has been executed and every CQE written (enqueued, on a
     /// device CQ).
     pub fn is_idle(&self) -> bool {
-        self.fetched >= self.announced && self.pending.is_empty()
+        self.fetched >= self.announced
+            && self.pending.is_empty()
+            && self.pipeline.as_ref().is_none_or(Pipeline::is_empty)
     }
 
     /// One round: doorbells, WQEs, completions. Returns whether anything happened.
@@ -360,6 +385,15 @@ impl QpEngine {
 
     fn run_wqes(&mut self, cx: &StepCtx<'_>) -> Result<bool, EmuError> {
         let mut did = false;
+        if self.pipeline.as_ref().is_some_and(|p| !p.is_empty()) {
+            if self.state == QpState::Error {
+                // Forced to error with WQEs in flight: they complete before anything is flushed.
+                self.finish_pipeline(cx);
+                did = true;
+            } else {
+                did |= self.pump_pipeline(cx);
+            }
+        }
         let mut budget = cx.cfg.wqe_budget.max(1);
         while self.fetched < self.announced && budget > 0 {
             budget -= 1;
@@ -377,6 +411,7 @@ impl QpEngine {
             }
             if nbb > avail {
                 self.fail(
+                    cx,
                     index,
                     opcode,
                     syndrome::LOCAL_QP_OP_ERR,
@@ -390,12 +425,34 @@ impl QpEngine {
                 did = true;
                 continue;
             }
+            if self.check_ctrl {
+                if let Some((vendor, reason)) = ctrl_mismatch(&first, self.qpn, index) {
+                    self.fail(cx, index, opcode, syndrome::LOCAL_QP_OP_ERR, vendor, reason)?;
+                    self.fetched += nbb;
+                    did = true;
+                    continue;
+                }
+            }
             let bytes = if nbb == 1 {
                 first
             } else {
                 self.ring_bytes(cx.backend, index, nbb)?
             };
             let parsed = parse_wqe(&bytes);
+            if self.pipeline.is_some() {
+                let (kind, fenced) = match &parsed {
+                    Ok(p) => (kind_of(&p.op), !matches!(p.fence(), Some(FenceMode::None))),
+                    Err(_) => (Kind::Other, false),
+                };
+                if !self.admits(kind, fenced) {
+                    // One more turn for what is in flight; still in the way: the next round.
+                    self.pump_pipeline(cx);
+                    did = true;
+                    if !self.admits(kind, fenced) {
+                        break;
+                    }
+                }
+            }
             let mut due = None;
             if cx.plan.shaped() {
                 let wb = parsed.as_ref().map(|p| wire_bytes(&p.op)).unwrap_or(0);
@@ -412,6 +469,7 @@ impl QpEngine {
             }
             self.wqes_executed += 1;
             let mut reason = String::new();
+            let mut planned = Planned::default();
             let outcome = if let Some(s) = cx.plan.wqe_fault(self.qpn, self.wqes_executed) {
                 reason = format!("fault plan: WQE {} of this QP fails", self.wqes_executed);
                 Outcome::Failed {
@@ -434,7 +492,12 @@ impl QpEngine {
                             fetch_order: cx.cfg.fetch_order,
                             timeout: cx.cfg.op_timeout,
                         };
-                        match execute(&p.op, &ecx, self.lane.as_mut()) {
+                        let run = if self.pipeline.is_some() {
+                            Ok(plan(&p.op, &ecx, &mut planned))
+                        } else {
+                            execute(&p.op, &ecx, self.lane.as_mut())
+                        };
+                        match run {
                             Ok(o) => o,
                             Err(e) => {
                                 tracing::error!(qpn = self.qpn, index, "backend failure: {e}");
@@ -451,7 +514,24 @@ impl QpEngine {
             match outcome {
                 Outcome::Done { byte_count } => {
                     let wants_cqe = parsed.as_ref().is_ok_and(|p| p.cqe_requested());
-                    if wants_cqe {
+                    if self.pipeline.is_some() {
+                        let owed = Owed {
+                            index,
+                            opcode,
+                            cqe: wants_cqe.then_some((byte_count, due)),
+                        };
+                        if let Err(e) = self.start_in_pipeline(cx, owed, planned) {
+                            tracing::error!(qpn = self.qpn, index, "backend failure: {e}");
+                            self.fail(
+                                cx,
+                                index,
+                                opcode,
+                                syndrome::LOCAL_QP_OP_ERR,
+                                vendor_syndrome::BACKEND,
+                                format!("backend failure: {e}"),
+                            )?;
+                        }
+                    } else if wants_cqe {
                         let qpn = self.qpn;
                         self.emit(
                             |owner| Cqe64::requester(owner, index as u16, qpn, opcode, byte_count),
@@ -463,7 +543,7 @@ impl QpEngine {
                     if reason.is_empty() {
                         reason = describe(syndrome, vendor);
                     }
-                    self.fail(index, opcode, syndrome, vendor, reason)?;
+                    self.fail(cx, index, opcode, syndrome, vendor, reason)?;
                 }
             }
             self.fetched += nbb;
@@ -472,15 +552,120 @@ impl QpEngine {
         Ok(did)
     }
 
+    /// Whether strict mode lets a WQE of `kind` start now (always, without reordering).
+    fn admits(&self, kind: Kind, fenced: bool) -> bool {
+        self.pipeline
+            .as_ref()
+            .is_none_or(|p| p.admits(kind, fenced))
+    }
+
+    /// Starts a checked WQE in the strict pipeline and writes the CQEs that became due.
+    fn start_in_pipeline(
+        &mut self,
+        cx: &StepCtx<'_>,
+        owed: Owed,
+        planned: Planned,
+    ) -> Result<(), EmuError> {
+        let (order, timeout) = (cx.cfg.fetch_order, cx.cfg.op_timeout);
+        let lane = &mut self.lane;
+        let p = self.pipeline.as_mut().expect("strict pipeline");
+        p.start(owed, planned, &mut |e| {
+            // SAFETY: the effect was planned against live registrations, which the pipeline
+            // holds until it completes.
+            unsafe { apply(e, lane.as_mut(), order, timeout) }
+        })?;
+        self.emit_completed()
+    }
+
+    /// One turn for the WQEs in flight; returns whether any are. A backend failure moves the QP
+    /// to error (its CQE names the oldest WQE in flight).
+    fn pump_pipeline(&mut self, cx: &StepCtx<'_>) -> bool {
+        let (order, timeout) = (cx.cfg.fetch_order, cx.cfg.op_timeout);
+        let lane = &mut self.lane;
+        let Some(p) = self.pipeline.as_mut() else {
+            return false;
+        };
+        let r = p.pump(&mut |e| {
+            // SAFETY: as in `start_in_pipeline`.
+            unsafe { apply(e, lane.as_mut(), order, timeout) }
+        });
+        match r {
+            Ok(busy) => {
+                if let Err(e) = self.emit_completed() {
+                    self.force_error(format!("writing a CQE: {e}"));
+                }
+                busy
+            }
+            Err(e) => {
+                tracing::error!(qpn = self.qpn, "backend failure in flight: {e}");
+                self.finish_pipeline(cx);
+                self.force_error(format!("backend failure: {e}"));
+                true
+            }
+        }
+    }
+
+    /// Completes every WQE in flight, in order, and writes their CQEs (before an error CQE, and
+    /// when the QP was forced to error). A backend failure here is logged: the QP is failing
+    /// anyway, and what is left in flight is dropped.
+    fn finish_pipeline(&mut self, cx: &StepCtx<'_>) {
+        let (order, timeout) = (cx.cfg.fetch_order, cx.cfg.op_timeout);
+        let lane = &mut self.lane;
+        let Some(p) = self.pipeline.as_mut() else {
+            return;
+        };
+        if p.is_empty() {
+            return;
+        }
+        let r = p.finish_all(&mut |e| {
+            // SAFETY: as in `start_in_pipeline`.
+            unsafe { apply(e, lane.as_mut(), order, timeout) }
+        });
+        if let Err(e) = r {
+            tracing::error!(
+                qpn = self.qpn,
+                "backend failure completing WQEs in flight: {e}"
+            );
+        }
+        if let Err(e) = self.emit_completed() {
+            tracing::error!(qpn = self.qpn, "writing CQEs of WQEs in flight: {e}");
+        }
+        if let Some(p) = self.pipeline.as_mut() {
+            p.clear();
+        }
+    }
+
+    /// Writes the CQEs of the WQEs the pipeline has completed, in WQE order.
+    fn emit_completed(&mut self) -> Result<(), EmuError> {
+        let Some(p) = self.pipeline.as_mut() else {
+            return Ok(());
+        };
+        let done: Vec<Owed> = p.completed().collect();
+        let qpn = self.qpn;
+        for o in done {
+            if let Some((byte_count, due)) = o.cqe {
+                let (index, opcode) = (o.index, o.opcode);
+                self.emit(
+                    |owner| Cqe64::requester(owner, index as u16, qpn, opcode, byte_count),
+                    due,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
     /// An error CQE (always written, whatever the WQE asked) and the move to the error state.
     fn fail(
         &mut self,
+        cx: &StepCtx<'_>,
         index: u64,
         opcode: u8,
         syndrome: u8,
         vendor: u8,
         reason: String,
     ) -> Result<(), EmuError> {
+        // Every WQE before this one completes (and reports) first.
+        self.finish_pipeline(cx);
         tracing::debug!(
             qpn = self.qpn,
             index,
@@ -571,6 +756,44 @@ impl QpEngine {
     }
 }
 
+/// What strict mode needs to know about a WQE's effects.
+fn kind_of(op: &WqeOp<'_>) -> Kind {
+    match op {
+        WqeOp::RdmaWrite { .. } | WqeOp::InlineWrite { .. } => Kind::Write,
+        WqeOp::FetchAdd64 { .. }
+        | WqeOp::CompareSwap64 { .. }
+        | WqeOp::MaskedFetchAdd32 { .. }
+        | WqeOp::MaskedCompareSwap32 { .. }
+        | WqeOp::MaskedFetchAdd64 { .. } => Kind::Atomic,
+        WqeOp::Nop | WqeOp::Other => Kind::Other,
+    }
+}
+
+/// Strict mode's control-segment check of the WQE whose first WQEBB is `first`, at ring
+/// position `index` of QP `qpn`: the vendor syndrome and the reason for a mismatch.
+fn ctrl_mismatch(first: &[u8], qpn: u32, index: u64) -> Option<(u8, String)> {
+    let wqe_index = u16::from_be_bytes([first[1], first[2]]);
+    let ctrl_qpn = u32::from_be_bytes([0, first[4], first[5], first[6]]);
+    if ctrl_qpn != qpn & 0xff_ffff {
+        return Some((
+            vendor_syndrome::CTRL_QPN,
+            format!(
+                "control segment at index {index} names QP {ctrl_qpn:#x}, not this QP ({qpn:#x})"
+            ),
+        ));
+    }
+    if wqe_index != index as u16 {
+        return Some((
+            vendor_syndrome::CTRL_INDEX,
+            format!(
+                "control segment at index {index} carries WQE index {wqe_index:#06x}, want {:#06x}",
+                index as u16
+            ),
+        ));
+    }
+    None
+}
+
 fn describe(syn: u8, vendor: u8) -> String {
     let why = match vendor {
         vendor_syndrome::BAD_WQE => "the WQE does not decode (opcode, opcode modifier or DS)",
@@ -583,6 +806,8 @@ fn describe(syn: u8, vendor: u8) -> String {
         vendor_syndrome::MISALIGNED => "the atomic's remote address is not aligned to its size",
         vendor_syndrome::LENGTH => "a length is invalid",
         vendor_syndrome::NO_PEER => "the QP has no peer",
+        vendor_syndrome::CTRL_QPN => "the control segment names another QP",
+        vendor_syndrome::CTRL_INDEX => "the control segment's WQE index is not its ring position",
         _ => "error",
     };
     format!("{} ({syn:#04x}): {why}", syndrome::name(syn))

@@ -1,7 +1,9 @@
-//! The emulator on the CUDA backend, between two GPUs: RDMA writes of 8 B to 64 MiB and atomics
-//! checked byte for byte, rings in host and in GPU memory, progress while spinning kernels fill
-//! the target GPU, and the same across two processes (CUDA IPC). Skips loudly with fewer than
-//! two GPUs.
+//! The emulator on the CUDA backend: RDMA writes of 8 B to 64 MiB and atomics checked byte for
+//! byte, rings in host and in GPU memory, progress while spinning kernels fill the GPU, and the
+//! same across two processes (CUDA IPC). Every test runs on one GPU: two emulated NICs on GPU 0
+//! (loopback), or two processes sharing it; `gpu_writes_between_two_gpus` repeats the writes
+//! between GPUs 0 and 1 (peer copies) and skips loudly with fewer than two. The NICs run in the
+//! default strict mode (`IBGDA_EMU_STRICT`).
 
 use std::io::{BufRead, BufReader, Write as _};
 use std::process::{Command, Stdio};
@@ -13,12 +15,12 @@ use cudarc::driver::{sys, CudaContext};
 use ep_kernels::testing::{gpus, seed, Rng};
 use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
 use ibgda_device::wire::{
-    cqe_opcode, CompareSwap64, Cqe64, FetchAdd64, InlineWrite, LocalAddr, MaskedFetchAdd32, Nop,
-    RdmaWrite, RemoteAddr, Sge, WqeBB,
+    cqe_opcode, CompareSwap64, Cqe64, FenceMode, FetchAdd64, InlineWrite, LocalAddr,
+    MaskedFetchAdd32, Nop, RdmaWrite, RemoteAddr, Sge, WqeBB,
 };
 use ibgda_emu::{
     Access, CqConfig, CqMode, DoorbellConfig, Fabric, HostQp, Loc, Mr, Nic, NicConfig, QpConfig,
-    QpInfo, QpState,
+    QpInfo, QpState, StrictMode,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -67,7 +69,8 @@ fn ra(m: &Mr, off: u64) -> RemoteAddr {
     }
 }
 
-/// Two CUDA NICs on GPUs 0 and 1 and a QP from the first to the second (host-pinned rings).
+/// Two CUDA NICs, `a` on `ctxs[0]` and `b` on `ctxs[1]` (the same GPU for a loopback), and a QP
+/// from the first to the second (host-pinned rings).
 struct Gpu2 {
     ctxs: Vec<Arc<CudaContext>>,
     _fabric: Fabric,
@@ -80,12 +83,21 @@ struct Gpu2 {
 }
 
 impl Gpu2 {
+    /// Both NICs on GPU 0.
+    fn loopback(ctxs: Vec<Arc<CudaContext>>) -> Self {
+        Self::new(vec![ctxs[0].clone(), ctxs[0].clone()])
+    }
+
     fn new(ctxs: Vec<Arc<CudaContext>>) -> Self {
         enable_peer_access(&ctxs[0], &ctxs[1]).expect("peer access 0 -> 1");
         enable_peer_access(&ctxs[1], &ctxs[0]).expect("peer access 1 -> 0");
         let fabric = Fabric::new();
-        let a = fabric.cuda_nic(&ctxs[0], NicConfig::named("gpu0")).unwrap();
-        let b = fabric.cuda_nic(&ctxs[1], NicConfig::named("gpu1")).unwrap();
+        let a = fabric
+            .cuda_nic(&ctxs[0], NicConfig::named("nic-a"))
+            .unwrap();
+        let b = fabric
+            .cuda_nic(&ctxs[1], NicConfig::named("nic-b"))
+            .unwrap();
         let qp = a.create_host_qp(256, CqMode::Ring, 256).unwrap();
         let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
         a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
@@ -118,8 +130,18 @@ impl Gpu2 {
 
 #[test]
 fn gpu_writes_8b_to_64mib_land_byte_for_byte() {
+    let Some(ctxs) = gpus(1) else { return };
+    writes_land_byte_for_byte(Gpu2::loopback(ctxs));
+}
+
+#[test]
+fn gpu_writes_between_two_gpus() {
     let Some(ctxs) = gpus(2) else { return };
-    let mut g = Gpu2::new(ctxs);
+    writes_land_byte_for_byte(Gpu2::new(ctxs));
+}
+
+/// Writes of 8 B to 64 MiB from `g.a`'s GPU to `g.b`'s, with guard bytes around the target.
+fn writes_land_byte_for_byte(mut g: Gpu2) {
     let s = seed();
     let src = Arc::new(DeviceBuffer::new(&g.ctxs[0], MAX + 64).unwrap());
     let dst = Arc::new(DeviceBuffer::new(&g.ctxs[1], MAX + 2 * GUARD_BYTES).unwrap());
@@ -189,9 +211,9 @@ fn gpu_writes_8b_to_64mib_land_byte_for_byte() {
 }
 
 #[test]
-fn gpu_atomics_between_two_gpus() {
-    let Some(ctxs) = gpus(2) else { return };
-    let mut g = Gpu2::new(ctxs);
+fn gpu_atomics() {
+    let Some(ctxs) = gpus(1) else { return };
+    let mut g = Gpu2::loopback(ctxs);
     let target = Arc::new(DeviceBuffer::new(&g.ctxs[1], 4096).unwrap());
     let fetch = Arc::new(DeviceBuffer::new(&g.ctxs[0], 4096).unwrap());
     target.fill_bytes(0).unwrap();
@@ -245,7 +267,7 @@ fn gpu_atomics_between_two_gpus() {
         "masked atomics reply big-endian"
     );
 
-    // Four QPs hammering one word: every emulator atomic of the process is serialised.
+    // Four QPs hammering one word: atomics on one target stay atomic with respect to each other.
     let qps: Vec<HostQp> = (0..4)
         .map(|_| {
             let qp = g.a.create_host_qp(256, CqMode::Ring, 256).unwrap();
@@ -271,13 +293,121 @@ fn gpu_atomics_between_two_gpus() {
     assert_eq!(target.download::<u64>(128, 1).unwrap()[0], 800);
 }
 
+/// The fence test of `strict_emu.rs` on the CUDA backend, GPU memory on both sides: a fetch-add
+/// takes a ticket into a local word, then an RDMA write publishes that word. Without a fence the
+/// write may gather the word before the atomic's result is in it; strict mode (manual progress,
+/// fixed seeds) makes it do so. Returns the rounds that published a stale ticket.
+fn gpu_ticket_rounds(ctx: &Arc<CudaContext>, strict: StrictMode, fence: bool) -> Vec<u64> {
+    const ROUNDS: u64 = 48;
+    let fabric = Fabric::new();
+    let cfg = |n: &str| NicConfig::named(n).manual().strict(strict);
+    let a = fabric.cuda_nic(ctx, cfg("nic-a")).unwrap();
+    let b = fabric.cuda_nic(ctx, cfg("nic-b")).unwrap();
+    let local = Arc::new(DeviceBuffer::new(ctx, 64).unwrap());
+    let remote = Arc::new(DeviceBuffer::new(ctx, 8 + 8 * ROUNDS as usize).unwrap());
+    remote.fill_bytes(0).unwrap();
+    settle(std::slice::from_ref(ctx));
+    let lm = a
+        .register_device(&local, 0, 64, Access::LOCAL_WRITE)
+        .unwrap();
+    let rm = b
+        .register_device(&remote, 0, 8 + 8 * ROUNDS as usize, Access::ALL)
+        .unwrap();
+    let qp = a.create_host_qp(64, CqMode::Ring, 64).unwrap();
+    let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+    a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+        .unwrap();
+    let q = qp.qpn();
+    let mut wrong = Vec::new();
+    for r in 0..ROUNDS {
+        // The stale ticket the write copies if it runs first.
+        local.upload(0, &[u64::MAX]).unwrap();
+        settle(std::slice::from_ref(ctx));
+        let i = 2 * r;
+        let take = FetchAdd64::new(
+            q,
+            i as u16,
+            ra(&rm, 0),
+            LocalAddr {
+                addr: lm.addr,
+                lkey: lm.lkey,
+            },
+            1,
+        )
+        .build();
+        let publish = RdmaWrite::new(
+            q,
+            (i + 1) as u16,
+            ra(&rm, 8 + 8 * r),
+            Sge {
+                addr: lm.addr,
+                len: 8,
+                lkey: lm.lkey,
+            },
+        )
+        .cqe(true);
+        let publish = if fence {
+            publish.fence(FenceMode::SmallAndFence)
+        } else {
+            publish
+        };
+        qp.post(i, &take);
+        qp.post(i + 1, &publish.build());
+        qp.ring_dbr(i + 2);
+        let st = a.wait_idle(q, T).unwrap();
+        assert_eq!(st.state, QpState::Rts, "{:?}", st.first_error);
+        let c = wait_cqe(&qp, r);
+        assert!(!c.is_error(), "{c}");
+        if remote.download::<u64>(8 + 8 * r as usize, 1).unwrap()[0] != r {
+            wrong.push(r);
+        }
+    }
+    assert_eq!(
+        remote.download::<u64>(0, 1).unwrap()[0],
+        ROUNDS,
+        "every fetch-add landed"
+    );
+    a.destroy_qp(q).unwrap();
+    wrong
+}
+
+#[test]
+fn gpu_strict_mode_catches_a_missing_fence() {
+    let Some(ctxs) = gpus(1) else { return };
+    let unfenced = gpu_ticket_rounds(&ctxs[0], StrictMode::full(1), false);
+    assert!(
+        !unfenced.is_empty(),
+        "strict mode let no unfenced write overtake the atomic it depends on"
+    );
+    for seed in 0..4 {
+        assert_eq!(
+            gpu_ticket_rounds(&ctxs[0], StrictMode::full(seed), true),
+            Vec::<u64>::new(),
+            "fenced, seed {seed}"
+        );
+    }
+    assert_eq!(
+        gpu_ticket_rounds(&ctxs[0], StrictMode::off(), false),
+        Vec::<u64>::new(),
+        "in order, the missing fence goes unnoticed"
+    );
+    eprintln!(
+        "unfenced: {} of 48 rounds published a stale ticket",
+        unfenced.len()
+    );
+}
+
 #[test]
 fn gpu_rings_and_cq_in_gpu_memory() {
-    let Some(ctxs) = gpus(2) else { return };
-    enable_peer_access(&ctxs[0], &ctxs[1]).unwrap();
+    let Some(ctxs) = gpus(1) else { return };
+    let ctxs = vec![ctxs[0].clone(), ctxs[0].clone()];
     let fabric = Fabric::new();
-    let a = fabric.cuda_nic(&ctxs[0], NicConfig::named("gpu0")).unwrap();
-    let b = fabric.cuda_nic(&ctxs[1], NicConfig::named("gpu1")).unwrap();
+    let a = fabric
+        .cuda_nic(&ctxs[0], NicConfig::named("nic-a"))
+        .unwrap();
+    let b = fabric
+        .cuda_nic(&ctxs[1], NicConfig::named("nic-b"))
+        .unwrap();
     let ring = DeviceBuffer::new(&ctxs[0], 64 * 64).unwrap();
     let cq = DeviceBuffer::new(&ctxs[0], 64 * 64).unwrap();
     let dbr = DeviceBuffer::new(&ctxs[0], 8).unwrap();
@@ -385,8 +515,9 @@ END:
 
 #[test]
 fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
-    let Some(ctxs) = gpus(2) else { return };
-    let mut g = Gpu2::new(ctxs);
+    let Some(ctxs) = gpus(1) else { return };
+    // Both NICs, the target and the spinning kernel on the one GPU.
+    let mut g = Gpu2::loopback(ctxs);
     let ctx1 = g.ctxs[1].clone();
     let flag = Arc::new(DeviceBuffer::new(&ctx1, 4096).unwrap());
     flag.fill_bytes(0).unwrap();
@@ -527,6 +658,8 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
 // ---- two processes ------------------------------------------------------------------------
 
 const CHILD_ENV: &str = "IBGDA_EMU_GPU_CHILD";
+/// The GPU the child opens (the parent's: the two processes share one GPU).
+const CHILD_GPU_ENV: &str = "IBGDA_EMU_GPU_CHILD_DEVICE";
 /// Marks the child's protocol lines on its stdout. libtest shares that stream: with
 /// `--test-threads=1` it prints `test gpu_two_process_child ... ` with no newline before the test
 /// runs, so the child's first line arrives glued to it. The parent looks for the tag anywhere in
@@ -551,8 +684,9 @@ fn protocol_lines_are_found_after_libtest_prefix() {
     assert_eq!(tagged("running 1 test"), None);
 }
 
-/// The second process of `gpu_two_process_writes_and_atomics`: owns GPU 1's memory, exports it,
-/// and checks what the first process wrote. Does nothing when run on its own.
+/// The second process of `gpu_two_process_writes_and_atomics`: owns memory on the GPU the parent
+/// names (its own), exports it, and checks what the first process wrote. Does nothing when run
+/// on its own.
 #[test]
 fn gpu_two_process_child() {
     if std::env::var_os(CHILD_ENV).is_none() {
@@ -565,8 +699,12 @@ fn gpu_two_process_child() {
         out.flush().expect("child stdout");
     };
     let step = |what: &str| eprintln!("child: {what}");
-    step("opening GPU 1");
-    let ctx = ibgda_device::cuda::context(1).expect("GPU 1 in the child");
+    let gpu: usize = std::env::var(CHILD_GPU_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    step(&format!("opening GPU {gpu}"));
+    let ctx = ibgda_device::cuda::context(gpu).expect("the GPU in the child");
     let fabric = Fabric::new();
     let nic = fabric.cuda_nic(&ctx, NicConfig::named("child")).unwrap();
     step("allocating and registering the target");
@@ -646,6 +784,7 @@ impl ChildPeer {
                 "--test-threads=1",
             ])
             .env(CHILD_ENV, "1")
+            .env(CHILD_GPU_ENV, "0")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -795,7 +934,8 @@ impl Drop for ChildPeer {
 
 #[test]
 fn gpu_two_process_writes_and_atomics() {
-    let Some(ctxs) = gpus(2) else { return };
+    // Both processes on GPU 0: CUDA IPC between processes of one GPU.
+    let Some(ctxs) = gpus(1) else { return };
     let mut child = ChildPeer::spawn();
     let first = child.recv("the child's QpInfo");
     let info = QpInfo::from_hex(first.strip_prefix("info ").unwrap_or_else(|| {

@@ -42,6 +42,7 @@ enum Mode {
 struct Args {
     mode: Mode,
     json: Option<String>,
+    ranks: Option<usize>,
     tokens: usize,
     hidden: usize,
     topk: usize,
@@ -51,10 +52,28 @@ struct Args {
     iters: usize,
 }
 
+const USAGE: &str = "\
+usage: bench_intranode [--mode threads|procs|both] [--procs] [--json PATH] [--ranks N]
+                       [--tokens N] [--hidden H] [--topk K] [--experts E] [--sms 8,16,24]
+                       [--threads 256,512,1024] [--iters N]
+
+Intranode dispatch/combine bandwidth (DeepEP's byte counting) per SM count and block size.
+  --mode      threads, processes, or both (default both); --procs is --mode procs
+  --json      write the best block size per (op, dtype, SMs) as JSON records
+  --ranks     ranks, 2..=8 (default: one per visible GPU); ranks share GPUs round robin where
+              there are fewer (such figures are not NVLink figures)
+  --sms       SM counts to sweep (default 8,16,24,32; counts past what ranks sharing a GPU fit
+              are left out, and said so)
+  --threads   block sizes to sweep (default 256,512,1024)
+  --iters     timed iterations per configuration (default 20)
+";
+
 fn parse() -> Result<Args> {
+    ep_examples::exit_on_help(USAGE);
     let mut a = Args {
         mode: Mode::Both,
         json: None,
+        ranks: None,
         tokens: 4096,
         hidden: 7168,
         topk: 8,
@@ -85,6 +104,7 @@ fn parse() -> Result<Args> {
                 }
             }
             "--json" => a.json = Some(v()?),
+            "--ranks" => a.ranks = Some(v()?.parse()?),
             "--tokens" => a.tokens = v()?.parse()?,
             "--hidden" => a.hidden = v()?.parse()?,
             "--topk" => a.topk = v()?.parse()?,
@@ -118,10 +138,15 @@ fn rank_args(a: &Args, json: Option<&str>) -> Vec<String> {
         &join(&a.threads),
         "--iters",
         &a.iters.to_string(),
+        "--ranks",
+        &a.ranks.map_or(String::new(), |r| r.to_string()),
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if a.ranks.is_none() {
+        v.truncate(v.len() - 2);
+    }
     if let Some(j) = json {
         v.extend(["--json".to_string(), j.to_string()]);
     }
@@ -338,8 +363,18 @@ fn summarize(
             r.0, r.1, r.2, r.5, r.4, r.3
         );
         records.push(format!(
-            "  {{\"bench\": \"{}\", \"ranks\": {n}, \"mode\": \"{mode}\", \"dtype\": \"{}\", \"sms\": {}, \"gbps\": {:.1}, \"us\": {:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"block_threads\": {}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
-            r.0, r.1, r.2, r.5, r.4, r.3, a.tokens, a.hidden, a.topk, a.experts
+            "  {{\"bench\": \"{}\", \"ranks\": {n}, \"gpus\": {}, \"mode\": \"{mode}\", \"dtype\": \"{}\", \"sms\": {}, \"gbps\": {:.1}, \"us\": {:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"block_threads\": {}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}}}",
+            ep_kernels::testing::visible_gpus().min(n),
+            r.0,
+            r.1,
+            r.2,
+            r.5,
+            r.4,
+            r.3,
+            a.tokens,
+            a.hidden,
+            a.topk,
+            a.experts
         ));
     }
     Ok(records)
@@ -364,11 +399,31 @@ fn options(a: &Args) -> BufferOptions {
 
 /// Ranks as threads of this process; returns the JSON records.
 fn run_threads(a: &Args, n: usize) -> Result<Vec<String>> {
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+    let gpus = ep_kernels::testing::visible_gpus().min(n).max(1);
+    let opened: Vec<Arc<CudaContext>> = (0..gpus)
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
-    let machine = machine_name(n, &ctxs[0]);
+    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+        .map(|r| opened[ep_kernels::testing::gpu_of(r, gpus)].clone())
+        .collect();
+    let machine = machine_name(gpus, &ctxs[0]);
     let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
+    // Ranks of this process sharing a GPU must fit on it together: SM counts past what the
+    // busiest GPU allows are left out, the same on every rank.
+    let budget = bufs.iter().map(Buffer::sm_budget).min().unwrap_or(1);
+    let mut a = a.clone();
+    let skipped: Vec<u32> = a.sms.iter().copied().filter(|&s| s > budget).collect();
+    a.sms.retain(|&s| s <= budget);
+    if !skipped.is_empty() {
+        println!(
+            "threads: SM counts {skipped:?} left out: ranks sharing a GPU fit at most {budget} each"
+        );
+    }
+    ensure!(
+        !a.sms.is_empty(),
+        "no SM count of --sms fits ({budget} per rank at most)"
+    );
+    let a = &a;
     let mut rng = Rng::new(0x5eed);
     let data: Vec<RankData> = ctxs
         .iter()
@@ -425,7 +480,7 @@ fn decode(b: &[u8], mine: &[Row]) -> Result<Vec<Row>, String> {
 /// One rank as a process: its GPU, its buffer over CUDA IPC, the sweep; rank 0 gathers every
 /// rank's numbers, prints the table and writes the JSON.
 fn rank_process(comm: &TcpCommunicator, a: &Args, n: usize) -> Result<()> {
-    let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    let ctx = ep_kernels::testing::rank_context(comm.local_rank())?;
     let mut buf = Buffer::new(&ctx, comm, &options(a))?;
     let mine = make_rank_alone(&ctx, a, comm.rank())
         .and_then(|d| rank_sweep(&mut buf, &d, a))
@@ -481,12 +536,25 @@ fn main() -> Result<()> {
             );
             std::process::exit(2);
         }
-        Ok(n) => n.min(8),
+        Ok(g) => g,
     };
-    if n < 2 {
-        eprintln!("bench_intranode: needs at least 2 GPUs, found {n}");
+    let gpus = n;
+    let n = a.ranks.unwrap_or(gpus.min(8));
+    if !(2..=8).contains(&n) {
+        eprintln!(
+            "bench_intranode: needs 2..=8 ranks, got {n} ({gpus} GPU(s) visible; --ranks N shares them)"
+        );
         std::process::exit(2);
     }
+    println!(
+        "bench_intranode: {}{}",
+        ep_kernels::testing::mapping(n, gpus),
+        if n > gpus {
+            " (ranks share GPUs: these are not NVLink figures)"
+        } else {
+            ""
+        }
+    );
     match a.mode {
         Mode::Threads => {
             let records = run_threads(&a, n)?;

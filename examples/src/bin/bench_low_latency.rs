@@ -1,7 +1,8 @@
 //! Low-latency dispatch/combine benchmark with DeepEP's sizes: 128 tokens per rank of hidden
 //! 7168, each to its top-8 of 288 experts (uniform random), ranks as threads, one per visible
-//! GPU (at most 8; `--ranks` to use fewer). Runs twice: NVLink allowed (the targets), then with
-//! NVLink disabled, every byte through the IBGDA transport on the emulated NIC (reported, no
+//! GPU (at most 8; `--ranks N` for another count: ranks share GPUs round robin where there are
+//! fewer, and such figures are not NVLink figures). Runs twice: NVLink allowed (the targets),
+//! then with NVLink disabled, every byte through the IBGDA transport on the emulated NIC (reported, no
 //! target; `--transport-handler gpu|cpu_host_memory`, `--no-transport` to skip).
 //!
 //! Dispatch (BF16, FP8) and dispatch + combine are each captured `--iters` times (rounded up to
@@ -59,7 +60,26 @@ struct Args {
     transport: bool,
 }
 
+const USAGE: &str = "\
+usage: bench_low_latency [--procs] [--json PATH] [--ranks N] [--tokens N] [--hidden H]
+                         [--topk K] [--experts E] [--iters N] [--transport-iters N]
+                         [--transport-handler MODE] [--no-transport]
+
+Low-latency dispatch/combine latency (CUDA-graph replay) over NVLink, then over the IBGDA
+transport on the emulated NIC (NVLink disabled).
+  --procs               ranks as processes (CUDA IPC) instead of threads
+  --json PATH           write the records as JSON
+  --ranks N             ranks (default: one per visible GPU); ranks share GPUs round robin where
+                        there are fewer (such figures are not NVLink figures)
+  --tokens/--hidden/--topk/--experts   the problem (default 128 x 7168, top-8 of 288)
+  --iters N             operations per graph over NVLink (default 50)
+  --transport-iters N   operations per graph over the transport (default 10)
+  --transport-handler   gpu | cpu_host_memory | cpu | auto (default gpu)
+  --no-transport        skip the transport run
+";
+
 fn parse() -> Result<Args> {
+    ep_examples::exit_on_help(USAGE);
     let mut a = Args {
         procs: false,
         json: None,
@@ -277,7 +297,7 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
         drop((o, c));
         Ok(())
     })?;
-    let half_sms = (b.num_sms() / 2).max(1);
+    let half_sms = (b.sm_budget() / 2).max(1);
     let d_half = time_graph(b, &stream, iters, |b| {
         let mut d = LlDispatchArgs::new(&x, &idx);
         d.num_sms = Some(half_sms);
@@ -344,19 +364,31 @@ fn main() -> Result<()> {
         Ok(n) => n.min(8),
     };
     let ranks = a.ranks.unwrap_or(n);
-    if ranks < 1 || ranks > n {
-        eprintln!("bench_low_latency: {ranks} ranks asked for, {n} GPU(s) visible");
+    if !(1..=8).contains(&ranks) {
+        eprintln!("bench_low_latency: --ranks {ranks} out of 1..=8");
         std::process::exit(2);
     }
+    println!(
+        "bench_low_latency: {}{}",
+        ep_kernels::testing::mapping(ranks, n),
+        if ranks > n {
+            " (ranks share GPUs: these are not NVLink figures)"
+        } else {
+            ""
+        }
+    );
     if a.experts % ranks != 0 {
         bail!("{} experts do not split over {ranks} ranks", a.experts);
     }
     if a.procs {
         return run_processes(&a, n, ranks);
     }
-    let ctxs: Vec<Arc<CudaContext>> = (0..ranks)
+    let opened: Vec<Arc<CudaContext>> = (0..n.min(ranks))
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
+    let ctxs: Vec<Arc<CudaContext>> = (0..ranks)
+        .map(|r| opened[ep_kernels::testing::gpu_of(r, opened.len())].clone())
+        .collect();
     let machine = format!("{}x {}", n, ctxs[0].name().unwrap_or_default());
     let mut records = Vec::new();
     records.extend(run_config(&ctxs, &a, None, &machine)?);
@@ -395,7 +427,7 @@ fn run_config(
         }
     };
     let mut bufs = LowLatencyBuffer::create_group(ctxs, &opts)?;
-    let sms = bufs[0].num_sms();
+    let sms = bufs[0].sm_budget();
     let path = match bufs[0].nic_handler() {
         None => "NVLink".to_string(),
         Some(m) => format!(
@@ -426,6 +458,7 @@ fn run_config(
     })?;
     let run = Run {
         ranks,
+        gpus: ep_kernels::testing::distinct_gpus(ctxs),
         sms,
         path,
         machine,
@@ -439,6 +472,8 @@ fn run_config(
 /// How a measured run was set up, for the table and the JSON records.
 struct Run<'a> {
     ranks: usize,
+    /// Distinct GPUs the ranks ran on (fewer than `ranks`: ranks shared GPUs).
+    gpus: usize,
     sms: u32,
     /// How the data moved, in words.
     path: String,
@@ -453,6 +488,7 @@ struct Run<'a> {
 fn report(a: &Args, run: &Run<'_>, times: &[Times]) -> Vec<String> {
     let Run {
         ranks,
+        gpus,
         sms,
         ref path,
         machine,
@@ -514,7 +550,7 @@ fn report(a: &Args, run: &Run<'_>, times: &[Times]) -> Vec<String> {
     // upper bounds) and the fixed-cost diagnostics.
     let rec = |bench: &str, dtype: &str, g: f64, u: f64, extra: &str| {
         format!(
-            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"mode\": \"{mode}\", \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{extra}}}",
+            "  {{\"bench\": \"{bench}\", \"ranks\": {ranks}, \"gpus\": {gpus}, \"mode\": \"{mode}\", \"dtype\": \"{dtype}\", \"sms\": {sms}, \"gbps\": {g:.1}, \"us\": {u:.1}, \"date\": \"{date}\", \"machine\": \"{machine}\", \"nvlink\": {nvlink}, \"nic_handler\": \"{handler}\", \"timing\": \"cuda-graph replay, {iters} ops x {REPLAYS} replays\", \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"rows_per_rank\": {rows:.0}{extra}}}",
             a.tokens, a.hidden, a.topk, a.experts
         )
     };
@@ -563,7 +599,7 @@ fn decode(b: &[u8]) -> Result<Times, String> {
 /// run; rank 0 writes the JSON of both. A failing transport run still leaves the NVLink records
 /// written, then fails the run.
 fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, n: usize) -> Result<()> {
-    let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    let ctx = ep_kernels::testing::rank_context(comm.local_rank())?;
     let mut records = rank_config(&comm, &ctx, a, n, None)?;
     let transport = if a.transport {
         rank_config(&comm, &ctx, a, n, Some(a.transport_handler))
@@ -603,7 +639,7 @@ fn rank_config(
         }
     };
     let mut buf = LowLatencyBuffer::new(ctx, comm.clone(), &opts)?;
-    let sms = buf.num_sms();
+    let sms = buf.sm_budget();
     let path = match buf.nic_handler() {
         None => "NVLink".to_string(),
         Some(m) => format!(
@@ -631,6 +667,7 @@ fn rank_config(
     let machine = format!("{}x {}", n, ctx.name().unwrap_or_default());
     let run = Run {
         ranks,
+        gpus: n.min(ranks),
         sms,
         path,
         machine: &machine,

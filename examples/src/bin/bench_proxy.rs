@@ -73,7 +73,17 @@ struct Args {
     dump_ptx: Option<String>,
 }
 
+const USAGE: &str = "\
+usage: bench_proxy [--json PATH] [--iters N] [--qps 1,2,4,8,16,32,64] [--ms N]
+                   [--proxy-threads 1,4] [--nops N] [--dump-ptx DIR]
+
+The CPU proxy in mode cpu_host_memory on the emulated NIC: GPU publish -> doorbell latency
+(p50/p99 over --iters samples) and doorbells per second over --ms per QP count and proxy
+thread count; --dump-ptx writes the JIT-compiled PTX of the publish kernels to DIR.
+";
+
 fn parse() -> Result<Args> {
+    ep_examples::exit_on_help(USAGE);
     let mut a = Args {
         json: None,
         iters: 20_000,

@@ -1,5 +1,7 @@
-//! The main job: expert-parallel dispatch and combine across the visible GPUs (one rank per GPU,
-//! at most 8), checked against the CPU reference, with timings.
+//! The main job: expert-parallel dispatch and combine across the visible GPUs (by default one
+//! rank per GPU, at most 8; `--ranks N` runs N ranks on however many GPUs there are, round robin,
+//! ranks sharing a GPU where there are fewer), checked against the CPU reference, with timings.
+//! Figures of ranks that share a GPU are not NVLink figures.
 //!
 //! Ranks are threads of this process by default; with `--procs` they are processes: the program
 //! starts them itself (`ep::bootstrap::Launcher`: one copy of itself per GPU, rendezvous over TCP
@@ -11,8 +13,8 @@
 //! rank's inputs derive from one seed, so a rank in its own process computes the reference too.
 //! With no GPU it exits with status 2 and says so.
 //!
-//! `dispatch_combine [--procs] [--tokens N] [--hidden H] [--topk K] [--experts E] [--sms S]
-//!  [--seed S]`
+//! `dispatch_combine [--procs] [--ranks N] [--tokens N] [--hidden H] [--topk K] [--experts E]
+//!  [--sms S] [--seed S]` (`--help` says what each does).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,22 +32,43 @@ use ibgda_device::cuda::CudaContext;
 #[derive(Debug, Clone)]
 struct Args {
     procs: bool,
+    ranks: Option<usize>,
     tokens: usize,
     hidden: usize,
     topk: usize,
     experts: usize,
-    sms: u32,
+    sms: Option<u32>,
     seed: u64,
 }
+
+const USAGE: &str = "\
+usage: dispatch_combine [options]
+
+Expert-parallel dispatch and combine on the visible GPUs, checked against the CPU reference.
+
+options:
+  --procs        ranks as processes (launched by this program; CUDA IPC) instead of threads
+  --ranks N      ranks, 1..=8 (default: one per visible GPU); spread round robin over the GPUs,
+                 several per GPU when there are fewer GPUs than ranks
+  --tokens N     tokens per rank (default 1024)
+  --hidden H     hidden size, BF16 elements (default 7168)
+  --topk K       experts per token (default 8)
+  --experts E    experts in all, a multiple of the rank count (default 256)
+  --sms S        SMs per rank for the kernels (default 24, or fewer so that ranks sharing a GPU
+                 fit on it together)
+  --seed S       seed of the random inputs (default: from the clock)
+  -h, --help     this text
+";
 
 fn parse() -> Result<Args> {
     let mut a = Args {
         procs: false,
+        ranks: None,
         tokens: 1024,
         hidden: 7168,
         topk: 8,
         experts: 256,
-        sms: 24,
+        sms: None,
         seed: 0,
     };
     let mut it = std::env::args().skip(1);
@@ -54,15 +77,20 @@ fn parse() -> Result<Args> {
             a.procs = true;
             continue;
         }
+        if f == "-h" || f == "--help" {
+            print!("{USAGE}");
+            std::process::exit(0);
+        }
         let v = it.next().with_context(|| format!("{f} needs a value"))?;
         match f.as_str() {
             "--tokens" => a.tokens = v.parse()?,
             "--hidden" => a.hidden = v.parse()?,
             "--topk" => a.topk = v.parse()?,
             "--experts" => a.experts = v.parse()?,
-            "--sms" => a.sms = v.parse()?,
+            "--sms" => a.sms = Some(v.parse()?),
+            "--ranks" => a.ranks = Some(v.parse()?),
             "--seed" => a.seed = v.parse()?,
-            other => bail!("unknown argument {other}"),
+            other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
     if a.seed == 0 {
@@ -128,7 +156,7 @@ fn run_rank(
     let xt = Tensor::from_host(ctx, x, &[a.tokens, a.hidden])?;
     let layout = buf.get_dispatch_layout(&ids)?;
     let config = Config {
-        num_sms: a.sms,
+        num_sms: sms_for(a, buf),
         ..Config::default_for(ranks)
     };
     let mut args = DispatchArgs::new(DispatchX::Bf16(&xt), &layout, ranks);
@@ -244,21 +272,39 @@ fn problem(a: &Args, n: usize) -> Problem {
     }
 }
 
+/// `--sms`, or 24 capped to what ranks of this process sharing the GPU can have together.
+fn sms_for(a: &Args, buf: &Buffer) -> u32 {
+    a.sms.unwrap_or_else(|| 24.min(buf.sm_budget()))
+}
+
 fn options(a: &Args) -> BufferOptions {
     let mut opts = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
     opts.timeout = Duration::from_secs(20);
     opts
 }
 
-fn header(a: &Args, n: usize, kind: &str) {
-    println!("dispatch_combine: {n} rank(s) as {kind}, one per GPU; {} tokens x {} hidden, top-{} of {} experts; seed {}", a.tokens, a.hidden, a.topk, a.experts, a.seed);
+fn header(a: &Args, n: usize, gpus: usize, kind: &str) {
+    let shared = if n > gpus.min(n) {
+        " (ranks share GPUs: the figures are not NVLink figures)"
+    } else {
+        ""
+    };
+    println!(
+        "dispatch_combine: {n} rank(s) as {kind}; {}{shared}; {} tokens x {} hidden, top-{} of {} experts; seed {}",
+        ep_kernels::testing::mapping(n, gpus),
+        a.tokens,
+        a.hidden,
+        a.topk,
+        a.experts,
+        a.seed
+    );
 }
 
 fn ready(a: &Args, n: usize, started: Instant) {
     println!(
         "  buffers ready in {:.1} ms ({} MiB receive region per rank)",
         started.elapsed().as_secs_f64() * 1e3,
-        options(a).recv_region_bytes(n) >> 20
+        options(a).recv_region_bytes(n).unwrap_or(0) >> 20
     );
 }
 
@@ -291,16 +337,22 @@ fn report(a: &Args, reports: Vec<Result<RankReport, String>>) -> Result<()> {
     if failed {
         bail!("dispatch/combine did not match the CPU reference");
     }
-    println!("dispatch bit-exact and combine within BF16 rounding of the CPU reference on every rank (sms {})", a.sms);
+    let sms = a
+        .sms
+        .map_or("24 or the shared-GPU budget".to_string(), |s| s.to_string());
+    println!("dispatch bit-exact and combine within BF16 rounding of the CPU reference on every rank (sms {sms})");
     Ok(())
 }
 
 /// Ranks as threads of this process.
-fn run_threads(a: &Args, n: usize) -> Result<()> {
-    header(a, n, "threads");
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+fn run_threads(a: &Args, n: usize, gpus: usize) -> Result<()> {
+    header(a, n, gpus, "threads");
+    let ctxs: Vec<Arc<CudaContext>> = (0..gpus.min(n))
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
+    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+        .map(|r| ctxs[ep_kernels::testing::gpu_of(r, ctxs.len())].clone())
+        .collect();
     let started = Instant::now();
     let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
     ready(a, n, started);
@@ -365,15 +417,15 @@ fn decode(b: &[u8]) -> Result<RankReport, String> {
 
 /// One rank as a process: rank 0's seed for everyone, the buffer over CUDA IPC, the run, the
 /// table on rank 0.
-fn rank_process(comm: &TcpCommunicator, a: &Args, n: usize) -> Result<()> {
+fn rank_process(comm: &TcpCommunicator, a: &Args, n: usize, gpus: usize) -> Result<()> {
     let mut a = a.clone();
     let seed = comm.broadcast_bytes(0, &a.seed.to_le_bytes())?;
     a.seed = u64::from_le_bytes(seed.try_into().map_err(|_| anyhow::anyhow!("bad seed"))?);
     let first = comm.rank() == 0;
     if first {
-        header(&a, n, "processes");
+        header(&a, n, gpus, "processes");
     }
-    let ctx = ibgda_device::cuda::context(comm.local_rank())?;
+    let ctx = ep_kernels::testing::rank_context(comm.local_rank())?;
     let started = Instant::now();
     let mut buf = Buffer::new(&ctx, comm, &options(&a))?;
     if first {
@@ -404,9 +456,9 @@ fn rank_process(comm: &TcpCommunicator, a: &Args, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// Ranks as processes: this program re-executed once per GPU by the launcher.
-fn run_processes(a: &Args, n: usize) -> Result<()> {
-    Launcher::new(n).run(|comm| rank_process(comm, a, n))?;
+/// Ranks as processes: this program re-executed once per rank by the launcher.
+fn run_processes(a: &Args, n: usize, gpus: usize) -> Result<()> {
+    Launcher::new(n).run(|comm| rank_process(comm, a, n, gpus))?;
     Ok(())
 }
 
@@ -419,20 +471,23 @@ fn main() -> Result<()> {
             );
             std::process::exit(2);
         }
-        Ok(n) => n.min(8),
+        Ok(g) => g,
         Err(e) => {
             eprintln!("dispatch_combine: {e}");
             std::process::exit(2);
         }
     };
+    let gpus = n;
+    let n = a.ranks.unwrap_or(gpus.min(8));
+    ensure!((1..=8).contains(&n), "--ranks {n} out of 1..=8");
     ensure!(
         a.experts % n == 0,
         "{} experts do not split over {n} ranks",
         a.experts
     );
     if a.procs {
-        run_processes(&a, n)
+        run_processes(&a, n, gpus)
     } else {
-        run_threads(&a, n)
+        run_threads(&a, n, gpus)
     }
 }

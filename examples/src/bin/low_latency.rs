@@ -1,15 +1,16 @@
-//! Low-latency dispatch and combine, ranks as threads (one per visible GPU, at most 8): each rank
+//! Low-latency dispatch and combine, ranks as threads (by default one per visible GPU, at most 8;
+//! `--ranks N` runs N ranks round robin over the GPUs, sharing them where there are fewer): each rank
 //! sends its tokens to its top-k experts with an in-kernel FP8 cast, "runs" the experts (each
 //! returns its dequantized input), and combines the outputs back weighted by the top-k weights.
 //! With weights summing to 1 the combined row is the token again, up to FP8 and BF16 rounding;
 //! the program checks that, checks the routing against `ep::low_latency::reference`, and prints
-//! one line per rank. Exits 2 where there is no GPU (or only one).
+//! one line per rank. Exits 2 where there is no GPU, or only one and no `--ranks`.
 //!
 //! `--no-nvlink` sends every byte between ranks through the IBGDA transport on the emulated NIC
 //! (`--handler gpu|cpu_host_memory|cpu|auto` picks who rings the doorbells).
 //!
-//! `low_latency [--tokens N] [--hidden H] [--topk K] [--experts-per-rank E] [--hook]
-//!  [--no-nvlink] [--handler MODE]`
+//! `low_latency [--ranks N] [--tokens N] [--hidden H] [--topk K] [--experts-per-rank E] [--hook]
+//!  [--no-nvlink] [--handler MODE]` (`--help` says what each does).
 
 use std::sync::Arc;
 
@@ -23,7 +24,26 @@ use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
 
+const USAGE: &str = "\
+usage: low_latency [options]
+
+Low-latency dispatch (FP8) and combine, ranks as threads, checked against the reference.
+
+options:
+  --ranks N               ranks, 2..=8 (default: one per visible GPU); round robin over the
+                          GPUs, several per GPU when there are fewer GPUs than ranks
+  --tokens N              tokens per rank (default 128)
+  --hidden H              hidden size (default 7168)
+  --topk K                experts per token (default 8)
+  --experts-per-rank E    local experts per rank (default 16)
+  --hook                  receive through the hook (send, then receive on demand)
+  --no-nvlink             every byte between ranks through the IBGDA transport (emulated NIC)
+  --handler MODE          NIC-handler mode with --no-nvlink: gpu | cpu | cpu_host_memory | auto
+  -h, --help              this text
+";
+
 struct Args {
+    ranks: Option<usize>,
     tokens: usize,
     hidden: usize,
     topk: usize,
@@ -35,6 +55,7 @@ struct Args {
 
 fn parse() -> Result<Args> {
     let mut a = Args {
+        ranks: None,
         tokens: 128,
         hidden: 7168,
         topk: 8,
@@ -47,6 +68,11 @@ fn parse() -> Result<Args> {
     while let Some(f) = it.next() {
         let mut v = || it.next().with_context(|| format!("{f} needs a value"));
         match f.as_str() {
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--ranks" => a.ranks = Some(v()?.parse()?),
             "--tokens" => a.tokens = v()?.parse()?,
             "--hidden" => a.hidden = v()?.parse()?,
             "--topk" => a.topk = v()?.parse()?,
@@ -54,7 +80,7 @@ fn parse() -> Result<Args> {
             "--hook" => a.hook = true,
             "--no-nvlink" => a.nvlink = false,
             "--handler" => a.handler = v()?.parse()?,
-            other => bail!("unknown argument {other}"),
+            other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
     Ok(a)
@@ -161,21 +187,44 @@ fn rank_main(
 
 fn main() -> Result<()> {
     let a = parse()?;
-    let n = match ibgda_device::cuda::device_count() {
-        Ok(n) if n >= 2 => n.min(8),
-        Ok(n) => {
-            eprintln!("low_latency: needs at least 2 GPUs, found {n}");
+    let gpus = match ibgda_device::cuda::device_count() {
+        Ok(0) => {
+            eprintln!("low_latency: no CUDA GPU is visible on this machine");
             std::process::exit(2);
         }
+        Ok(g) => g,
         Err(e) => {
             eprintln!("low_latency: {e}");
             std::process::exit(2);
         }
     };
+    let n = match a.ranks {
+        Some(n) if (2..=8).contains(&n) => n,
+        Some(n) => bail!("--ranks {n} out of 2..=8"),
+        None if gpus >= 2 => gpus.min(8),
+        None => {
+            eprintln!(
+                "low_latency: needs at least 2 ranks; one GPU found: pass --ranks N to share it"
+            );
+            std::process::exit(2);
+        }
+    };
+    let shared = if n > gpus {
+        " (ranks share GPUs: timings here are not NVLink figures)"
+    } else {
+        ""
+    };
+    println!(
+        "low_latency: {}{shared}",
+        ep_kernels::testing::mapping(n, gpus)
+    );
     let experts = a.experts_per_rank * n;
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+    let opened: Vec<Arc<CudaContext>> = (0..gpus.min(n))
         .map(ibgda_device::cuda::context)
         .collect::<Result<_, _>>()?;
+    let ctxs: Vec<Arc<CudaContext>> = (0..n)
+        .map(|r| opened[ep_kernels::testing::gpu_of(r, opened.len())].clone())
+        .collect();
     let mut opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, experts);
     opts.allow_nvlink = a.nvlink;
     opts.nic_handler = a.handler;

@@ -1,7 +1,7 @@
 //! [`LowLatencyBuffer`]: creation (peer windows, zeroed signals), dispatch, combine, hooks,
 //! graph capture, bounded synchronisation and teardown.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
+use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
 use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
@@ -36,6 +37,10 @@ const QPS_PER_PEER: u32 = 4;
 /// Send-ring size of each QP in WQEBBs: a dispatch of 128 tokens × top-8 over 4 QPs posts about
 /// 256 puts plus the signals per QP; a full ring only makes the poster wait (bounded).
 const QP_RING_WQEBBS: u32 = 1024;
+
+/// Most experts a buffer holds: with the other bounds of [`check_options`] (tokens, hidden) every
+/// region size stays far inside a `u64` and every row index inside the kernels' `i32`/`i64`.
+const MAX_EXPERTS: usize = 1 << 14;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -94,12 +99,25 @@ impl LowLatencyOptions {
         }
     }
 
-    /// Bytes of GPU memory a buffer of `ranks` ranks takes on each rank.
-    pub fn bytes_per_rank(&self, ranks: usize) -> usize {
+    /// Bytes of GPU memory a buffer of `ranks` ranks takes on each rank; `None` for options a
+    /// buffer would refuse (their sizes are only computed once the options are in range, where
+    /// none of them can overflow).
+    ///
+    /// ```
+    /// let o = ep::low_latency::LowLatencyOptions::new(128, 7168, 8, 288);
+    /// assert!(o.bytes_per_rank(4).is_some());
+    /// assert!(ep::low_latency::LowLatencyOptions::new(128, 1 << 40, 8, 288)
+    ///     .bytes_per_rank(4)
+    ///     .is_none());
+    /// ```
+    pub fn bytes_per_rank(&self, ranks: usize) -> Option<usize> {
+        check_options(0, ranks, self).ok()?;
         let d = self.dims(ranks);
-        NetPlan::new(&d).bytes
-            + 2 * OutPlan::new(&d).bytes
-            + 2 * self.max_tokens_per_rank * self.max_hidden * 2
+        Some(
+            NetPlan::new(&d).bytes
+                + 2 * OutPlan::new(&d).bytes
+                + 2 * self.max_tokens_per_rank * self.max_hidden * 2,
+        )
     }
 
     fn dims(&self, ranks: usize) -> Dims {
@@ -174,19 +192,44 @@ pub enum LlRecvX {
     },
 }
 
-/// What combine needs to know about a dispatch.
+/// What combine needs to know about a dispatch. Opaque: its routing tensors are
+/// [read-only](Tensor::is_read_only), and the kernels check every offset they take from them all
+/// the same (a value out of range is reported as [`EpError::CorruptRouting`], never written by).
+/// A hook-mode dispatch's handle is usable by combine only once its [`RecvHook`] has been called.
 #[derive(Debug, Clone)]
 pub struct LlHandle {
     buffer_id: u64,
-    /// Source token of each packed row, `[local][ranks × max tokens]`.
-    pub src_info: Tensor<i32>,
-    /// (first row, rows) of each source rank in each local expert, `[local][ranks][2]`.
-    pub layout_range: Tensor<i32>,
+    src_info: Tensor<i32>,
+    layout_range: Tensor<i32>,
+    /// The dispatch's output region (its top-k ids are there, read by the combine receive).
+    region: Arc<DeviceBuffer>,
+    /// The dispatch's top-k width.
+    topk: usize,
+    /// Whether the receive that fills the routing tensors has been queued.
+    received: Arc<AtomicBool>,
     num_tokens: usize,
     hidden: usize,
 }
 
 impl LlHandle {
+    /// Source token of each packed row, `[local][ranks × max tokens]` (read-only).
+    pub fn src_info(&self) -> &Tensor<i32> {
+        &self.src_info
+    }
+    /// (first row, rows) of each source rank in each local expert, `[local][ranks][2]`
+    /// (read-only).
+    pub fn layout_range(&self) -> &Tensor<i32> {
+        &self.layout_range
+    }
+    /// Whether the dispatch's receive has been queued (always, without a hook; after
+    /// [`RecvHook::call`] with one): combine refuses a handle whose receive never ran.
+    pub fn is_received(&self) -> bool {
+        self.received.load(Ordering::Acquire)
+    }
+    /// The dispatch's top-k width (combine's `topk_idx` must have it).
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
     /// Tokens this rank dispatched (rows of the combine output).
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
@@ -273,13 +316,19 @@ enum HookParams {
 
 /// The receive half of a hook-mode operation: [`call`](Self::call) queues it on the buffer's
 /// stream. It keeps the memory it writes alive; call it before the buffer's next operation on
-/// the same half, and before tearing the buffer down.
+/// the same half, and before tearing the buffer down. A dispatch's handle is refused by combine
+/// until its hook has been called.
+#[must_use = "a dispatch or combine whose receive hook is never called receives nothing"]
 pub struct RecvHook {
     params: HookParams,
+    /// Set once the receive is queued (the dispatch handle's flag; unused for combine).
+    received: Option<Arc<AtomicBool>>,
     func: CudaFunction,
     stream: Arc<CudaStream>,
     grid: u32,
     rank: usize,
+    /// The launch gate of ranks sharing this GPU, and its bound (`None`: not shared).
+    gate: Option<(Arc<LaunchGate>, Duration)>,
     _keep: Vec<Arc<DeviceBuffer>>,
     _keep_routing: Option<(Tensor<i32>, Tensor<f32>)>,
     _mapped: Arc<MappedHost>,
@@ -298,8 +347,10 @@ impl std::fmt::Debug for RecvHook {
 impl RecvHook {
     /// Queues the receive on the buffer's stream (no host wait).
     pub fn call(self) -> Result<(), EpError> {
-        match &self.params {
+        let gate = self.gate.as_ref().map(|(g, t)| (&**g, *t));
+        let queued = match &self.params {
             HookParams::Dispatch(p) => launch(
+                gate,
                 &self.stream,
                 &self.func,
                 self.grid,
@@ -308,6 +359,7 @@ impl RecvHook {
                 "cuLaunchKernel(ep_ll_dispatch recv)",
             ),
             HookParams::Combine(p) => launch(
+                gate,
                 &self.stream,
                 &self.func,
                 self.grid,
@@ -315,7 +367,13 @@ impl RecvHook {
                 self.rank,
                 "cuLaunchKernel(ep_ll_combine recv)",
             ),
+        };
+        if queued.is_ok() {
+            if let Some(r) = &self.received {
+                r.store(true, Ordering::Release);
+            }
         }
+        queued
     }
 }
 
@@ -323,6 +381,8 @@ impl RecvHook {
 pub struct LlGraph {
     graph: CudaGraph,
     rank: usize,
+    /// The launch gate of ranks sharing this GPU, and its bound (`None`: not shared).
+    gate: Option<(Arc<LaunchGate>, Duration)>,
 }
 
 impl std::fmt::Debug for LlGraph {
@@ -334,17 +394,46 @@ impl std::fmt::Debug for LlGraph {
 }
 
 impl LlGraph {
-    /// Queues one replay (no host wait). Every rank replays its graph the same number of times.
+    /// Queues one replay (no host wait). Every rank replays its graph the same number of times;
+    /// ranks of this process sharing a GPU meet around each replay, as around every launch.
     pub fn replay(&self) -> Result<(), EpError> {
-        self.graph.launch().map_err(|source| EpError::Cuda {
-            rank: self.rank,
-            call: "cuGraphLaunch",
-            source,
-        })
+        let go = || {
+            self.graph.launch().map_err(|source| EpError::Cuda {
+                rank: self.rank,
+                call: "cuGraphLaunch",
+                source,
+            })
+        };
+        match &self.gate {
+            Some((g, t)) => g.around(self.rank, "cuGraphLaunch (low-latency graph)", *t, go),
+            None => go(),
+        }
     }
 }
 
+/// Where ranks of this process sharing a GPU meet around a launch, and for how long at most.
+type Gate<'a> = Option<(&'a LaunchGate, Duration)>;
+
+/// Launches a low-latency kernel (they all wait for other ranks), through `gate` where ranks of
+/// this process share the GPU.
 fn launch<P: DeviceRepr>(
+    gate: Gate<'_>,
+    stream: &CudaStream,
+    f: &CudaFunction,
+    grid: u32,
+    p: &P,
+    rank: usize,
+    call: &'static str,
+) -> Result<(), EpError> {
+    match gate {
+        Some((g, timeout)) => g.around(rank, call, timeout, || {
+            launch_now(stream, f, grid, p, rank, call)
+        }),
+        None => launch_now(stream, f, grid, p, rank, call),
+    }
+}
+
+fn launch_now<P: DeviceRepr>(
     stream: &CudaStream,
     f: &CudaFunction,
     grid: u32,
@@ -393,6 +482,14 @@ pub struct LowLatencyBuffer {
     errors: Arc<ErrorReport>,
     group: Arc<dyn Exchange>,
     sms: u32,
+    /// Who shares this GPU; the default grid that keeps them co-resident.
+    share: GpuShare,
+    /// Where the ranks of this process sharing this GPU meet around every launch
+    /// ([`crate::residency`]); `None` when this rank has its GPU to itself.
+    launch_gate: Option<Arc<LaunchGate>>,
+    /// Inside [`capture`](Self::capture): nothing is launched, so nothing is gated (replays are).
+    capturing: bool,
+    budget: u32,
     calls: u64,
     poisoned: Option<String>,
     shut_down: bool,
@@ -633,7 +730,7 @@ impl LowLatencyBuffer {
                     .arena(net_plan.bytes)
                     .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
                 let net = a.device().cloned().ok_or_else(|| {
-                    invalid(rank, "the emulated NIC gave a host arena on a GPU rank")
+                    transport_setup(rank, "the emulated NIC gave a host arena on a GPU rank")
                 })?;
                 (net, Some(a))
             }
@@ -665,6 +762,11 @@ impl LowLatencyBuffer {
             .into_iter()
             .chain(agree)
             .collect();
+        // Who shares this GPU, so that ranks of this process on it are given grids that fit on
+        // it together (the kernels wait in every block).
+        let share = GpuShare::gather(ctx, &*group)?;
+        let reserved = if nics.is_some() { EMULATED_NIC_SMS } else { 0 };
+        let budget = share.default_budget("a low-latency buffer", reserved)?;
         let all = group.all_gather(&mine)?;
         for (r, v) in all.iter().enumerate() {
             if v.len() != mine.len() {
@@ -767,7 +869,10 @@ impl LowLatencyBuffer {
                 for (r, g) in groups.iter().enumerate() {
                     if let Some(g) = g {
                         table.descs[r] = g.descs().ok_or_else(|| {
-                            invalid(rank, "the emulated NIC gave host descriptors on a GPU rank")
+                            transport_setup(
+                                rank,
+                                "the emulated NIC gave host descriptors on a GPU rank",
+                            )
                         })?;
                     }
                 }
@@ -823,6 +928,10 @@ impl LowLatencyBuffer {
             errors,
             group,
             sms,
+            launch_gate: share.gate(),
+            share,
+            capturing: false,
+            budget,
             calls: 0,
             poisoned: None,
             shut_down: false,
@@ -856,9 +965,19 @@ impl LowLatencyBuffer {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
-    /// SMs of this GPU (the default grid).
+    /// SMs of this GPU.
     pub fn num_sms(&self) -> u32 {
         self.sms
+    }
+    /// The default grid (blocks, one per SM): every SM when this rank has its GPU to itself,
+    /// else the GPU's SMs split evenly among the ranks of this process that share it (their
+    /// kernels wait for each other and must all be resident: see [`crate::residency`]).
+    pub fn sm_budget(&self) -> u32 {
+        self.budget
+    }
+    /// Which ranks of the group share this rank's GPU.
+    pub fn gpu_share(&self) -> &GpuShare {
+        &self.share
     }
     /// The NIC-handler mode of the transport, or `None` when the data moves by NVLink.
     pub fn nic_handler(&self) -> Option<NicHandler> {
@@ -934,15 +1053,26 @@ impl LowLatencyBuffer {
         Ok(())
     }
 
-    fn grid(&self, num_sms: Option<u32>) -> Result<u32, EpError> {
-        match num_sms {
-            None => Ok(self.sms),
-            Some(n) if n >= 1 && n <= self.sms => Ok(n),
-            Some(n) => Err(invalid(
-                self.rank,
-                format!("num_sms {n} out of 1..={} (one block per SM)", self.sms),
-            )),
-        }
+    /// The grid of a waiting kernel: `num_sms`, or the default budget; refused before launch
+    /// when it is out of range or the ranks of this process on this GPU would not fit together.
+    fn grid(&self, what: &str, num_sms: Option<u32>) -> Result<u32, EpError> {
+        let n = match num_sms {
+            None => return Ok(self.budget),
+            Some(n) if n >= 1 && n <= self.sms => n,
+            Some(n) => {
+                return Err(invalid(
+                    self.rank,
+                    format!("num_sms {n} out of 1..={} (one block per SM)", self.sms),
+                ))
+            }
+        };
+        let reserved = if self.transport.is_some() {
+            EMULATED_NIC_SMS
+        } else {
+            0
+        };
+        self.share.check(what, n, reserved)?;
+        Ok(n)
     }
 
     fn free_half(&self, region: &Arc<DeviceBuffer>, what: &'static str) -> Result<(), EpError> {
@@ -1017,7 +1147,7 @@ impl LowLatencyBuffer {
             Some(_) => k::FP8_BLOCK,
         };
         self.check_hidden(h, multiple, "hidden")?;
-        let grid = self.grid(args.num_sms)?;
+        let grid = self.grid("low-latency dispatch", args.num_sms)?;
 
         let half = self.dispatch_half;
         self.free_half(
@@ -1042,6 +1172,7 @@ impl LowLatencyBuffer {
             out_src_info: base + o.src_info as u64,
             out_layout: base + o.layout as u64,
             out_count: base + o.count as u64,
+            out_topk: base + o.topk as u64,
             error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
             signal_off: self.net_plan.signal[half] as u64,
@@ -1067,14 +1198,16 @@ impl LowLatencyBuffer {
             msg_bytes: msg_bytes(h, fp8.is_some()) as i32,
             half: half as i32,
         };
-        launch(
+        let launched = launch(
+            self.gate(),
             &self.stream,
             &self.dispatch_fn,
             grid,
             &p,
             self.rank,
             "cuLaunchKernel(ep_ll_dispatch)",
-        )?;
+        );
+        self.poison_on_gate_timeout(launched)?;
         self.dispatch_half ^= 1;
         self.calls += 1;
 
@@ -1100,12 +1233,15 @@ impl LowLatencyBuffer {
         };
         let mut recv = p;
         recv.phases = k::phase::RECV;
+        let received = Arc::new(AtomicBool::new(!args.return_recv_hook));
         let hook = args.return_recv_hook.then(|| RecvHook {
             params: HookParams::Dispatch(recv),
+            received: Some(received.clone()),
             func: self.dispatch_fn.clone(),
             stream: self.stream.clone(),
             grid,
             rank: self.rank,
+            gate: self.gate_for_hook(),
             _keep: vec![region.clone(), self.net.clone(), self.state.clone()],
             _keep_routing: None,
             _mapped: self.mapped.clone(),
@@ -1116,8 +1252,12 @@ impl LowLatencyBuffer {
             recv_count: Tensor::view(region.clone(), o.count, vec![l]),
             handle: LlHandle {
                 buffer_id: self.id,
-                src_info: Tensor::view(region.clone(), o.src_info, vec![l, cap]),
-                layout_range: Tensor::view(region, o.layout, vec![l, self.ranks, 2]),
+                src_info: Tensor::view(region.clone(), o.src_info, vec![l, cap]).read_only(),
+                layout_range: Tensor::view(region.clone(), o.layout, vec![l, self.ranks, 2])
+                    .read_only(),
+                region,
+                topk: kk,
+                received,
                 num_tokens: t,
                 hidden: h,
             },
@@ -1136,6 +1276,13 @@ impl LowLatencyBuffer {
                 what: "handle",
             });
         }
+        if !hd.is_received() {
+            return Err(invalid(
+                self.rank,
+                "combine over a hook-mode dispatch whose receive hook was never called: its \
+                 routing was never written (call the dispatch's RecvHook first)",
+            ));
+        }
         let (l, cap, t) = (self.dims.local(), self.dims.cap(), hd.num_tokens);
         let (x_addr, h) = match args.x {
             LlCombineX::Tensor(x) => {
@@ -1151,15 +1298,18 @@ impl LowLatencyBuffer {
             }
         };
         let kk = args.topk_idx.dim(1);
-        if kk == 0 || kk > self.opts.max_topk {
+        if kk != hd.topk {
             return Err(invalid(
                 self.rank,
-                format!("combine top-{kk}: expected 1..={}", self.opts.max_topk),
+                format!(
+                    "combine top-{kk}: the dispatch was top-{} (pass its topk_idx)",
+                    hd.topk
+                ),
             ));
         }
         self.shape_is(args.topk_idx, &[t, kk], "topk_idx")?;
         self.shape_is(args.topk_weights, &[t, kk], "topk_weights")?;
-        let grid = self.grid(args.num_sms)?;
+        let grid = self.grid("low-latency combine", args.num_sms)?;
 
         let half = self.combine_half;
         self.free_half(&self.combine_out[half], "low-latency combine output (half)")?;
@@ -1172,6 +1322,7 @@ impl LowLatencyBuffer {
             layout: hd.layout_range.device_address(),
             topk_idx: args.topk_idx.device_address(),
             topk_weights: args.topk_weights.device_address(),
+            dispatch_topk: hd.region.ptr() + self.out_plan.topk as u64,
             out: out.ptr(),
             state: self.state.ptr(),
             error: self.errors.kernel_addr(),
@@ -1195,25 +1346,35 @@ impl LowLatencyBuffer {
                 },
             half: half as i32,
         };
-        launch(
+        let launched = launch(
+            self.gate(),
             &self.stream,
             &self.combine_fn,
             grid,
             &p,
             self.rank,
             "cuLaunchKernel(ep_ll_combine)",
-        )?;
+        );
+        self.poison_on_gate_timeout(launched)?;
         self.combine_half ^= 1;
         self.calls += 1;
         let mut recv = p;
         recv.phases = k::phase::RECV;
         let hook = args.return_recv_hook.then(|| RecvHook {
             params: HookParams::Combine(recv),
+            received: None,
             func: self.combine_fn.clone(),
             stream: self.stream.clone(),
             grid,
             rank: self.rank,
-            _keep: vec![out.clone(), self.net.clone(), self.state.clone()],
+            gate: self.gate_for_hook(),
+            // The dispatch's region too: the receive reads its top-k ids.
+            _keep: vec![
+                out.clone(),
+                self.net.clone(),
+                self.state.clone(),
+                hd.region.clone(),
+            ],
             _keep_routing: Some((args.topk_idx.clone(), args.topk_weights.clone())),
             _mapped: self.mapped.clone(),
             _errors: self.errors.clone(),
@@ -1236,7 +1397,9 @@ impl LowLatencyBuffer {
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| cuda("cuStreamBeginCapture", e))?;
+        self.capturing = true;
         let r = f(self);
+        self.capturing = false;
         let g = self
             .stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
@@ -1247,9 +1410,34 @@ impl LowLatencyBuffer {
             LlGraph {
                 graph,
                 rank: self.rank,
+                gate: self.gate_for_hook(),
             },
             r,
         ))
+    }
+
+    /// The launch gate for a launch now (none while capturing or when the GPU is not shared).
+    fn gate(&self) -> Gate<'_> {
+        match (&self.launch_gate, self.capturing) {
+            (Some(g), false) => Some((&**g, self.opts.timeout)),
+            _ => None,
+        }
+    }
+
+    /// The launch gate for a launch later (a hook, a graph replay).
+    fn gate_for_hook(&self) -> Option<(Arc<LaunchGate>, Duration)> {
+        self.launch_gate
+            .as_ref()
+            .map(|g| (g.clone(), self.opts.timeout))
+    }
+
+    /// Marks the buffer unusable when the launch gate ran out (the peers' flags are then in an
+    /// unknown state, as after a timeout in a kernel).
+    fn poison_on_gate_timeout(&mut self, r: Result<(), EpError>) -> Result<(), EpError> {
+        if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
+            self.poisoned = Some(e.to_string());
+        }
+        r
     }
 
     /// Queues a kernel that keeps the stream busy for `duration` (benchmarks queue timed work
@@ -1281,84 +1469,40 @@ impl LowLatencyBuffer {
             // Every protocol status is checked in the kernels, so a QP failure comes with a code;
             // the records are read anyway (host memory, cheap).
             if let Some((peer, e)) = self.transport.as_ref().and_then(|t| t.first_failure(None)) {
-                let err = self.transport_failure(peer, format!("IBGDA transport: {e}"));
+                let err = EpError::Transport {
+                    rank: self.rank,
+                    peer: Some(peer),
+                    what: format!(
+                        "mode {}: the QP group recorded a failure",
+                        self.nic_handler().map_or("?", NicHandler::name)
+                    ),
+                    source: Some(Box::new(e)),
+                };
                 self.poisoned = Some(err.to_string());
                 return Err(err);
             }
             return Ok(());
         };
-        let (code, peer, what) = (word.code, word.peer as usize, word.what);
-        // The LL kernels put the expert (or a transport status) where intranode puts the epoch.
-        let (expert, detail) = (word.epoch, word.detail);
-        let err = match code {
-            k::error_code::BAD_EXPERT => EpError::ExpertIdOutOfRange {
-                rank: self.rank,
-                count: 1,
-                num_experts: self.opts.num_experts,
-            },
-            k::error_code::TRANSPORT => {
-                let call = match what {
-                    k::transport_what::PUT => "ibgda_put_warp (rows)",
-                    k::transport_what::SIGNAL => "ibgda_signal_add (count or flag)",
-                    k::transport_what::QUIET => "ibgda_quiet",
-                    _ => "a transport call",
-                };
-                let record = self
-                    .transport
+        let record = (word.code == k::error_code::TRANSPORT)
+            .then(|| {
+                self.transport
                     .as_ref()
-                    .and_then(|t| t.first_failure(Some(peer)))
-                    .map(|(r, e)| format!("; QPs to rank {r}: {e}"))
-                    .unwrap_or_default();
-                let mode = self.nic_handler().map_or("?", NicHandler::name);
-                self.transport_failure(
-                    peer,
-                    format!(
-                        "IBGDA transport, mode {mode}: {call} returned status {expert:#x} (QP key {detail}){record}"
-                    ),
-                )
-            }
-            ERR_TIMEOUT => {
-                let w = match what {
-                    k::wait_what::SEND_DONE => format!(
-                        "low-latency dispatch send: this rank's warps finishing the tokens for expert {expert} ({detail} seen)"
-                    ),
-                    k::wait_what::DISPATCH_RECV => format!(
-                        "low-latency dispatch receive: count signal for local expert {expert}"
-                    ),
-                    k::wait_what::COMBINE_RECV => format!(
-                        "low-latency combine receive: rows of expert {expert}"
-                    ),
-                    _ => format!("low-latency wait {what} (expert {expert})"),
-                };
-                EpError::PeerTimeout {
-                    rank: self.rank,
-                    peer,
-                    // One error per buffer (it is poisoned after), so leaking the text is bounded.
-                    what: Box::leak(w.into_boxed_str()),
-                    epoch: self.calls,
-                    seen: detail,
-                    timeout: self.opts.timeout,
-                }
-            }
-            other => EpError::InvalidArgument {
+                    .and_then(|t| t.first_failure(Some(word.peer as usize)))
+            })
+            .flatten();
+        let err = device_error(
+            &DeviceErrorContext {
                 rank: self.rank,
-                what: format!("unknown device error code {other}"),
+                num_experts: self.opts.num_experts,
+                calls: self.calls,
+                timeout: self.opts.timeout,
+                mode: self.nic_handler().map(NicHandler::name),
             },
-        };
+            &word,
+            record,
+        );
         self.poisoned = Some(err.to_string());
         Err(err)
-    }
-
-    fn transport_failure(&self, peer: usize, what: String) -> EpError {
-        EpError::PeerTimeout {
-            rank: self.rank,
-            peer,
-            // One error per buffer (it is poisoned after), so leaking the text is bounded.
-            what: Box::leak(what.into_boxed_str()),
-            epoch: self.calls,
-            seen: 0,
-            timeout: self.opts.timeout,
-        }
     }
 
     /// Waits (bounded) until everything queued on the buffer's stream has run, then reports any
@@ -1471,7 +1615,127 @@ impl Drop for LowLatencyBuffer {
 
 /// A transport failure at creation or teardown, as an error that names what was being done.
 pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpError {
-    invalid(rank, format!("low-latency transport: {doing}: {e}"))
+    EpError::Transport {
+        rank,
+        peer: None,
+        what: format!("low-latency transport: {doing}"),
+        source: Some(Box::new(e)),
+    }
+}
+
+/// A transport set-up failure with no error of its own (a NIC that answered unexpectedly).
+fn transport_setup(rank: usize, what: &str) -> EpError {
+    EpError::Transport {
+        rank,
+        peer: None,
+        what: format!("low-latency transport: {what}"),
+        source: None,
+    }
+}
+
+/// What [`device_error`] needs to know about the buffer.
+#[derive(Debug, Clone, Copy)]
+struct DeviceErrorContext {
+    rank: usize,
+    num_experts: usize,
+    /// Operations queued so far (the "epoch" of a timeout).
+    calls: u64,
+    timeout: Duration,
+    /// The NIC-handler mode, with the transport.
+    mode: Option<&'static str>,
+}
+
+/// The error a low-latency kernel recorded in `w` (see [`k::error_code`] for what each code puts
+/// in which field); `record` is the QP group's own record of a transport failure, if it kept one.
+fn device_error(
+    c: &DeviceErrorContext,
+    w: &ep_kernels::intranode::ErrorWord,
+    record: Option<(usize, TransportError)>,
+) -> EpError {
+    let rank = c.rank;
+    let peer = w.peer as usize;
+    match w.code {
+        k::error_code::BAD_EXPERT => EpError::ExpertIdOutOfRange {
+            rank,
+            op: if w.what & k::BAD_EXPERT_IN_COMBINE != 0 {
+                "low-latency combine"
+            } else {
+                "low-latency dispatch"
+            },
+            id: w.epoch as i64,
+            token: w.detail as usize,
+            slot: Some((w.what & !k::BAD_EXPERT_IN_COMBINE) as usize),
+            count: None,
+            num_experts: c.num_experts,
+        },
+        k::error_code::TOPK_MISMATCH => EpError::TopkMismatch {
+            rank,
+            token: w.epoch as usize,
+            slot: w.what as usize,
+            dispatched: i64::from((w.detail >> 32) as u32 as i32),
+            combined: i64::from(w.detail as u32 as i32),
+        },
+        k::error_code::BAD_ROUTING => EpError::CorruptRouting {
+            rank,
+            what: match w.what {
+                k::routing_what::LAYOUT_OFFSET => "layout_range offset",
+                k::routing_what::LAYOUT_COUNT => "layout_range count",
+                k::routing_what::SRC_INFO => "src_info",
+                _ => "routing value",
+            },
+            index: w.epoch,
+            value: w.detail as i64,
+            limit: u64::from(w.peer),
+        },
+        k::error_code::TRANSPORT => {
+            let call = match w.what {
+                k::transport_what::PUT => "ibgda_put_warp (rows)",
+                k::transport_what::SIGNAL => "ibgda_signal_add (count or flag)",
+                k::transport_what::QUIET => "ibgda_quiet",
+                _ => "a transport call",
+            };
+            let (peer, source) = match record {
+                Some((r, e)) => (r, Some(Box::new(e))),
+                None => (peer, None),
+            };
+            EpError::Transport {
+                rank,
+                peer: Some(peer),
+                what: format!(
+                    "mode {}: {call} returned status {:#x} on QP key {}",
+                    c.mode.unwrap_or("?"),
+                    w.epoch,
+                    w.detail
+                ),
+                source,
+            }
+        }
+        ERR_TIMEOUT => EpError::PeerTimeout {
+            rank,
+            peer,
+            what: match w.what {
+                k::wait_what::SEND_DONE => {
+                    "low-latency dispatch send: this rank's warps finishing the tokens for an expert"
+                }
+                k::wait_what::DISPATCH_RECV => {
+                    "low-latency dispatch receive: the count signal for a local expert"
+                }
+                k::wait_what::COMBINE_RECV => "low-latency combine receive: an expert's rows",
+                _ => "low-latency wait",
+            },
+            expert: Some(w.epoch),
+            epoch: c.calls,
+            seen: w.detail,
+            timeout: c.timeout,
+        },
+        other => EpError::Poisoned {
+            rank,
+            first: format!(
+                "unknown device error code {other} (peer {peer}, what {}, epoch {}, detail {})",
+                w.what, w.epoch, w.detail
+            ),
+        },
+    }
 }
 
 fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(), EpError> {
@@ -1482,13 +1746,17 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
             k::MAX_RANKS
         ));
     }
-    if o.num_experts == 0 || o.num_experts % ranks != 0 {
+    if o.num_experts == 0 || o.num_experts % ranks != 0 || o.num_experts > MAX_EXPERTS {
         return bad(format!(
-            "num_experts {} is not a positive multiple of {ranks} ranks",
+            "num_experts {} is not a positive multiple of {ranks} ranks in 1..={MAX_EXPERTS}",
             o.num_experts
         ));
     }
-    if o.max_tokens_per_rank == 0 || o.max_tokens_per_rank * ranks > i32::MAX as usize / 64 {
+    if o.max_tokens_per_rank == 0
+        || o.max_tokens_per_rank
+            .checked_mul(ranks)
+            .is_none_or(|rows| rows > i32::MAX as usize / 64)
+    {
         return bad(format!(
             "max_tokens_per_rank {} out of range",
             o.max_tokens_per_rank
@@ -1509,4 +1777,175 @@ fn check_options(rank: usize, ranks: usize, o: &LowLatencyOptions) -> Result<(),
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ep_kernels::intranode::ErrorWord;
+
+    const CTX: DeviceErrorContext = DeviceErrorContext {
+        rank: 1,
+        num_experts: 64,
+        calls: 7,
+        timeout: Duration::from_secs(2),
+        mode: Some("cpu_host_memory"),
+    };
+
+    fn word(code: u32, peer: u32, what: u32, epoch: u64, detail: u64) -> ErrorWord {
+        ErrorWord {
+            code,
+            rank: 1,
+            peer,
+            what,
+            epoch,
+            detail,
+        }
+    }
+
+    #[test]
+    fn a_transport_failure_is_not_a_timeout() {
+        let w = word(
+            k::error_code::TRANSPORT,
+            3,
+            k::transport_what::QUIET,
+            0x5,
+            2,
+        );
+        match device_error(&CTX, &w, None) {
+            EpError::Transport {
+                rank: 1,
+                peer: Some(3),
+                what,
+                source: None,
+            } => {
+                assert!(what.contains("ibgda_quiet"), "{what}");
+                assert!(what.contains("status 0x5"), "{what}");
+                assert!(what.contains("QP key 2"), "{what}");
+                assert!(what.contains("cpu_host_memory"), "{what}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn setup_failures_are_transport_errors_with_their_cause() {
+        let e = transport_err(
+            2,
+            "connecting QPs to rank 1",
+            TransportError::Emu(ibgda_emu::EmuError::NoSuchQp {
+                nic: "emu0".into(),
+                qpn: 0x12,
+            }),
+        );
+        match &e {
+            EpError::Transport {
+                rank: 2,
+                peer: None,
+                what,
+                source: Some(_),
+            } => assert!(what.contains("connecting QPs to rank 1"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(std::error::Error::source(&e).is_some());
+        assert!(e.to_string().contains("no QP 0x12"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_expert_id_is_named_with_its_token_slot_and_value() {
+        let w = word(
+            k::error_code::BAD_EXPERT,
+            1,
+            3 | k::BAD_EXPERT_IN_COMBINE,
+            (-9i64) as u64,
+            40,
+        );
+        match device_error(&CTX, &w, None) {
+            EpError::ExpertIdOutOfRange {
+                rank: 1,
+                op: "low-latency combine",
+                id: -9,
+                token: 40,
+                slot: Some(3),
+                count: None,
+                num_experts: 64,
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        let w = word(k::error_code::BAD_EXPERT, 1, 0, 64, 2);
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::ExpertIdOutOfRange {
+                op: "low-latency dispatch",
+                id: 64,
+                token: 2,
+                slot: Some(0),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn timeouts_name_the_expert_without_leaking_a_string() {
+        let w = word(ERR_TIMEOUT, 2, k::wait_what::COMBINE_RECV, 17, 3);
+        match device_error(&CTX, &w, None) {
+            EpError::PeerTimeout {
+                rank: 1,
+                peer: 2,
+                what: "low-latency combine receive: an expert's rows",
+                expert: Some(17),
+                epoch: 7,
+                seen: 3,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn corrupt_handles_and_mismatched_ids_are_named() {
+        let w = word(
+            k::error_code::BAD_ROUTING,
+            127,
+            k::routing_what::SRC_INFO,
+            300,
+            1_000_000,
+        );
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::CorruptRouting {
+                what: "src_info",
+                index: 300,
+                value: 1_000_000,
+                limit: 127,
+                ..
+            }
+        ));
+        let w = word(k::error_code::TOPK_MISMATCH, 1, 5, 12, (33u64 << 32) | 34);
+        assert!(matches!(
+            device_error(&CTX, &w, None),
+            EpError::TopkMismatch {
+                token: 12,
+                slot: 5,
+                dispatched: 33,
+                combined: 34,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn expert_counts_are_bounded() {
+        let ok = LowLatencyOptions::new(128, 7168, 8, 288);
+        assert!(check_options(0, 4, &ok).is_ok());
+        let many = LowLatencyOptions::new(128, 7168, 8, 1 << 40);
+        assert!(matches!(
+            check_options(0, 8, &many),
+            Err(EpError::InvalidArgument { .. })
+        ));
+        // A token count whose product with the ranks overflows is refused, not a panic.
+        let huge = LowLatencyOptions::new(usize::MAX / 2, 7168, 8, 288);
+        assert!(check_options(0, 4, &huge).is_err());
+        assert_eq!(huge.bytes_per_rank(4), None);
+    }
 }

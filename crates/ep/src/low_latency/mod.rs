@@ -12,7 +12,11 @@
 //!   f32 accumulation); [`LlCombineX::ZeroCopy`] takes them from
 //!   [`LowLatencyBuffer::combine_input`], where the experts wrote them.
 //! - Hook mode (`return_recv_hook`): the kernel only sends and returns; [`RecvHook::call`]
-//!   launches the receive, so no SM waits while the data is in flight.
+//!   launches the receive, so no SM waits while the data is in flight. Combine refuses a
+//!   dispatch's handle until its hook has been called (the routing is written by the receive).
+//! - The handle is opaque (its routing tensors are read-only) and the kernels check every value
+//!   they read from it and every top-k id a combine is given (in range, and the dispatch's in
+//!   that place or -1): a bad one is a named error, and nothing is written by it.
 //! - Results are double buffered: the outputs of a dispatch (and of a combine) stay valid until
 //!   the second next one; a call whose half is still referenced fails with
 //!   [`EpError::RegionsInUse`](crate::EpError::RegionsInUse) instead of overwriting it.

@@ -1,7 +1,7 @@
 //! Where everything lies in a low-latency buffer's memory, for given options. Equal on every
 //! rank (the kernels address peers' regions with this rank's offsets).
 
-use ep_kernels::low_latency::FP8_BLOCK;
+use ep_kernels::low_latency::{FP8_BLOCK, MAX_TOPK};
 
 const ALIGN: usize = 256;
 
@@ -47,6 +47,8 @@ pub(crate) struct OutPlan {
     pub(crate) src_info: usize,
     pub(crate) layout: usize,
     pub(crate) count: usize,
+    /// The dispatch's top-k ids `i32 [max tokens][topk]` (combine checks its own against them).
+    pub(crate) topk: usize,
     pub(crate) bytes: usize,
 }
 
@@ -118,12 +120,14 @@ impl OutPlan {
         let src_info = take(rows * 4);
         let layout = take(l * r * 2 * 4);
         let count = take(l * 4);
+        let topk = take(d.max_tokens * MAX_TOPK * 4);
         Self {
             x,
             scales,
             src_info,
             layout,
             count,
+            topk,
             bytes: at,
         }
     }
@@ -155,6 +159,7 @@ mod tests {
         assert!(p.bytes >= p.stage + 128 * msg_bytes(7168, false));
         let o = OutPlan::new(&d);
         assert!(o.scales >= 72 * 512 * 7168 * 2);
-        assert!(o.bytes >= o.count + 72 * 4);
+        assert!(o.topk >= o.count + 72 * 4);
+        assert!(o.bytes >= o.topk + 128 * MAX_TOPK * 4);
     }
 }

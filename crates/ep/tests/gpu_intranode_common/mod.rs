@@ -309,17 +309,17 @@ pub fn rank_body(
     let want_layout = reference::layout(&inp.topk_idx, c.topk, ranks, ranks * c.experts_per_rank);
     check_eq(
         "tokens_per_rank",
-        &layout.tokens_per_rank.to_host().map_err(e)?,
+        &layout.tokens_per_rank().to_host().map_err(e)?,
         &want_layout.tokens_per_rank,
     )?;
     check_eq(
         "tokens_per_expert",
-        &layout.tokens_per_expert.to_host().map_err(e)?,
+        &layout.tokens_per_expert().to_host().map_err(e)?,
         &want_layout.tokens_per_expert,
     )?;
     check_eq(
         "is_token_in_rank",
-        &layout.is_token_in_rank.to_host().map_err(e)?,
+        &layout.is_token_in_rank().to_host().map_err(e)?,
         &want_layout.is_token_in_rank,
     )?;
 
@@ -461,6 +461,15 @@ pub const CONFIG: Config = Config {
     block_threads: 512,
 };
 
+/// [`CONFIG`], with no more SMs per rank than the ranks of this process sharing the buffer's
+/// GPU can have together.
+pub fn config_for(buf: &Buffer) -> Config {
+    Config {
+        num_sms: CONFIG.num_sms.min(buf.sm_budget()),
+        ..CONFIG
+    }
+}
+
 /// Each rank's input generator for a run with `seed` (every rank of every process derives the
 /// same ones).
 pub fn rank_rngs(seed: u64, ranks: usize) -> Vec<Rng> {
@@ -582,7 +591,7 @@ impl Round {
             &self.expected[r],
             self.expected_cached.as_ref().map(|e| &e[r]),
             &self.expected_combine[r],
-            CONFIG,
+            config_for(buf),
             what,
         )
         .map_err(|e| format!("{what}: {e}"))

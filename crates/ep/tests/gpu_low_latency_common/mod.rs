@@ -166,8 +166,8 @@ pub fn upload_into<T: Element>(
 
 pub fn read_dispatch(out: &LlDispatchOutput, res: &mut RankResult) -> Result<(), EpError> {
     res.count = out.recv_count.to_host()?;
-    res.layout = out.handle.layout_range.to_host()?;
-    res.src_info = out.handle.src_info.to_host()?;
+    res.layout = out.handle.layout_range().to_host()?;
+    res.src_info = out.handle.src_info().to_host()?;
     match &out.x {
         LlRecvX::Bf16(x) => {
             res.x = bytemuck::cast_slice(&x.to_host()?).to_vec();

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ibgda_device::wire::{Cqe64, WqeBB};
-use ibgda_emu::{Access, CqMode, Fabric, HostBuffer, HostQp, Mr, Nic, NicConfig, QpStatus};
+use ibgda_emu::{
+    Access, CqMode, Fabric, HostBuffer, HostQp, Mr, Nic, NicConfig, QpStatus, StrictMode,
+};
 
 /// Arena size on each side; registrations sit in the middle, guard bytes around them.
 pub const ARENA: usize = 8192;
@@ -29,9 +31,20 @@ pub struct Pair {
 
 impl Pair {
     pub fn new(manual: bool, nwqebbs: u32, mode: CqMode, ncqes: u32) -> Self {
+        Self::with_strict(manual, nwqebbs, mode, ncqes, StrictMode::from_env())
+    }
+
+    /// [`Pair::new`] with both NICs in strict mode `strict`.
+    pub fn with_strict(
+        manual: bool,
+        nwqebbs: u32,
+        mode: CqMode,
+        ncqes: u32,
+        strict: StrictMode,
+    ) -> Self {
         let fabric = Fabric::new();
         let cfg = |n: &str| {
-            let c = NicConfig::named(n);
+            let c = NicConfig::named(n).strict(strict);
             if manual {
                 c.manual()
             } else {

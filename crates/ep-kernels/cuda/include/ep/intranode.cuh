@@ -16,9 +16,30 @@ enum ErrorCode : uint32_t {
     kErrNone = 0,
     // A bounded wait on peer flags ran out; `what` says which wait.
     kErrTimeout = 1,
-    // More tokens arrived than `num_worst_tokens` rows.
+    // More tokens arrived than `num_worst_tokens` rows; `what` = num_worst_tokens, `detail` =
+    // rows received.
     kErrWorstTokensExceeded = 2,
+    // A routing value read from a layout tensor is out of range and was not used: `what` is a
+    // RoutingWhat, `epoch` the value's flat index, `detail` the value (i64 bits), `peer` the
+    // largest value allowed.
+    kErrBadRouting = 3,
 };
+
+// Which routing value was out of range (`ErrorWord::what` with kErrBadRouting).
+enum RoutingWhat : uint32_t {
+    kRoutingTokensPerRank = 1,    // tokens_per_rank[dst] outside [0, tokens] (published clamped)
+    kRoutingTokensPerExpert = 2,  // tokens_per_expert[e] outside [0, tokens] (published clamped)
+    kRoutingSendPosition = 3,     // send_pos[t][dst] at or past the count published to dst (not sent)
+};
+
+// The layout kernel's report of top-k ids outside [-1, experts).
+struct LayoutInvalid {
+    int32_t count;  // how many
+    int32_t first;  // flat index token * topk + slot of the first, or INT32_MAX
+    int32_t id;     // the id there
+    int32_t pad;
+};
+static_assert(sizeof(LayoutInvalid) == 16, "LayoutInvalid layout");
 
 // What a wait was waiting for (`ErrorWord::what`).
 enum WaitWhat : uint32_t {
@@ -98,10 +119,14 @@ struct Meta {
     // recv_offset[src]: where tokens from src start in this rank's rows; [ranks] = total.
     int32_t recv_offset[kMaxRanks + 1];
     int32_t num_recv;
-    int32_t pad[14];
+    // How many tokens this rank sends to each destination (what it published, clamped): its rows
+    // there are [send_offset, send_offset + send_count); the push sends none past them.
+    int32_t send_count[kMaxRanks];
+    int32_t pad[6];
     // Followed by int32 expert_counts[num_local_experts] (rounded up to the alignment).
 };
 static_assert(sizeof(Meta) == 128, "Meta layout");
+static_assert(offsetof(Meta, send_count) == 72, "Meta layout");
 
 // What the host waits for after the count exchange, in host-mapped pinned memory.
 struct HostInfo {
@@ -121,7 +146,7 @@ struct LayoutParams {
     uint64_t tokens_per_expert;   // int32 [experts]
     uint64_t is_token_in_rank;    // uint8 [tokens][ranks]
     uint64_t send_pos;            // int32 [tokens][ranks]: position among tokens to that rank, or -1
-    uint64_t invalid;             // int32: number of ids outside [-1, num_experts)
+    uint64_t invalid;             // LayoutInvalid: ids outside [-1, num_experts)
     int32_t num_tokens;
     int32_t topk;
     int32_t ranks;
@@ -146,9 +171,10 @@ struct NotifyParams {
     int32_t num_local_experts;
     int32_t expert_alignment;
     int32_t num_worst_tokens;     // 0: none
-    int32_t pad;
+    int32_t num_tokens;           // tokens this rank sends: published counts lie in [0, this]
 };
 static_assert(sizeof(NotifyParams) == 160, "NotifyParams layout");
+static_assert(offsetof(NotifyParams, num_tokens) == 156, "NotifyParams layout");
 static_assert(offsetof(NotifyParams, recv_offset) == 72, "NotifyParams layout");
 static_assert(offsetof(NotifyParams, rank) == 136, "NotifyParams layout");
 
@@ -185,8 +211,11 @@ struct DispatchParams {
     int32_t topk;
     int32_t num_local_experts;
     int32_t num_worst_tokens;     // 0: none; else pad rows [num_recv, this) of top-k
+    int32_t cap;                  // rows of every receive region: none at or past it is written
+    int32_t pad;
 };
-static_assert(sizeof(DispatchParams) == 264, "DispatchParams layout");
+static_assert(sizeof(DispatchParams) == 272, "DispatchParams layout");
+static_assert(offsetof(DispatchParams, cap) == 264, "DispatchParams layout");
 static_assert(offsetof(DispatchParams, region) == 128, "DispatchParams layout");
 static_assert(offsetof(DispatchParams, rank) == 232, "DispatchParams layout");
 
