@@ -27,7 +27,8 @@ commands:
   build-kernels [--force]   compile crates/ep-kernels/cuda/**/*.cu into target/kernels/*.fatbin
   example <name> [args..]   set up (apt packages, nvcc, kernels), then run an example in release mode
   test                      set up (apt packages, nvcc), build kernels, fmt check, clippy -D warnings, CPU tests
-  device-bundle             build GPU tests + examples (release) into bundle/ for the device machine
+  device-bundle [--python]  build GPU tests + examples (release) into bundle/ for the device machine
+                            (--python: only the Python package's wheel, GPU tests and example)
   python [--no-install]     build the ep_ibgda wheel (maturin) and pip-install it into $PYTHON's (python3's) environment
 ";
 
@@ -53,7 +54,7 @@ fn run() -> Result<()> {
         "build-kernels" => kernels::build_kernels(rest.iter().any(|a| a == "--force")).map(|_| ()),
         "test" => test::run(),
         "example" => test::example(rest),
-        "device-bundle" => bundle::run(),
+        "device-bundle" => bundle::run(rest),
         "python" => python::install(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");

@@ -144,7 +144,7 @@ pub fn test() -> Result<()> {
     eprintln!(
         "   left to the GPU machine (torch is not installed here: PyPI's torch wheel pulls several \
          GB of CUDA libraries): python/tests/test_gpu_*.py and python/examples/dispatch_combine.py, \
-         run by `bash bundle/python/run.sh` from `cargo xtask device-bundle`"
+         run by `bash bundle/python/run.sh` from `cargo xtask device-bundle --python`"
     );
     Ok(())
 }
