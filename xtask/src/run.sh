@@ -15,6 +15,10 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export RUST_BACKTRACE=1
+# Ranks as threads sharing one GPU each bring their own streams; with the driver's default of 8
+# hardware queues, streams of different ranks share a queue and a rank's kernel can wait in it
+# behind another rank's spinning one. 32 is the driver's maximum (see ep::residency).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-$here/out}

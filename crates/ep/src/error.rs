@@ -248,8 +248,9 @@ pub enum EpError {
     /// that waits for them within the bound (see [`crate::residency::LaunchGate`]); nothing of
     /// this operation was launched by this rank.
     #[error(
-        "rank {rank}: ranks {missing:?} sharing GPU {gpu} in this process did not reach {what} \
-         within {timeout:?} (every rank on a shared GPU must make the same calls in the same order)"
+        "rank {rank}: {} sharing GPU {gpu} in this process did not reach {what} within \
+         {timeout:?} (every rank on a shared GPU must make the same calls in the same order)",
+        crate::error::rank_list(missing)
     )]
     SharedGpuTimeout {
         /// The rank that waited.
@@ -297,6 +298,12 @@ pub enum EpError {
         /// The first error.
         first: String,
     },
+}
+
+/// `rank 1, rank 3` for `[1, 3]`: errors name every rank as "rank N".
+pub(crate) fn rank_list(ranks: &[usize]) -> String {
+    let names: Vec<String> = ranks.iter().map(|r| format!("rank {r}")).collect();
+    names.join(", ")
 }
 
 /// Shorthand for an [`EpError::InvalidArgument`].

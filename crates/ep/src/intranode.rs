@@ -1077,6 +1077,13 @@ impl Buffer {
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// Where the ranks of this process sharing this GPU meet around every launch of a kernel
+    /// that waits for them (`None` when this rank has its GPU to itself). Launch a CUDA graph
+    /// captured from this buffer's operations through it ([`LaunchGate::around`]).
+    pub fn launch_gate(&self) -> Option<&Arc<LaunchGate>> {
+        self.gate.as_ref()
+    }
+
     /// Which ranks of the group share this rank's GPU.
     pub fn gpu_share(&self) -> &GpuShare {
         &self.share

@@ -37,6 +37,9 @@ use crate::rendezvous::Exchange;
 /// emulator cannot starve it (DESIGN.md, "Testing without a NIC").
 pub const EMULATED_NIC_SMS: u32 = 0;
 
+/// Streams a rank's operations use (communication and compute), for the hardware-queue check.
+const STREAMS_PER_RANK: usize = 2;
+
 /// How this rank's GPU is shared within its group, from one collective at buffer creation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuShare {
@@ -147,6 +150,20 @@ impl GpuShare {
             processes,
             gate_key,
         };
+        let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(8);
+        if share.threads.len() > 1 && share.threads.len() * STREAMS_PER_RANK > queues {
+            tracing::warn!(
+                target: "ep",
+                "rank {rank}: {} ranks of this process share GPU {ordinal} with {queues} hardware \
+                 queues (CUDA_DEVICE_MAX_CONNECTIONS): streams of different ranks may share a \
+                 queue, and a kernel can wait there behind another rank's; set \
+                 CUDA_DEVICE_MAX_CONNECTIONS=32 before the first CUDA call",
+                share.threads.len()
+            );
+        }
         if !share.processes.is_empty() {
             tracing::warn!(
                 target: "ep",

@@ -511,12 +511,26 @@ fn graph_rank(
         poison_host(&dout.recv_tokens_per_expert)?;
         poison_host(&cout.x)?;
         poison_host(out_w)?;
-        // The uploads ran on the legacy stream; the graph runs on the buffer's stream.
-        ctx.synchronize()
-            .map_err(|e| format!("cuCtxSynchronize: {e:?}"))?;
-        graph
-            .launch()
-            .map_err(|e| format!("{what}: cuGraphLaunch: {e:?}"))?;
+        // The uploads ran on the legacy stream; the graph runs on the buffer's stream. Only the
+        // legacy stream is waited for: a whole-context synchronize would also wait for the
+        // graphs of ranks sharing this GPU, which wait for this rank's.
+        ctx.default_stream()
+            .synchronize()
+            .map_err(|e| format!("cuStreamSynchronize(legacy): {e:?}"))?;
+        // Ranks of this process sharing the GPU meet around the replay, as the buffer does
+        // around its own launches.
+        let replay = || {
+            graph.launch().map_err(|source| EpError::Cuda {
+                rank: r,
+                call: "cuGraphLaunch",
+                source,
+            })
+        };
+        match buf.launch_gate() {
+            Some(g) => g.around(r, "cuGraphLaunch", Duration::from_secs(20), replay),
+            None => replay(),
+        }
+        .map_err(|e| format!("{what}: {e}"))?;
         buf.synchronize().map_err(|e| format!("{what}: {e}"))?;
         check_dispatch(
             &dout,

@@ -54,7 +54,9 @@ pub fn recover_pi(fetched: u64, pi16: u16, nwqebbs: u32) -> Option<u64> {
 #[derive(Debug)]
 pub(crate) struct DoorbellState {
     pub cfg: DoorbellConfig,
-    pub uar: Option<HostBuffer>,
+    pub uar: Option<std::sync::Arc<HostBuffer>>,
+    /// Other QPs ring through the same page (a firmware UAR object).
+    shared_uar: bool,
     /// Producer index from direct calls (`ring_doorbell`), monotonic.
     pub direct: std::sync::Arc<AtomicU64>,
     /// Doorbells at or below this index are ignored (a dropped doorbell's index).
@@ -72,10 +74,15 @@ pub(crate) struct Polled {
 }
 
 impl DoorbellState {
-    pub fn new(cfg: DoorbellConfig, uar: Option<HostBuffer>) -> Self {
+    pub fn new(
+        cfg: DoorbellConfig,
+        uar: Option<std::sync::Arc<HostBuffer>>,
+        shared_uar: bool,
+    ) -> Self {
         Self {
             cfg,
             uar,
+            shared_uar,
             direct: Default::default(),
             ignore_upto: 0,
             events: 0,
@@ -92,7 +99,9 @@ impl DoorbellState {
 
     /// Forgets everything rung so far (QP reset): zeroes host-resident doorbell words.
     pub fn reset(&mut self) {
-        if let Some(u) = &self.uar {
+        // A shared page's last word may be another QP's doorbell; the doorbell record still
+        // carries this QP's.
+        if let Some(u) = self.uar.as_ref().filter(|_| !self.shared_uar) {
             u.store_u64(UAR_BF_OFFSET, 0);
         }
         if let Some(Loc::Host(a)) = self.cfg.dbr {
@@ -138,7 +147,7 @@ impl DoorbellState {
                 let (q, pi16) = parse_db_word(word);
                 if q == qpn & 0xff_ffff {
                     offer(recover_pi(fetched, pi16, nwqebbs));
-                } else {
+                } else if !self.shared_uar {
                     tracing::warn!(
                         qpn,
                         rung = q,

@@ -43,6 +43,8 @@ pub mod vendor_syndrome {
     pub const CTRL_QPN: u8 = 0xec;
     /// Strict mode: the control segment's WQE index is not the WQE's position in the ring.
     pub const CTRL_INDEX: u8 = 0xed;
+    /// The responder QP was not granted the right (`qpc.rwe` / `rre` / `rae` off).
+    pub const REMOTE_QP_ACCESS: u8 = 0xee;
     /// The backend failed (a CUDA call, a bounded wait).
     pub const BACKEND: u8 = 0xef;
 }
@@ -82,6 +84,9 @@ impl Outcome {
 pub(crate) struct ExecCtx<'a> {
     pub local: &'a Registry,
     pub remote: Option<&'a Registry>,
+    /// What the responder QP grants its peers (`None`: the QP was connected directly, without
+    /// firmware access flags, and only registrations are checked).
+    pub remote_qp_access: Option<Access>,
     pub fetch_order: FetchOrder,
     pub timeout: Duration,
 }
@@ -93,6 +98,31 @@ fn local_denied(d: Denied) -> Outcome {
         Denied::Access => vendor_syndrome::LOCAL_ACCESS,
     };
     Outcome::failed(syndrome::LOCAL_PROT_ERR, vendor)
+}
+
+/// Checks the right against what the responder QP grants, then the remote range against the
+/// peer's registrations. A QP not enabled for the operation rejects the request itself before
+/// any key is looked at: Remote Invalid Request, as `ibv_poll_cq(3)` describes for
+/// `qp_access_flags` that do not allow the operation.
+fn remote_check(
+    cx: &ExecCtx<'_>,
+    peer: &Registry,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    need: Access,
+) -> Result<(Loc, Arc<Region>), Outcome> {
+    if cx
+        .remote_qp_access
+        .is_some_and(|granted| !granted.contains(need))
+    {
+        return Err(Outcome::failed(
+            syndrome::REMOTE_INVAL_REQ_ERR,
+            vendor_syndrome::REMOTE_QP_ACCESS,
+        ));
+    }
+    peer.check_held(rkey, addr, len, need)
+        .map_err(remote_denied)
 }
 
 fn remote_denied(d: Denied) -> Outcome {
@@ -253,14 +283,21 @@ pub(crate) fn plan(op: &WqeOp<'_>, cx: &ExecCtx<'_>, out: &mut Planned) -> Outco
                 out.held.clear();
                 return no_peer();
             };
-            let dst = match peer.check_held(remote.rkey, remote.addr, total, Access::REMOTE_WRITE) {
+            let dst = match remote_check(
+                cx,
+                peer,
+                remote.rkey,
+                remote.addr,
+                total,
+                Access::REMOTE_WRITE,
+            ) {
                 Ok((loc, r)) => {
                     out.held.push(r);
                     loc
                 }
-                Err(d) => {
+                Err(denied) => {
                     out.held.clear();
-                    return remote_denied(d);
+                    return denied;
                 }
             };
             let mut off = 0;
@@ -285,7 +322,14 @@ pub(crate) fn plan(op: &WqeOp<'_>, cx: &ExecCtx<'_>, out: &mut Planned) -> Outco
                 return no_peer();
             };
             let len = data.len() as u64;
-            match peer.check_held(remote.rkey, remote.addr, len, Access::REMOTE_WRITE) {
+            match remote_check(
+                cx,
+                peer,
+                remote.rkey,
+                remote.addr,
+                len,
+                Access::REMOTE_WRITE,
+            ) {
                 Ok((dst, r)) => {
                     out.held.push(r);
                     out.effects.push(Effect::Put {
@@ -296,7 +340,7 @@ pub(crate) fn plan(op: &WqeOp<'_>, cx: &ExecCtx<'_>, out: &mut Planned) -> Outco
                         byte_count: len as u32,
                     }
                 }
-                Err(d) => remote_denied(d),
+                Err(denied) => denied,
             }
         }
         WqeOp::FetchAdd64 { remote, fetch, add } => {
@@ -415,9 +459,9 @@ fn atomic(
         return no_peer();
     };
     let (target, held_target) =
-        match peer.check_held(remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
+        match remote_check(cx, peer, remote.rkey, remote.addr, w, Access::REMOTE_ATOMIC) {
             Ok(x) => x,
-            Err(d) => return remote_denied(d),
+            Err(denied) => return denied,
         };
     // The registered address, and the backing address (an odd IPC mapping could disagree).
     if remote.addr % w != 0 || target.addr() % w != 0 {

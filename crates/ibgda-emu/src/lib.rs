@@ -28,11 +28,12 @@
 //!
 //! A failed WQE gets an error CQE (opcode 13) with the real syndrome at byte 55 —
 //! `LOCAL_PROT_ERR` for a bad lkey, range or local right, `REMOTE_ACCESS_ERR` for a bad rkey,
-//! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic, `LOCAL_LENGTH_ERR` for a
-//! bad length, `LOCAL_QP_OP_ERR` for a WQE that does not decode — and an emulator vendor syndrome
-//! at byte 54 ([`vendor_syndrome`]) saying which check failed. The QP moves to
-//! [`QpState::Error`]; every later WQE, already posted or posted later, completes with
-//! `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the first error in words.
+//! range or remote right, `REMOTE_INVAL_REQ_ERR` for a misaligned atomic or an operation the
+//! responder QP was not enabled for, `LOCAL_LENGTH_ERR` for a bad length, `LOCAL_QP_OP_ERR` for
+//! a WQE that does not decode — and an emulator vendor syndrome at byte 54 ([`vendor_syndrome`])
+//! saying which check failed. The QP moves to [`QpState::Error`]; every later WQE, already
+//! posted or posted later, completes with `WR_FLUSH_ERR`. [`QpStatus::first_error`] keeps the
+//! first error in words.
 //!
 //! Choices where hardware is unspecified or unknowable here: the control segment's QPN and WQE
 //! index fields are checked only in [strict mode](#strict-mode) (the NIC uses its own counter
@@ -100,6 +101,18 @@
 //! processes — CUDA IPC exports of GPU registrations), [`Nic::connect`]. Keys and addresses go in
 //! the WQEs as with hardware.
 //!
+//! # The firmware path
+//!
+//! [`firmware::EmuSubnet`] opens emulated devices that implement `ibgda-verbs`' driver seam, so
+//! the real verbs code (PD, MR, umem, UAR, `CREATE_CQ`, `CREATE_QP`, RST→INIT→RTR→RTS) runs on
+//! the emulator unchanged. The firmware decodes each PRM command image by the `mlx5_ifc.h`
+//! layout, refuses a bad field with the PRM status and its own syndrome, and builds the engine
+//! QP from what the commands say: the send ring at the work queue umem's offset, the doorbell
+//! record and CQ from their umems, the UAR page named in the QP context (shared by every QP
+//! on it), the peer from the path's LID and remote QPN. The responder QP's `rre`/`rwe`/`rae`
+//! are checked at every WQE before the registration's rights (`REMOTE_INVAL_REQ_ERR`, vendor
+//! syndrome [`vendor_syndrome::REMOTE_QP_ACCESS`]).
+//!
 //! # Faults and shaping
 //!
 //! [`FaultPlan`]: an error CQE on the n-th WQE of a QP, completions delayed, the n-th doorbell
@@ -114,6 +127,7 @@ mod error;
 mod exec;
 mod fabric;
 mod fault;
+pub mod firmware;
 #[doc(hidden)]
 pub mod fuzzing;
 mod host;

@@ -506,21 +506,52 @@ impl Nic {
         cfg: QpConfig,
         keep: Vec<Arc<dyn Any + Send + Sync>>,
     ) -> Result<QpHandle, EmuError> {
+        let uar = if cfg.doorbell.uar {
+            Some(Arc::new(self.shared.backend.alloc_host(UAR_PAGE_BYTES)?))
+        } else {
+            None
+        };
+        self.create_qp_with_uar(cfg, uar, false, keep)
+    }
+
+    /// Creates a QP whose UAR page and CQ are firmware objects: `uar` may be shared by other
+    /// QPs (doorbell words naming another QP are then expected, not suspect), and the CQ was
+    /// initialised by its owner before `CREATE_CQ` and may serve other QPs, so it is not
+    /// rewritten here.
+    ///
+    /// # Safety
+    /// As [`create_qp`](Nic::create_qp).
+    pub(crate) unsafe fn create_qp_on_page(
+        &self,
+        cfg: QpConfig,
+        uar: Arc<HostBuffer>,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<QpHandle, EmuError> {
+        self.create_qp_with_uar(cfg, Some(uar), true, keep)
+    }
+
+    /// `from_firmware`: see [`create_qp_on_page`](Nic::create_qp_on_page).
+    fn create_qp_with_uar(
+        &self,
+        cfg: QpConfig,
+        uar: Option<Arc<HostBuffer>>,
+        from_firmware: bool,
+        keep: Vec<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<QpHandle, EmuError> {
         let backend = &*self.shared.backend;
         cfg.validate(backend)?;
         backend.bind_thread()?;
         let seq = self.shared.next_qpn.fetch_add(1, Ordering::Relaxed) & 0xffff;
         let qpn = ((self.shared.index & 0xff) << 16) | seq;
-        let uar = if cfg.doorbell.uar {
-            Some(backend.alloc_host(UAR_PAGE_BYTES)?)
-        } else {
-            None
-        };
         let mut lane = backend.new_lane()?;
         // The NIC owns the CQ's contents: start with every entry invalid (opcode 15, owner 0),
         // which a poller reads as empty on the first pass.
         let invalid = Cqe64::invalid();
-        let n = cfg.cq.bytes() / CQE_BYTES;
+        let n = if from_firmware {
+            0
+        } else {
+            cfg.cq.bytes() / CQE_BYTES
+        };
         for i in 0..n {
             // SAFETY: the caller of `create_qp` vouched for the CQ memory; `i < n` keeps the
             // write inside it.
@@ -532,7 +563,7 @@ impl Nic {
             };
         }
         lane.fence(self.shared.cfg.op_timeout)?;
-        let db = DoorbellState::new(cfg.doorbell, uar);
+        let db = DoorbellState::new(cfg.doorbell, uar, from_firmware);
         let handle = QpHandle {
             qpn,
             uar: db.uar_info(),
@@ -677,6 +708,17 @@ impl Nic {
     /// [`QpState::Rts`]. Peers in this process are found through the fabric; peers in another
     /// process through the registrations exported in `remote` (CUDA IPC).
     pub fn connect(&self, qpn: u32, remote: &QpInfo) -> Result<(), EmuError> {
+        self.connect_with_access(qpn, remote, None)
+    }
+
+    /// [`connect`](Nic::connect), with the responder QP's granted rights (`Access` bits, read
+    /// at every WQE) checked besides the registrations: what the firmware path sets up.
+    pub(crate) fn connect_with_access(
+        &self,
+        qpn: u32,
+        remote: &QpInfo,
+        access: Option<Arc<AtomicU32>>,
+    ) -> Result<(), EmuError> {
         let registry = self.peer_registry(remote)?;
         let slot = self.shared.slot(qpn)?;
         let mut e = self.shared.live(qpn, &slot)?;
@@ -691,6 +733,7 @@ impl Nic {
             node: remote.node,
             qpn: remote.qpn,
             registry,
+            access,
         });
         e.state = QpState::Rts;
         drop(e);

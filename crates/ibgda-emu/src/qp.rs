@@ -2,6 +2,7 @@
 //! into executed WQEs and CQEs.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -154,6 +155,8 @@ pub(crate) struct Peer {
     pub node: NodeId,
     pub qpn: u32,
     pub registry: Arc<Registry>,
+    /// The responder QP's granted rights (`Access` bits), when its firmware set them.
+    pub access: Option<Arc<AtomicU32>>,
 }
 
 #[derive(Debug)]
@@ -489,6 +492,10 @@ impl QpEngine {
                         let ecx = ExecCtx {
                             local: cx.local,
                             remote: self.peer.as_ref().map(|p| &*p.registry),
+                            remote_qp_access: self.peer.as_ref().and_then(|p| {
+                                let bits = p.access.as_ref()?.load(Ordering::Acquire);
+                                Some(crate::mr::Access::from_bits(bits))
+                            }),
                             fetch_order: cx.cfg.fetch_order,
                             timeout: cx.cfg.op_timeout,
                         };
@@ -806,6 +813,7 @@ fn describe(syn: u8, vendor: u8) -> String {
         vendor_syndrome::MISALIGNED => "the atomic's remote address is not aligned to its size",
         vendor_syndrome::LENGTH => "a length is invalid",
         vendor_syndrome::NO_PEER => "the QP has no peer",
+        vendor_syndrome::REMOTE_QP_ACCESS => "the responder QP was not granted the right",
         vendor_syndrome::CTRL_QPN => "the control segment names another QP",
         vendor_syndrome::CTRL_INDEX => "the control segment's WQE index is not its ring position",
         _ => "error",

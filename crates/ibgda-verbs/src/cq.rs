@@ -122,7 +122,7 @@ impl CqBuilder {
         .log_page_size(self.log_page_size)
         .build()?;
         let (obj, out) = DevxObj::create(&ctx, "CREATE_CQ", &cmd, CreateCq::OUT_LEN)?;
-        let cqn = parse_create_cq_out(&out).map_err(VerbsError::firmware)?;
+        let cqn = parse_create_cq_out(&out).map_err(|f| VerbsError::firmware(f, 0))?;
         tracing::debug!(device = %ctx.name(), cqn, "created CQ");
         Ok(Arc::new(Cq {
             obj,

@@ -1,15 +1,15 @@
 //! Device discovery, the device context, and the capabilities the IBGDA path depends on.
 
-use std::ffi::CStr;
 use std::fmt;
 use std::path::Path;
-use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
 use crate::devx;
+use crate::driver::Driver;
 use crate::error::{Result, VerbsError};
 use crate::ffi;
 use crate::prm::{capability_page, AtomicCaps, GeneralCaps, HcaCap, QueryHcaCap};
+use crate::rdma_core;
 
 /// Where the kernel lists RDMA devices.
 pub const SYSFS_INFINIBAND: &str = "/sys/class/infiniband";
@@ -29,91 +29,7 @@ pub struct DeviceInfo {
     pub mlx5: bool,
 }
 
-/// The list from `ibv_get_device_list`, freed on drop.
-struct DeviceList {
-    list: NonNull<*mut ffi::ibv_device>,
-    len: usize,
-}
-
-impl DeviceList {
-    /// The current device list. No kernel support or no devices gives an empty list.
-    fn get() -> Result<Option<Self>> {
-        let mut n: std::ffi::c_int = 0;
-        // SAFETY: `n` is a valid out-pointer; the returned array is owned until freed in Drop.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
-        match NonNull::new(list) {
-            Some(list) => Ok(Some(Self {
-                list,
-                len: n.max(0) as usize,
-            })),
-            None => {
-                let err = VerbsError::last_os("ibv_get_device_list");
-                match err.errno() {
-                    // ENOSYS: no RDMA support in the kernel; ENODEV/ENOENT: nothing to list.
-                    Some(38) | Some(19) | Some(2) | Some(0) | None => Ok(None),
-                    _ => Err(err),
-                }
-            }
-        }
-    }
-
-    fn devices(&self) -> impl Iterator<Item = *mut ffi::ibv_device> + '_ {
-        (0..self.len).map(move |i| {
-            // SAFETY: libibverbs returns `len` valid entries followed by a NULL.
-            unsafe { *self.list.as_ptr().add(i) }
-        })
-    }
-}
-
-impl Drop for DeviceList {
-    fn drop(&mut self) {
-        // SAFETY: the list came from ibv_get_device_list and is freed once; contexts opened from
-        // its entries stay valid (libibverbs reference-counts devices).
-        unsafe { ffi::ibv_free_device_list(self.list.as_ptr()) }
-    }
-}
-
-fn device_name(dev: *mut ffi::ibv_device) -> String {
-    // SAFETY: `dev` is a live entry of a device list; the name is a NUL-terminated array.
-    let name = unsafe { ffi::ibv_get_device_name(dev) };
-    if name.is_null() {
-        return String::from("?");
-    }
-    // SAFETY: non-null, NUL-terminated, owned by the device entry.
-    unsafe { CStr::from_ptr(name) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn device_info(dev: *mut ffi::ibv_device) -> DeviceInfo {
-    // SAFETY: `dev` is a live entry of a device list (for all three calls and the field reads).
-    let (guid, mlx5, node_type, transport) = unsafe {
-        (
-            u64::from_be(ffi::ibv_get_device_guid(dev)),
-            ffi::mlx5dv_is_supported(dev),
-            (*dev).node_type,
-            (*dev).transport_type,
-        )
-    };
-    DeviceInfo {
-        name: device_name(dev),
-        guid,
-        node_type,
-        transport,
-        mlx5,
-    }
-}
-
-/// Every RDMA device on this machine. No RDMA support at all (no kernel module, no
-/// `/sys/class/infiniband`) gives an empty list, not an error; [`no_device_hint`] says why.
-pub fn list_devices() -> Result<Vec<DeviceInfo>> {
-    Ok(match DeviceList::get()? {
-        Some(list) => list.devices().map(device_info).collect(),
-        None => Vec::new(),
-    })
-}
-
-/// One line that explains an empty [`list_devices`] to a user.
+/// One line that explains an empty [`list_devices`](crate::list_devices) to a user.
 pub fn no_device_hint() -> String {
     no_device_hint_for(Path::new(SYSFS_INFINIBAND))
 }
@@ -145,185 +61,95 @@ fn no_device_hint_for(sysfs: &Path) -> String {
 }
 
 /// An open device. Everything made from it holds an `Arc<Context>`, so it is closed last.
+///
+/// Every call below the objects of this crate goes through the context's [`Driver`]: rdma-core
+/// for a real device ([`Context::open`]), or any other implementation of the seam
+/// ([`Context::with_driver`]; `ibgda-emu` provides the emulated NIC's).
 pub struct Context {
-    ctx: NonNull<ffi::ibv_context>,
-    info: DeviceInfo,
-    /// `Ok` when opened through `mlx5dv_open_device` with DEVX, else why not.
-    devx: std::result::Result<(), String>,
+    driver: Box<dyn Driver>,
     general: OnceLock<Option<GeneralCaps>>,
 }
-
-// SAFETY: libibverbs and libmlx5 document every verb on a context as thread-safe; the pointer is
-// owned by this value and only freed in Drop, after every object holding an Arc to it is gone.
-unsafe impl Send for Context {}
-// SAFETY: as above; `&Context` only passes the pointer to thread-safe verbs.
-unsafe impl Sync for Context {}
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Context")
-            .field("device", &self.info.name)
-            .field("devx", &self.devx.is_ok())
+            .field("device", &self.name())
+            .field("driver", &self.driver.kind())
+            .field("devx", &self.has_devx())
             .finish()
     }
 }
 
 impl Context {
-    /// Opens device `name` (e.g. `mlx5_0`), with DEVX when it is an mlx5 device and the kernel
-    /// allows it. A device opened without DEVX still answers queries; DEVX objects then fail with
-    /// [`VerbsError::DevxUnavailable`].
+    /// Opens device `name` (e.g. `mlx5_0`) through rdma-core, with DEVX when it is an mlx5
+    /// device and the kernel allows it. A device opened without DEVX still answers queries;
+    /// DEVX objects then fail with [`VerbsError::DevxUnavailable`].
     pub fn open(name: &str) -> Result<Arc<Self>> {
-        let list = DeviceList::get()?;
-        let devices: Vec<_> = list
-            .as_ref()
-            .map(|l| l.devices().collect())
-            .unwrap_or_default();
-        let dev = devices
-            .iter()
-            .copied()
-            .find(|&d| device_name(d) == name)
-            .ok_or_else(|| VerbsError::NoSuchDevice {
-                name: name.to_string(),
-                found: devices.iter().map(|&d| device_name(d)).collect(),
-            })?;
-        Self::open_device(dev)
+        Ok(Self::with_driver(rdma_core::open_by_name(name)?))
     }
 
-    /// Opens the first mlx5 device, or the first device of any kind if none is mlx5.
+    /// Opens the first mlx5 device through rdma-core, or the first device of any kind if none is
+    /// mlx5.
     pub fn open_first() -> Result<Arc<Self>> {
-        let list = DeviceList::get()?;
-        let devices: Vec<_> = list
-            .as_ref()
-            .map(|l| l.devices().collect())
-            .unwrap_or_default();
-        let dev = devices
-            .iter()
-            .copied()
-            .find(|&d| device_info(d).mlx5)
-            .or_else(|| devices.first().copied())
-            .ok_or_else(|| VerbsError::NoSuchDevice {
-                name: "<any>".into(),
-                found: Vec::new(),
-            })?;
-        Self::open_device(dev)
+        Ok(Self::with_driver(rdma_core::open_first()?))
     }
 
-    fn open_device(dev: *mut ffi::ibv_device) -> Result<Arc<Self>> {
-        let info = device_info(dev);
-        let mut devx = Err(String::from("not an mlx5 device"));
-        let mut ctx = std::ptr::null_mut();
-        if info.mlx5 {
-            let mut attr = ffi::mlx5dv_context_attr {
-                flags: ffi::MLX5DV_CONTEXT_FLAGS_DEVX,
-                comp_mask: 0,
-            };
-            // SAFETY: `dev` is a live list entry and `attr` a valid attribute struct.
-            ctx = unsafe { ffi::mlx5dv_open_device(dev, &mut attr) };
-            if ctx.is_null() {
-                let e = VerbsError::last_os("mlx5dv_open_device(DEVX)");
-                tracing::warn!(device = %info.name, "DEVX unavailable: {e}");
-                devx = Err(e.to_string());
-            } else {
-                devx = Ok(());
-            }
-        }
-        if ctx.is_null() {
-            // SAFETY: `dev` is a live list entry.
-            ctx = unsafe { ffi::ibv_open_device(dev) };
-        }
-        let ctx = NonNull::new(ctx).ok_or_else(|| VerbsError::last_os("ibv_open_device"))?;
-        Ok(Arc::new(Self {
-            ctx,
-            info,
-            devx,
+    /// A context over an already opened device of any driver.
+    pub fn with_driver(driver: impl Driver + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            driver: Box::new(driver),
             general: OnceLock::new(),
-        }))
+        })
+    }
+
+    /// The driver every call goes through.
+    pub fn driver(&self) -> &dyn Driver {
+        &*self.driver
     }
 
     /// The device's name.
     pub fn name(&self) -> &str {
-        &self.info.name
+        &self.driver.info().name
     }
 
-    /// What libibverbs lists about the device.
+    /// What the device list says about the device.
     pub fn info(&self) -> &DeviceInfo {
-        &self.info
+        self.driver.info()
     }
 
     /// Whether DEVX objects can be created on this context.
     pub fn has_devx(&self) -> bool {
-        self.devx.is_ok()
+        self.driver.devx_unavailable().is_none()
     }
 
     /// Why DEVX is unavailable, if it is.
     pub fn devx_unavailable_reason(&self) -> Option<&str> {
-        self.devx.as_ref().err().map(String::as_str)
+        self.driver.devx_unavailable()
     }
 
     pub(crate) fn require_devx(&self) -> Result<()> {
-        match &self.devx {
-            Ok(()) => Ok(()),
-            Err(reason) => Err(VerbsError::DevxUnavailable {
-                device: self.info.name.clone(),
-                reason: reason.clone(),
+        match self.driver.devx_unavailable() {
+            None => Ok(()),
+            Some(reason) => Err(VerbsError::DevxUnavailable {
+                device: self.name().to_string(),
+                reason: reason.to_string(),
             }),
         }
     }
 
-    pub(crate) fn raw(&self) -> *mut ffi::ibv_context {
-        self.ctx.as_ptr()
-    }
-
     /// `ibv_query_device`: limits and firmware version.
     pub fn device_attrs(&self) -> Result<DeviceAttrs> {
-        // SAFETY: ibv_device_attr is plain data; zero is a valid bit pattern.
-        let mut a: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: the context is open and `a` is a valid out-pointer.
-        let rc = unsafe { ffi::ibv_query_device(self.raw(), &mut a) };
-        if rc != 0 {
-            return Err(crate::devx::rc_error("ibv_query_device", rc));
-        }
-        // SAFETY: fw_ver is a NUL-terminated array filled by the provider.
-        let fw = unsafe { CStr::from_ptr(a.fw_ver.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        Ok(DeviceAttrs {
-            fw_ver: fw,
-            node_guid: u64::from_be(a.node_guid),
-            vendor_id: a.vendor_id,
-            vendor_part_id: a.vendor_part_id,
-            hw_ver: a.hw_ver,
-            phys_port_cnt: a.phys_port_cnt,
-            max_qp: a.max_qp,
-            max_qp_wr: a.max_qp_wr,
-            max_cq: a.max_cq,
-            max_cqe: a.max_cqe,
-            max_mr: a.max_mr,
-            max_mr_size: a.max_mr_size,
-            max_pd: a.max_pd,
-            max_qp_rd_atom: a.max_qp_rd_atom,
-            max_qp_init_rd_atom: a.max_qp_init_rd_atom,
-            atomic_cap: AtomicCap::from_raw(a.atomic_cap),
-        })
+        self.driver.query_device()
     }
 
     /// `mlx5dv_query_device`: the direct-verbs view (CQE version, flags).
     pub fn dv_attrs(&self) -> Result<DvAttrs> {
-        if !self.info.mlx5 {
+        if !self.info().mlx5 {
             return Err(VerbsError::NotMlx5 {
-                device: self.info.name.clone(),
+                device: self.name().to_string(),
             });
         }
-        let mut dv = ffi::mlx5dv_context::default();
-        // SAFETY: the context is an mlx5 context and `dv` a valid out-pointer with comp_mask 0.
-        let rc = unsafe { ffi::mlx5dv_query_device(self.raw(), &mut dv) };
-        if rc != 0 {
-            return Err(crate::devx::rc_error("mlx5dv_query_device", rc));
-        }
-        Ok(DvAttrs {
-            cqe_version: u8::from(dv.flags & u64::from(ffi::MLX5DV_CONTEXT_FLAGS_CQE_V1) != 0),
-            flags: dv.flags,
-        })
+        self.driver.query_dv()
     }
 
     /// Reads one HCA capability page through DEVX (`QUERY_HCA_CAP`).
@@ -345,7 +171,7 @@ impl Context {
             .get_or_init(|| match self.query_hca_cap(HcaCap::General) {
                 Ok(page) => Some(GeneralCaps::parse(&page)),
                 Err(e) => {
-                    tracing::debug!(device = %self.info.name, "QUERY_HCA_CAP(general): {e}");
+                    tracing::debug!(device = %self.name(), "QUERY_HCA_CAP(general): {e}");
                     None
                 }
             })
@@ -379,114 +205,19 @@ impl Context {
 
     /// `ibv_query_port` for `port` (1-based).
     pub fn port(&self, port: u8) -> Result<PortInfo> {
-        // SAFETY: ibv_port_attr is plain data; zero is a valid bit pattern.
-        let mut a: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: the context is open and `a` is a valid out-pointer of the size passed.
-        let rc = unsafe { ffi::___ibv_query_port(self.raw(), port, &mut a) };
-        if rc != 0 {
-            return Err(crate::devx::rc_error("ibv_query_port", rc));
-        }
-        Ok(PortInfo {
-            port,
-            state: PortState::from_raw(a.state),
-            link_layer: LinkLayer::from_raw(a.link_layer),
-            lid: a.lid,
-            sm_lid: a.sm_lid,
-            active_mtu: a.active_mtu,
-            max_mtu: a.max_mtu,
-            gid_tbl_len: a.gid_tbl_len.max(0) as u32,
-            pkey_tbl_len: a.pkey_tbl_len,
-            active_width: a.active_width,
-            active_speed: a.active_speed,
-            phys_state: a.phys_state,
-        })
+        self.driver.query_port(port)
     }
 
     /// The non-empty GID table entries of `port`, with their types.
     pub fn gids(&self, port: u8) -> Result<Vec<GidEntry>> {
         let len = self.port(port)?.gid_tbl_len;
-        let mut out = Vec::new();
-        let mut typed = true;
-        for index in 0..len {
-            if typed {
-                let mut e = ffi::ibv_gid_entry {
-                    // SAFETY: ibv_gid is a plain 16-byte union; zero is valid.
-                    gid: unsafe { std::mem::zeroed() },
-                    gid_index: 0,
-                    port_num: 0,
-                    gid_type: 0,
-                    ndev_ifindex: 0,
-                };
-                // SAFETY: the context is open; `e` is a valid out-pointer of the size passed.
-                let rc = unsafe {
-                    ffi::_ibv_query_gid_ex(
-                        self.raw(),
-                        u32::from(port),
-                        index,
-                        &mut e,
-                        0,
-                        std::mem::size_of::<ffi::ibv_gid_entry>(),
-                    )
-                };
-                match rc.abs() {
-                    0 => {
-                        // SAFETY: both union views are 16 plain bytes.
-                        let raw = unsafe { e.gid.raw };
-                        if raw != [0; 16] {
-                            out.push(GidEntry {
-                                index,
-                                gid: raw,
-                                kind: GidType::from_raw(e.gid_type),
-                            });
-                        }
-                        continue;
-                    }
-                    // ENODATA / EINVAL: an empty or unusable slot.
-                    61 | 22 => continue,
-                    // Older kernels or libraries: fall back to the untyped query.
-                    _ => typed = false,
-                }
-            }
-            // SAFETY: ibv_gid is plain data.
-            let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
-            // SAFETY: the context is open and `gid` a valid out-pointer.
-            let rc = unsafe { ffi::ibv_query_gid(self.raw(), port, index as i32, &mut gid) };
-            if rc != 0 {
-                continue;
-            }
-            // SAFETY: both union views are 16 plain bytes.
-            let raw = unsafe { gid.raw };
-            if raw != [0; 16] {
-                out.push(GidEntry {
-                    index,
-                    gid: raw,
-                    kind: GidType::Unknown,
-                });
-            }
-        }
-        Ok(out)
+        self.driver.query_gids(port, len)
     }
 
     /// The EQ that completion events of CQs on `vector` go to (`mlx5dv_devx_query_eqn`).
     pub fn eqn(&self, vector: u32) -> Result<u32> {
         self.require_devx()?;
-        let mut eqn = 0u32;
-        // SAFETY: DEVX context, valid out-pointer.
-        let rc = unsafe { ffi::mlx5dv_devx_query_eqn(self.raw(), vector, &mut eqn) };
-        if rc != 0 {
-            return Err(crate::devx::rc_error("mlx5dv_devx_query_eqn", rc));
-        }
-        Ok(eqn)
-    }
-}
-
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: every object made from this context holds an Arc to it, so none is left.
-        let rc = unsafe { ffi::ibv_close_device(self.ctx.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(device = %self.info.name, "{}", crate::devx::rc_error("ibv_close_device", rc));
-        }
+        self.driver.query_eqn(vector)
     }
 }
 
@@ -539,7 +270,7 @@ pub enum AtomicCap {
 }
 
 impl AtomicCap {
-    fn from_raw(v: u32) -> Self {
+    pub(crate) fn from_raw(v: u32) -> Self {
         match v {
             1 => AtomicCap::Hca,
             2 => AtomicCap::Global,
@@ -592,7 +323,7 @@ pub enum PortState {
 }
 
 impl PortState {
-    fn from_raw(v: u32) -> Self {
+    pub(crate) fn from_raw(v: u32) -> Self {
         match v {
             1 => PortState::Down,
             2 => PortState::Init,
@@ -616,7 +347,7 @@ pub enum LinkLayer {
 }
 
 impl LinkLayer {
-    fn from_raw(v: u8) -> Self {
+    pub(crate) fn from_raw(v: u8) -> Self {
         match v {
             1 => LinkLayer::InfiniBand,
             2 => LinkLayer::Ethernet,
@@ -673,7 +404,7 @@ pub enum GidType {
 }
 
 impl GidType {
-    fn from_raw(v: u32) -> Self {
+    pub(crate) fn from_raw(v: u32) -> Self {
         match v {
             ffi::IBV_GID_TYPE_IB => GidType::Ib,
             ffi::IBV_GID_TYPE_ROCE_V1 => GidType::RoceV1,
@@ -730,6 +461,7 @@ pub fn preferred_roce_gid(gids: &[GidEntry]) -> Option<&GidEntry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::list_devices;
 
     #[test]
     fn listing_without_rdma_is_empty_not_an_error() {

@@ -105,8 +105,9 @@ impl VerbsError {
         )
     }
 
-    /// The error for C call `call` from an explicit error number (positive or negative).
-    pub(crate) fn from_errno(call: &'static str, errno: i32) -> Self {
+    /// The error for C call `call` from an explicit error number (positive or negative): what a
+    /// [`Driver`](crate::Driver) returns when the call it stands for fails.
+    pub fn from_errno(call: &'static str, errno: i32) -> Self {
         let errno = errno.abs();
         let text = if errno == 0 {
             "failed without setting errno".to_string()
@@ -116,9 +117,9 @@ impl VerbsError {
         VerbsError::Call { call, errno, text }
     }
 
-    /// A firmware refusal with the current `errno`.
-    pub(crate) fn firmware(source: CommandFailed) -> Self {
-        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    /// A firmware refusal, with the `errno` the DEVX call returned alongside it (0 if none).
+    pub(crate) fn firmware(source: CommandFailed, errno: i32) -> Self {
+        let errno = errno.abs();
         let text = strip_os_suffix(std::io::Error::from_raw_os_error(errno).to_string());
         VerbsError::Firmware {
             source,
@@ -133,6 +134,15 @@ impl VerbsError {
             VerbsError::Call { errno, .. } | VerbsError::Firmware { errno, .. } => Some(*errno),
             _ => None,
         }
+    }
+}
+
+/// The error for a C call that returned `rc` (`-1` with `errno`, `-errno`, or `errno`).
+pub(crate) fn rc_error(call: &'static str, rc: i32) -> VerbsError {
+    if rc == -1 {
+        VerbsError::last_os(call)
+    } else {
+        VerbsError::from_errno(call, rc)
     }
 }
 

@@ -9,6 +9,10 @@
 //!
 //! # Layers
 //!
+//! - [`Driver`]: the one seam every rdma-core / mlx5dv / DEVX call goes through (open and query,
+//!   PD, MR and umem registration, UAR allocation, DEVX objects with PRM command bytes in and
+//!   out). [`rdma_core`] implements it for a real ConnectX; `ibgda-emu`'s emulated firmware
+//!   implements it too, and [`Context::with_driver`] runs everything below on either.
 //! - [`prm`]: firmware command images (`CREATE_CQ`, `CREATE_QP`, the QP transitions,
 //!   `QUERY_HCA_CAP`) built with a big-endian bit-field writer to the mlx5 PRM offsets. Pure
 //!   data, tested byte by byte without hardware.
@@ -48,20 +52,24 @@ mod cq;
 pub mod cuda;
 mod device;
 mod devx;
+mod driver;
 mod error;
 mod ffi;
 mod mr;
 mod pd;
 pub mod prm;
 mod qp;
+pub mod rdma_core;
 mod uar;
 mod umem;
 
 pub use cq::{Cq, CqBuilder, CQE_SIZE, CQ_DBR_SIZE};
 pub use device::{
-    format_gid, list_devices, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context,
-    DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState,
-    SYSFS_INFINIBAND,
+    format_gid, no_device_hint, preferred_roce_gid, AtomicCap, Capabilities, Context, DeviceAttrs,
+    DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState, SYSFS_INFINIBAND,
+};
+pub use driver::{
+    AhRoute, DmaBufRange, Driver, DriverMr, DriverObj, DriverPd, DriverUar, DriverUmem, MemRange,
 };
 pub use error::{Result, VerbsError, PEER_MAPPING_HINT};
 pub use mr::{Access, GpuPath, MemoryKind, MemoryRegion};
@@ -71,5 +79,6 @@ pub use qp::{
     QpBuilder, QpState, Reset, Rtr, RtrAttrs, Rts, RtsAttrs, TransitionError, QP_DBR_SIZE,
     WQEBB_SIZE,
 };
+pub use rdma_core::list_devices;
 pub use uar::{GpuUarMapping, Uar, UarKind, DOORBELL_OFFSET, UAR_PAGE_SIZE};
 pub use umem::{Umem, UmemAt};

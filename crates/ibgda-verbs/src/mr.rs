@@ -2,16 +2,14 @@
 
 use std::fmt;
 use std::ops::BitOr;
-use std::os::fd::AsRawFd;
-use std::ptr::NonNull;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
 use crate::cuda;
-use crate::devx::rc_error;
+use crate::driver::{DmaBufRange, DriverMr, MemRange};
 use crate::error::{Result, VerbsError};
-use crate::ffi;
 use crate::pd::ProtectionDomain;
 
 /// Access rights of a registration (`enum ibv_access_flags`).
@@ -81,17 +79,13 @@ pub enum MemoryKind {
 
 /// A registered memory region. Holds its protection domain.
 pub struct MemoryRegion {
-    mr: NonNull<ffi::ibv_mr>,
+    // Declared first: deregistered before the PD is released.
+    mr: Box<dyn DriverMr>,
     kind: MemoryKind,
     addr: u64,
     len: usize,
     pd: Arc<ProtectionDomain>,
 }
-
-// SAFETY: an MR is a kernel handle; deregistration is the only operation and happens in Drop.
-unsafe impl Send for MemoryRegion {}
-// SAFETY: `&MemoryRegion` only reads the immutable keys.
-unsafe impl Sync for MemoryRegion {}
 
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -119,9 +113,14 @@ impl MemoryRegion {
         len: usize,
         access: Access,
     ) -> Result<Self> {
+        let mem = MemRange {
+            addr: ptr as u64,
+            len,
+            gpu: false,
+        };
+        let driver = pd.context().driver();
         // SAFETY: the caller guarantees the range is live for the region's lifetime.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.raw(), ptr.cast(), len, access.bits() as i32) };
-        let mr = NonNull::new(mr).ok_or_else(|| VerbsError::last_os("ibv_reg_mr"))?;
+        let mr = unsafe { driver.reg_mr(pd.handle(), mem, access)? };
         Ok(Self {
             mr,
             kind: MemoryKind::Host,
@@ -152,22 +151,27 @@ impl MemoryRegion {
         tracing::debug!(
             "dma-buf registration of {dptr:#x}+{len:#x} failed ({dma_buf_err}); trying peer memory"
         );
-        // SAFETY: the address is a device address, not host memory Rust could reference; the
+        let mem = MemRange {
+            addr: dptr,
+            len,
+            gpu: true,
+        };
+        let driver = pd.context().driver();
+        // SAFETY: the caller keeps the device allocation alive for the region's lifetime; the
         // kernel (nvidia-peermem) validates and pins it.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.raw(), dptr as *mut _, len, access.bits() as i32) };
-        match NonNull::new(mr) {
-            Some(mr) => Ok(Self {
+        match unsafe { driver.reg_mr(pd.handle(), mem, access) } {
+            Ok(mr) => Ok(Self {
                 mr,
                 kind: MemoryKind::Gpu(GpuPath::PeerMemory),
                 addr: dptr,
                 len,
                 pd: pd.clone(),
             }),
-            None => Err(VerbsError::GpuRegistration {
+            Err(peer_mem) => Err(VerbsError::GpuRegistration {
                 addr: dptr,
                 len,
                 dma_buf: dma_buf_err.to_string(),
-                peer_mem: VerbsError::last_os("ibv_reg_mr").to_string(),
+                peer_mem: peer_mem.to_string(),
             }),
         }
     }
@@ -180,19 +184,16 @@ impl MemoryRegion {
         access: Access,
     ) -> Result<Self> {
         let buf = cuda::export_dma_buf(cuda, dptr, len)?;
-        // SAFETY: `buf.fd` is a live dma-buf; offset/len lie inside it; iova = dptr so that work
-        // requests address the region by its GPU virtual address.
-        let mr = unsafe {
-            ffi::ibv_reg_dmabuf_mr(
-                pd.raw(),
-                buf.offset,
-                len,
-                dptr,
-                buf.fd.as_raw_fd(),
-                access.bits() as i32,
-            )
+        let range = DmaBufRange {
+            fd: buf.fd.as_fd(),
+            offset: buf.offset,
+            len,
+            iova: dptr,
         };
-        let mr = NonNull::new(mr).ok_or_else(|| VerbsError::last_os("ibv_reg_dmabuf_mr"))?;
+        let driver = pd.context().driver();
+        // SAFETY: `buf.fd` is a live dma-buf of an allocation the caller keeps alive; offset/len
+        // lie inside it; iova = dptr so work requests address the region by its GPU address.
+        let mr = unsafe { driver.reg_dmabuf_mr(pd.handle(), range, access)? };
         // The MR keeps its own reference to the dma-buf; `buf.fd` closes here.
         Ok(Self {
             mr,
@@ -205,14 +206,12 @@ impl MemoryRegion {
 
     /// The local key (for data segments this side posts).
     pub fn lkey(&self) -> u32 {
-        // SAFETY: the MR is live; lkey is set at registration and never changes.
-        unsafe { (*self.mr.as_ptr()).lkey }
+        self.mr.lkey()
     }
 
     /// The remote key (what peers put in their remote-address segments).
     pub fn rkey(&self) -> u32 {
-        // SAFETY: as `lkey`.
-        unsafe { (*self.mr.as_ptr()).rkey }
+        self.mr.rkey()
     }
 
     /// Start address (host pointer or GPU virtual address).
@@ -238,16 +237,6 @@ impl MemoryRegion {
     /// The protection domain.
     pub fn pd(&self) -> &Arc<ProtectionDomain> {
         &self.pd
-    }
-}
-
-impl Drop for MemoryRegion {
-    fn drop(&mut self) {
-        // SAFETY: the MR is live and deregistered once.
-        let rc = unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
-        if rc != 0 {
-            tracing::error!("{}", rc_error("ibv_dereg_mr", rc));
-        }
     }
 }
 

@@ -22,18 +22,17 @@
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::marker::PhantomData;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::cq::Cq;
 use crate::device::{GidEntry, LinkLayer, PortInfo};
-use crate::devx::{rc_error, DevxObj};
+use crate::devx::DevxObj;
+use crate::driver::AhRoute;
 use crate::error::{Result, VerbsError};
-use crate::ffi;
 use crate::pd::ProtectionDomain;
 use crate::prm::{
-    parse_create_qp_out, parse_modify_qp_out, AddressPath, CreateQp, Grh, Init2Rtr, Mtu,
-    RemoteAccess, RqSpec, Rst2Init, Rtr2Rts, TsFormat,
+    parse_create_qp_out, parse_modify_qp_out, parse_query_qp_out, AddressPath, CreateQp, Grh,
+    Init2Rtr, Mtu, QpContext, QueryQp, RemoteAccess, RqSpec, Rst2Init, Rtr2Rts, TsFormat,
 };
 use crate::uar::Uar;
 use crate::umem::UmemAt;
@@ -197,7 +196,7 @@ impl QpBuilder {
         .ts_format(ts)
         .build()?;
         let (obj, out) = DevxObj::create(&ctx, "CREATE_QP", &cmd, CreateQp::OUT_LEN)?;
-        let qpn = parse_create_qp_out(&out).map_err(VerbsError::firmware)?;
+        let qpn = parse_create_qp_out(&out).map_err(|f| VerbsError::firmware(f, 0))?;
         tracing::debug!(device = %ctx.name(), qpn, "created RC QP");
         Ok(Qp {
             inner: Box::new(QpInner {
@@ -349,6 +348,17 @@ impl<S: QpState> Qp<S> {
         &self.inner.pd
     }
 
+    /// The QP's context as firmware holds it (`QUERY_QP`): state, peer, PSNs, MTU, rights, and
+    /// how far the NIC has read the send queue.
+    pub fn query(&self) -> Result<QpContext> {
+        let out = self.inner.obj.query(
+            "QUERY_QP",
+            &QueryQp::new(self.inner.qpn).build(),
+            QueryQp::OUT_LEN,
+        )?;
+        parse_query_qp_out(&out).map_err(|f| VerbsError::firmware(f, 0))
+    }
+
     /// What to tell the peer so it can connect to this QP.
     pub fn connect_info(&self, port: &PortInfo, gid: Option<&GidEntry>, psn: u32) -> ConnectInfo {
         ConnectInfo {
@@ -366,7 +376,9 @@ impl<S: QpState> Qp<S> {
     ) -> Result<Qp<N>, TransitionError<S>> {
         let result = image
             .and_then(|img| self.inner.obj.modify(command, &img, Rst2Init::OUT_LEN))
-            .and_then(|out| parse_modify_qp_out(command, &out).map_err(VerbsError::firmware));
+            .and_then(|out| {
+                parse_modify_qp_out(command, &out).map_err(|f| VerbsError::firmware(f, 0))
+            });
         match result {
             Ok(()) => {
                 tracing::debug!(qpn = self.inner.qpn, "{} -> {}", S::NAME, N::NAME);
@@ -684,49 +696,13 @@ pub fn resolve_roce_mac(
     dgid: &[u8; 16],
     hop_limit: u8,
 ) -> Result<[u8; 6]> {
-    let attr = ffi::ibv_ah_attr {
-        grh: ffi::ibv_global_route {
-            dgid: ffi::ibv_gid { raw: *dgid },
-            flow_label: 0,
-            sgid_index,
-            hop_limit,
-            traffic_class: 0,
-        },
-        dlid: 0,
-        sl: 0,
-        src_path_bits: 0,
-        static_rate: 0,
-        is_global: 1,
-        port_num: port,
+    let route = AhRoute {
+        port,
+        sgid_index,
+        dgid: *dgid,
+        hop_limit,
     };
-    let mut attr = attr;
-    // SAFETY: live PD; `attr` is a fully initialised ibv_ah_attr.
-    let ah = unsafe { ffi::ibv_create_ah(pd.raw(), &mut attr) };
-    let ah = NonNull::new(ah).ok_or_else(|| VerbsError::last_os("ibv_create_ah"))?;
-    struct Ah(NonNull<ffi::ibv_ah>);
-    impl Drop for Ah {
-        fn drop(&mut self) {
-            // SAFETY: created above, destroyed once.
-            unsafe { ffi::ibv_destroy_ah(self.0.as_ptr()) };
-        }
-    }
-    let ah = Ah(ah);
-    let mut dv_ah = ffi::mlx5dv_ah::default();
-    let mut obj = ffi::mlx5dv_obj::default();
-    obj.ah.in_ = ah.0.as_ptr();
-    obj.ah.out = &mut dv_ah;
-    // SAFETY: `obj` names a live AH of an mlx5 context and a valid output struct.
-    let rc = unsafe { ffi::mlx5dv_init_obj(&mut obj, u64::from(ffi::MLX5DV_OBJ_AH)) };
-    if rc != 0 {
-        return Err(rc_error("mlx5dv_init_obj(AH)", rc));
-    }
-    if dv_ah.av.is_null() {
-        return Err(VerbsError::Invalid(
-            "mlx5dv_init_obj(AH) returned no address vector".into(),
-        ));
-    }
-    // SAFETY: the address vector lives inside the AH, which is alive until `ah` drops.
-    Ok(unsafe { (*dv_ah.av).rmac })
+    pd.context().driver().roce_next_hop_mac(pd.handle(), &route)
 }
 
 #[cfg(test)]

@@ -1,15 +1,14 @@
 //! DEVX UARs (the NIC's doorbell pages) and their mapping into the GPU.
 
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
 use crate::cuda;
 use crate::device::Context;
+use crate::driver::DriverUar;
 use crate::error::{Result, VerbsError};
-use crate::ffi;
 
 /// Size of a UAR page as mapped into the process.
 pub const UAR_PAGE_SIZE: usize = 4096;
@@ -30,31 +29,17 @@ pub enum UarKind {
 }
 
 impl UarKind {
-    const fn alloc_flag(self) -> u32 {
-        match self {
-            UarKind::NcDedicated => ffi::MLX5DV_UAR_ALLOC_TYPE_NC_DEDICATED,
-            UarKind::Nc => ffi::MLX5DV_UAR_ALLOC_TYPE_NC,
-            UarKind::Bf => ffi::MLX5DV_UAR_ALLOC_TYPE_BF,
-        }
-    }
-
     /// The order of preference.
     pub const PREFERENCE: [UarKind; 3] = [UarKind::NcDedicated, UarKind::Nc, UarKind::Bf];
 }
 
 /// A DEVX UAR. CQs and QPs that ring through it hold an `Arc` of it.
 pub struct Uar {
-    uar: NonNull<ffi::mlx5dv_devx_uar>,
+    // Declared first: freed before the context is released.
+    uar: Box<dyn DriverUar>,
     kind: UarKind,
     ctx: Arc<Context>,
 }
-
-// SAFETY: the UAR is a kernel object plus an mmapped page owned by this value; the page is only
-// written through `ring_doorbell` (single 64-bit volatile stores, which the NIC accepts from any
-// thread) and freed in Drop.
-unsafe impl Send for Uar {}
-// SAFETY: as above.
-unsafe impl Sync for Uar {}
 
 impl fmt::Debug for Uar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -87,9 +72,7 @@ impl Uar {
     /// Allocates a UAR of exactly `kind`.
     pub fn alloc_kind(ctx: &Arc<Context>, kind: UarKind) -> Result<Arc<Self>> {
         ctx.require_devx()?;
-        // SAFETY: DEVX context; the flag is one of the documented allocation types.
-        let uar = unsafe { ffi::mlx5dv_devx_alloc_uar(ctx.raw(), kind.alloc_flag()) };
-        let uar = NonNull::new(uar).ok_or_else(|| VerbsError::last_os("mlx5dv_devx_alloc_uar"))?;
+        let uar = ctx.driver().alloc_uar(kind)?;
         Ok(Arc::new(Self {
             uar,
             kind,
@@ -104,20 +87,17 @@ impl Uar {
 
     /// The UAR page index that CQ and QP contexts name (`uar_page`).
     pub fn page_id(&self) -> u32 {
-        // SAFETY: the UAR is live; page_id is set at allocation.
-        unsafe { (*self.uar.as_ptr()).page_id }
+        self.uar.page_id()
     }
 
     /// CPU address of the doorbell register (UAR + 0x800), mapped into this process.
     pub fn register_ptr(&self) -> *mut u8 {
-        // SAFETY: the UAR is live; reg_addr is set at allocation.
-        unsafe { (*self.uar.as_ptr()).reg_addr.cast() }
+        self.uar.register_ptr()
     }
 
     /// CPU address of the start of the UAR page.
     pub fn page_ptr(&self) -> *mut u8 {
-        // SAFETY: the UAR is live.
-        let base: *mut u8 = unsafe { (*self.uar.as_ptr()).base_addr.cast() };
+        let base = self.uar.page_ptr();
         if base.is_null() {
             ((self.register_ptr() as usize) & !(UAR_PAGE_SIZE - 1)) as *mut u8
         } else {
@@ -149,14 +129,26 @@ impl Uar {
     ///
     /// Fails with [`VerbsError::GpuDoorbellMappingNotPermitted`] when the NVIDIA driver does not
     /// allow it (no `PeerMappingOverride=1`); the CPU NIC-handler modes are the way out.
+    ///
+    /// A page its driver has mapped for the GPUs already (the emulated NIC's) is used as it is.
     pub fn map_into_gpu(self: &Arc<Self>, cuda: &Arc<CudaContext>) -> Result<GpuUarMapping> {
         let page = self.page_ptr();
+        if let Some(device_page) = self.uar.gpu_page() {
+            return Ok(GpuUarMapping {
+                device_page,
+                host_page: page,
+                registered: false,
+                uar: self.clone(),
+                cuda: cuda.clone(),
+            });
+        }
         // SAFETY: the page is the UAR's live, page-aligned mapping; the returned mapping holds
         // the Arc<Uar> and unregisters before the UAR can be freed.
         let device_page = unsafe { cuda::register_io_memory(cuda, page, UAR_PAGE_SIZE)? };
         Ok(GpuUarMapping {
             device_page,
             host_page: page,
+            registered: true,
             uar: self.clone(),
             cuda: cuda.clone(),
         })
@@ -168,17 +160,12 @@ impl Uar {
     }
 }
 
-impl Drop for Uar {
-    fn drop(&mut self) {
-        // SAFETY: every CQ/QP/GPU mapping using the page holds an Arc and is gone.
-        unsafe { ffi::mlx5dv_devx_free_uar(self.uar.as_ptr()) }
-    }
-}
-
 /// A UAR page mapped into a GPU's address space. Unmapped on drop, before the UAR is freed.
 pub struct GpuUarMapping {
     device_page: u64,
     host_page: *mut u8,
+    /// Registered by `map_into_gpu` (and so unregistered on drop), not mapped by the driver.
+    registered: bool,
     uar: Arc<Uar>,
     cuda: Arc<CudaContext>,
 }
@@ -216,6 +203,9 @@ impl GpuUarMapping {
 
 impl Drop for GpuUarMapping {
     fn drop(&mut self) {
+        if !self.registered {
+            return;
+        }
         // SAFETY: the page was registered by `map_into_gpu`; the owner guarantees no kernel still
         // rings through it (it dropped the mapping).
         if let Err(e) = unsafe { cuda::unregister_io_memory(&self.cuda, self.host_page) } {

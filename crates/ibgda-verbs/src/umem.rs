@@ -2,35 +2,27 @@
 //! doorbell records) live in.
 
 use std::fmt;
-use std::os::fd::AsRawFd;
-use std::ptr::NonNull;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
 use crate::cuda;
 use crate::device::Context;
+use crate::driver::{DmaBufRange, DriverUmem, MemRange};
 use crate::error::{Result, VerbsError};
-use crate::ffi;
 use crate::mr::{Access, GpuPath, MemoryKind};
 use crate::prm::UmemRef;
 
-/// Page sizes the NIC may use to map a umem: every power of two from 4 KiB up.
-const PGSZ_BITMAP: u64 = !0xfff;
-
 /// A registered umem. CQs and QPs whose rings or doorbell records live in it hold an `Arc`.
 pub struct Umem {
-    umem: NonNull<ffi::mlx5dv_devx_umem>,
+    // Declared first: deregistered before the context is released.
+    umem: Box<dyn DriverUmem>,
     addr: u64,
     len: usize,
     kind: MemoryKind,
     ctx: Arc<Context>,
 }
-
-// SAFETY: a umem is a kernel handle; deregistration in Drop is the only operation on it.
-unsafe impl Send for Umem {}
-// SAFETY: `&Umem` only reads immutable fields.
-unsafe impl Sync for Umem {}
 
 impl fmt::Debug for Umem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -56,9 +48,13 @@ impl Umem {
         access: Access,
     ) -> Result<Arc<Self>> {
         ctx.require_devx()?;
-        // SAFETY: DEVX context; the caller guarantees the range.
-        let umem = unsafe { ffi::mlx5dv_devx_umem_reg(ctx.raw(), ptr.cast(), len, access.bits()) };
-        let umem = NonNull::new(umem).ok_or_else(|| VerbsError::last_os("mlx5dv_devx_umem_reg"))?;
+        let mem = MemRange {
+            addr: ptr as u64,
+            len,
+            gpu: false,
+        };
+        // SAFETY: the caller guarantees the range for the umem's lifetime.
+        let umem = unsafe { ctx.driver().reg_umem(mem, access)? };
         Ok(Arc::new(Self {
             umem,
             addr: ptr as u64,
@@ -92,22 +88,25 @@ impl Umem {
         tracing::debug!(
             "dma-buf umem of {dptr:#x}+{len:#x} failed ({dma_buf_err}); trying peer memory"
         );
-        // SAFETY: a device address, not host memory; the kernel validates and pins it.
-        let umem =
-            unsafe { ffi::mlx5dv_devx_umem_reg(ctx.raw(), dptr as *mut _, len, access.bits()) };
-        match NonNull::new(umem) {
-            Some(umem) => Ok(Arc::new(Self {
+        let mem = MemRange {
+            addr: dptr,
+            len,
+            gpu: true,
+        };
+        // SAFETY: a device address the caller keeps allocated; the kernel validates and pins it.
+        match unsafe { ctx.driver().reg_umem(mem, access) } {
+            Ok(umem) => Ok(Arc::new(Self {
                 umem,
                 addr: dptr,
                 len,
                 kind: MemoryKind::Gpu(GpuPath::PeerMemory),
                 ctx: ctx.clone(),
             })),
-            None => Err(VerbsError::GpuRegistration {
+            Err(peer_mem) => Err(VerbsError::GpuRegistration {
                 addr: dptr,
                 len,
                 dma_buf: dma_buf_err.to_string(),
-                peer_mem: VerbsError::last_os("mlx5dv_devx_umem_reg").to_string(),
+                peer_mem: peer_mem.to_string(),
             }),
         }
     }
@@ -120,19 +119,15 @@ impl Umem {
         access: Access,
     ) -> Result<Arc<Self>> {
         let buf = cuda::export_dma_buf(cuda, dptr, len)?;
-        // With a dma-buf the kernel reads `addr` as the offset into the buffer.
-        let mut input = ffi::mlx5dv_devx_umem_in {
-            addr: buf.offset as *mut _,
-            size: len,
-            access: access.bits(),
-            pgsz_bitmap: PGSZ_BITMAP,
-            comp_mask: u64::from(ffi::MLX5DV_UMEM_MASK_DMABUF),
-            dmabuf_fd: buf.fd.as_raw_fd(),
+        let range = DmaBufRange {
+            fd: buf.fd.as_fd(),
+            offset: buf.offset,
+            len,
+            iova: dptr,
         };
-        // SAFETY: DEVX context; `input` names a live dma-buf and a range inside it.
-        let umem = unsafe { ffi::mlx5dv_devx_umem_reg_ex(ctx.raw(), &mut input) };
-        let umem = NonNull::new(umem)
-            .ok_or_else(|| VerbsError::last_os("mlx5dv_devx_umem_reg_ex(dma-buf)"))?;
+        // SAFETY: DEVX context; `range` names a live dma-buf of an allocation the caller keeps
+        // alive, and a range inside it.
+        let umem = unsafe { ctx.driver().reg_dmabuf_umem(range, access)? };
         Ok(Arc::new(Self {
             umem,
             addr: dptr,
@@ -144,8 +139,7 @@ impl Umem {
 
     /// The umem id firmware commands name.
     pub fn id(&self) -> u32 {
-        // SAFETY: the umem is live; umem_id is set at registration.
-        unsafe { (*self.umem.as_ptr()).umem_id }
+        self.umem.id()
     }
 
     /// Start address (host pointer or GPU virtual address).
@@ -179,16 +173,6 @@ impl Umem {
     /// The device context.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
-    }
-}
-
-impl Drop for Umem {
-    fn drop(&mut self) {
-        // SAFETY: every CQ/QP placed in this umem holds an Arc and is gone.
-        let rc = unsafe { ffi::mlx5dv_devx_umem_dereg(self.umem.as_ptr()) };
-        if rc != 0 {
-            tracing::error!("{}", crate::devx::rc_error("mlx5dv_devx_umem_dereg", rc));
-        }
     }
 }
 

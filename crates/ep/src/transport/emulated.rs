@@ -31,7 +31,9 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use ibgda_device::cuda::DeviceBuffer;
-use ibgda_device::protocol::{check_record, select, HandlerChoice, HandlerProbe, HostQp};
+use ibgda_device::protocol::{
+    check_record, select, HandlerChoice, HandlerProbe, HostQp, ModePlan, NicImpl, SlotPlacement,
+};
 use ibgda_device::proxy::{ProducerSlot, Proxy, ProxyConfig, ProxyQp, ProxyReport};
 use ibgda_device::qp_desc::{ErrorRecord, NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
 use ibgda_emu::{
@@ -573,10 +575,9 @@ impl QpGroup {
             )));
         }
         let mode = cfg.handler;
-        if mode == NicHandler::Cpu {
-            // Say what is missing before allocating anything.
-            select(HandlerChoice::Cpu, &me.probe())?;
-        }
+        let plan = ModePlan::new(mode, NicImpl::Emulated);
+        // Say what is missing before allocating anything.
+        plan.check(&me.probe())?;
         let (nwqes, ncqes) = (cfg.nwqes, cfg.nwqes);
         let ring_bytes = nwqes as usize * 64;
         let cq_bytes = ncqes as usize * 64;
@@ -593,7 +594,7 @@ impl QpGroup {
             }
             _ => None,
         };
-        let gdr = if mode == NicHandler::Cpu {
+        let gdr = if plan.producer_slot == Some(SlotPlacement::GpuViaGdrCopy) {
             let ctx = me
                 .ctx
                 .as_ref()
@@ -622,7 +623,7 @@ impl QpGroup {
             _gdr: gdr.as_ref().map(|(_, g)| g.clone()),
         };
 
-        let wants_uar = mode == NicHandler::Gpu || cfg.proxy_doorbell == ProxyDoorbell::UarPage;
+        let wants_uar = plan.uar_in_gpu || cfg.proxy_doorbell == ProxyDoorbell::UarPage;
         let mut descs = Vec::with_capacity(n);
         let mut uars = Vec::with_capacity(n);
         for (i, peer_qp) in remote.iter().enumerate() {
@@ -662,7 +663,7 @@ impl QpGroup {
             let d = QpDesc {
                 wq_base: sq_dev,
                 dbr: host_dev + layout.dbr[i] as u64,
-                db_reg: if mode == NicHandler::Gpu {
+                db_reg: if plan.uar_in_gpu {
                     handle
                         .uar
                         .and_then(|u| u.bf_reg_device.or((me.ctx.is_none()).then_some(u.bf_reg)))
@@ -674,7 +675,11 @@ impl QpGroup {
                 } else {
                     0
                 },
-                producer_slot: if mode.uses_proxy() { slot_dev } else { 0 },
+                producer_slot: if plan.producer_slot.is_some() {
+                    slot_dev
+                } else {
+                    0
+                },
                 nwqes,
                 qpn: handle.qpn,
                 handler_mode: mode as u32,
@@ -718,7 +723,7 @@ impl QpGroup {
             }
         }
 
-        if mode.uses_proxy() {
+        if plan.proxy {
             let mut pqs = Vec::with_capacity(n);
             for (i, &qpn) in group.qpns.iter().enumerate() {
                 let slot_cpu = match &gdr {
@@ -840,8 +845,9 @@ impl QpGroup {
 
     /// CPU address of QP `i`'s producer slot (pinned host memory; `None` in other modes).
     pub fn producer_slot_cpu(&self, i: usize) -> Option<u64> {
-        (self.mode == NicHandler::CpuHostMemory)
-            .then(|| self.host.addr() + (self.layout.slots + 8 * i) as u64)
+        (ModePlan::new(self.mode, NicImpl::Emulated).producer_slot
+            == Some(SlotPlacement::PinnedHost))
+        .then(|| self.host.addr() + (self.layout.slots + 8 * i) as u64)
     }
 
     /// The error record as it is now.

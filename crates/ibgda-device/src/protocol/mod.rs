@@ -1,5 +1,6 @@
 //! The submit/quiet protocol, host side: the status codes and failure reports of the device
-//! code in `include/ibgda/protocol.cuh`, the choice of NIC-handler mode, and [`HostQp`], the same
+//! code in `include/ibgda/protocol.cuh`, the choice of NIC-handler mode and what it means for
+//! every QP ([`ModePlan`]), and [`HostQp`], the same
 //! protocol in Rust over host memory (the CPU model CI runs, and the reference the device code
 //! follows).
 //!
@@ -17,6 +18,7 @@
 
 mod handler;
 mod host;
+mod plan;
 mod status;
 
 #[cfg(test)]
@@ -26,6 +28,7 @@ pub use handler::{
     select, HandlerChoice, HandlerProbe, HandlerUnavailable, UnknownHandler, HANDLER_ENV,
 };
 pub use host::{HostQp, Step, Ticket};
+pub use plan::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};
 pub use status::{
     check_record, describe_kind, DeviceFailure, Stopped, DEFAULT_TIMEOUT_NS, ERROR_INVALID_DESC,
     MAX_NWQES, STATUS_ABORTED, STATUS_OK,

@@ -28,8 +28,9 @@ impl<F: FnMut(u64) + Send> Doorbell for F {
 /// A real mlx5 QP's doorbell as the CPU rings it: the doorbell record (host memory in the CPU
 /// modes) and the BlueFlame register at `UAR + 0x800` mapped into this process.
 ///
-/// Never run on this project's machines (they have no NIC); kept as the documented path the
-/// proxy takes on real hardware, built from the same wire helpers as the GPU path.
+/// Never run on a real NIC on this project's machines (they have none); CI runs it against the
+/// emulated NIC's UAR page through the verbs driver seam (`ibgda-emu`'s `verbs_on_emu` test).
+/// Built from the same wire helpers as the GPU path.
 #[derive(Debug)]
 pub struct Mlx5UarDoorbell {
     dbr: NonNull<DoorbellRecord>,

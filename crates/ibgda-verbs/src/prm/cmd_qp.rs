@@ -4,7 +4,9 @@
 use super::bits::{BitReader, BitWriter, PrmError};
 use super::cmd_cq::UmemRef;
 use super::cmd_hca::{AtomicMode, TsFormat};
-use super::layout::{ads, cmd_in, cmd_out, create_qp_in, create_qp_out, modify_qp_in, opcode, qpc};
+use super::layout::{
+    ads, cmd_in, cmd_out, create_qp_in, create_qp_out, modify_qp_in, opcode, qpc, query_qp,
+};
 use super::status::{check_output, CommandFailed};
 
 /// `MLX5_QPC_ST_RC`.
@@ -512,6 +514,119 @@ impl Rtr2Rts {
     }
 }
 
+/// `QUERY_QP` (opcode 0x50b): the QP's context as firmware holds it.
+///
+/// ```
+/// use ibgda_verbs::prm::QueryQp;
+/// let image = QueryQp::new(0x12_3456).build();
+/// assert_eq!(image, [0x05, 0x0b, 0, 0, 0, 0, 0, 0, 0, 0x12, 0x34, 0x56, 0, 0, 0, 0]);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryQp {
+    qpn: u32,
+}
+
+impl QueryQp {
+    /// Length of the output buffer the command needs.
+    pub const OUT_LEN: usize = query_qp::OUT_BYTES;
+
+    /// Queries QP `qpn` (24 bits; higher bits are dropped).
+    pub const fn new(qpn: u32) -> Self {
+        Self {
+            qpn: qpn & 0xff_ffff,
+        }
+    }
+
+    /// The command image.
+    pub fn build(&self) -> Vec<u8> {
+        let mut w = BitWriter::new(query_qp::IN_BYTES);
+        // Both values fit their fields by construction.
+        w.put(cmd_in::OPCODE, u64::from(opcode::QUERY_QP))
+            .and_then(|w| w.put(query_qp::QPN, u64::from(self.qpn)))
+            .expect("QUERY_QP fields fit");
+        w.finish()
+    }
+}
+
+/// A QP's state as `QUERY_QP` reports it (`enum mlx5_qp_state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirmwareQpState {
+    /// RESET (0).
+    Reset,
+    /// INIT (1).
+    Init,
+    /// RTR (2).
+    Rtr,
+    /// RTS (3).
+    Rts,
+    /// Send queue error (4).
+    SqError,
+    /// Send queue drained (5).
+    SqDrained,
+    /// ERROR (6).
+    Error,
+    /// Another code.
+    Other(u8),
+}
+
+impl FirmwareQpState {
+    const fn from_code(code: u8) -> Self {
+        match code {
+            0 => Self::Reset,
+            1 => Self::Init,
+            2 => Self::Rtr,
+            3 => Self::Rts,
+            4 => Self::SqError,
+            5 => Self::SqDrained,
+            6 => Self::Error,
+            c => Self::Other(c),
+        }
+    }
+}
+
+/// The fields of a `QUERY_QP` output this crate reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpContext {
+    /// `qpc.state`.
+    pub state: FirmwareQpState,
+    /// `qpc.remote_qpn`.
+    pub remote_qpn: u32,
+    /// `qpc.next_send_psn`.
+    pub next_send_psn: u32,
+    /// `qpc.next_rcv_psn`.
+    pub next_rcv_psn: u32,
+    /// `qpc.mtu`.
+    pub mtu: Option<Mtu>,
+    /// `qpc.cqn_snd`.
+    pub send_cqn: u32,
+    /// Remote read, write and atomic rights (`qpc.rre`, `rwe`, `rae`).
+    pub remote_access: (bool, bool, bool),
+    /// `qpc.hw_sq_wqebb_counter`: send WQEBBs the NIC has consumed, modulo 2^16.
+    pub hw_sq_wqebb_counter: u16,
+}
+
+/// The context from a `QUERY_QP` output, or firmware's refusal.
+pub fn parse_query_qp_out(out: &[u8]) -> Result<QpContext, CommandFailed> {
+    check_output("QUERY_QP", out)?;
+    let r = BitReader::new(out);
+    let q = query_qp::QPC;
+    let g = |f: super::bits::Field| r.get(f.at(q));
+    Ok(QpContext {
+        state: FirmwareQpState::from_code(g(qpc::STATE) as u8),
+        remote_qpn: g(qpc::REMOTE_QPN) as u32,
+        next_send_psn: g(qpc::NEXT_SEND_PSN) as u32,
+        next_rcv_psn: g(qpc::NEXT_RCV_PSN) as u32,
+        mtu: Mtu::from_code(g(qpc::MTU) as u32),
+        send_cqn: g(qpc::CQN_SND) as u32,
+        remote_access: (
+            r.flag(qpc::RRE.at(q)),
+            r.flag(qpc::RWE.at(q)),
+            r.flag(qpc::RAE.at(q)),
+        ),
+        hw_sq_wqebb_counter: g(qpc::HW_SQ_WQEBB_COUNTER) as u16,
+    })
+}
+
 /// Checks the output of a QP state transition.
 pub fn parse_modify_qp_out(command: &'static str, out: &[u8]) -> Result<(), CommandFailed> {
     check_output(command, out)
@@ -753,6 +868,40 @@ mod tests {
         out[0] = 0x10;
         let e = parse_modify_qp_out("INIT2RTR_QP", &out).unwrap_err();
         assert!(e.to_string().contains("bad QP state"));
+    }
+
+    #[test]
+    fn query_qp_image_and_output() {
+        assert_eq!(
+            QueryQp::new(0x0a_0b0c).build(),
+            [0x05, 0x0b, 0, 0, 0, 0, 0, 0, 0, 0x0a, 0x0b, 0x0c, 0, 0, 0, 0]
+        );
+        // An output written byte by byte at the qpc offsets (qpc at byte 0x18).
+        let mut out = vec![0u8; QueryQp::OUT_LEN];
+        out[0x18] = 0x30; // state RTS in the top nibble
+        out[0x18 + 8] = 5 << 5; // mtu 4096 in the top 3 bits of dword 2
+        out[0x18 + 0x15..0x18 + 0x18].copy_from_slice(&[0x01, 0x02, 0x03]); // remote_qpn
+        out[0x18 + 0x79..0x18 + 0x7c].copy_from_slice(&[0x00, 0x11, 0x22]); // next_send_psn
+        out[0x18 + 0x7d..0x18 + 0x80].copy_from_slice(&[0x00, 0x04, 0x01]); // cqn_snd
+        out[0x18 + 0x92] = 0x60; // rwe, rae
+        out[0x18 + 0x95..0x18 + 0x98].copy_from_slice(&[0x00, 0x33, 0x44]); // next_rcv_psn
+        out[0x18 + 0xb4..0x18 + 0xb6].copy_from_slice(&[0x01, 0x00]); // hw_sq_wqebb_counter
+        let c = parse_query_qp_out(&out).unwrap();
+        assert_eq!(
+            c,
+            QpContext {
+                state: FirmwareQpState::Rts,
+                remote_qpn: 0x01_0203,
+                next_send_psn: 0x1122,
+                next_rcv_psn: 0x3344,
+                mtu: Some(Mtu::Mtu4096),
+                send_cqn: 0x401,
+                remote_access: (false, true, true),
+                hw_sq_wqebb_counter: 0x100,
+            }
+        );
+        out[0] = 0x10;
+        assert_eq!(parse_query_qp_out(&out).unwrap_err().status, 0x10);
     }
 
     #[test]

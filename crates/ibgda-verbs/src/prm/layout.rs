@@ -25,6 +25,8 @@ pub mod opcode {
     pub const INIT2RTR_QP: u16 = 0x503;
     /// `MLX5_CMD_OP_RTR2RTS_QP`.
     pub const RTR2RTS_QP: u16 = 0x504;
+    /// `MLX5_CMD_OP_QUERY_QP`.
+    pub const QUERY_QP: u16 = 0x50b;
 }
 
 /// The header every `*_in` command starts with (`opcode`, `uid`, `op_mod`).
@@ -326,6 +328,8 @@ pub mod qpc {
     pub const SIZE_BITS: u32 = 0x740;
     /// `qpc.st`: service type (`MLX5_QPC_ST_RC` = 0).
     pub const ST: Field = Field::new("qpc.st", 0x08, 8);
+    /// `qpc.state` (`enum mlx5_qp_state`; what `QUERY_QP` reports).
+    pub const STATE: Field = Field::new("qpc.state", 0x00, 4);
     /// `qpc.pm_state`: path migration state (`MLX5_QPC_PM_STATE_MIGRATED` = 3).
     pub const PM_STATE: Field = Field::new("qpc.pm_state", 0x13, 2);
     /// `qpc.pd`: the protection domain number.
@@ -386,6 +390,8 @@ pub mod qpc {
     pub const DBR_ADDR: Field = Field::new("qpc.dbr_addr", 0x500, 64);
     /// `qpc.rq_type` (0 regular, 3 = `MLX5_ZERO_LEN_RQ`).
     pub const RQ_TYPE: Field = Field::new("qpc.rq_type", 0x565, 3);
+    /// `qpc.hw_sq_wqebb_counter`: the send WQEBBs the NIC has consumed (16 bits).
+    pub const HW_SQ_WQEBB_COUNTER: Field = Field::new("qpc.hw_sq_wqebb_counter", 0x5a0, 16);
     /// `qpc.dbr_umem_valid`.
     pub const DBR_UMEM_VALID: Field = Field::new("qpc.dbr_umem_valid", 0x683, 1);
     /// `qpc.dbr_umem_id`: bits 0x720..0x740, inside the kernel's `reserved_at_684`, named
@@ -394,6 +400,7 @@ pub mod qpc {
 
     /// Every field above.
     pub const ALL: &[Field] = &[
+        STATE,
         ST,
         PM_STATE,
         PD,
@@ -424,6 +431,7 @@ pub mod qpc {
         CQN_RCV,
         DBR_ADDR,
         RQ_TYPE,
+        HW_SQ_WQEBB_COUNTER,
         DBR_UMEM_VALID,
         DBR_UMEM_ID,
     ];
@@ -467,6 +475,20 @@ pub mod modify_qp_in {
     pub const ECE: Field = Field::new("modify_qp_in.ece", 0xa0, 32);
     /// `<transition>_qp_in.qpc` starts here.
     pub const QPC: u32 = 0xc0;
+}
+
+/// `struct mlx5_ifc_query_qp_in_bits` (0x80 bits) and `query_qp_out_bits`.
+pub mod query_qp {
+    use super::Field;
+    /// Size of the input in bytes.
+    pub const IN_BYTES: usize = 0x80 / 8;
+    /// `query_qp_in.qpn`.
+    pub const QPN: Field = Field::new("query_qp_in.qpn", 0x48, 24);
+    /// `query_qp_out.qpc` starts here.
+    pub const QPC: u32 = 0xc0;
+    /// Size of the output in bytes (through the reserved dwords after the `qpc`; no
+    /// physical-address list with a umem).
+    pub const OUT_BYTES: usize = 0x880 / 8;
 }
 
 #[cfg(test)]

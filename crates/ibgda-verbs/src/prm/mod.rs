@@ -21,7 +21,8 @@ pub use cmd_hca::{
     capability_page, AtomicCaps, AtomicMode, GeneralCaps, HcaCap, QueryHcaCap, TsFormat,
 };
 pub use cmd_qp::{
-    parse_create_qp_out, parse_modify_qp_out, AddressPath, CreateQp, Grh, Init2Rtr, Mtu,
-    RemoteAccess, RqSpec, Rst2Init, Rtr2Rts,
+    parse_create_qp_out, parse_modify_qp_out, parse_query_qp_out, AddressPath, CreateQp,
+    FirmwareQpState, Grh, Init2Rtr, Mtu, QpContext, QueryQp, RemoteAccess, RqSpec, Rst2Init,
+    Rtr2Rts,
 };
 pub use status::{check_output, status_text, CommandFailed};
