@@ -55,12 +55,15 @@ def _entry(rank, body, world, port, args):
         dist.destroy_process_group()
 
 
-def run_ranks(body, world, *args, timeout=600):
+def run_ranks(body, world, *args, timeout=None):
     """Runs ``body(rank, world, *args)`` in ``world`` processes; fails on the first rank that
-    raises (with its traceback) or when ``timeout`` seconds pass (the ranks are killed)."""
+    raises (with its traceback) or when ``timeout`` seconds (``EP_IBGDA_TEST_TIMEOUT_S``, 200)
+    pass (the ranks are killed)."""
     import torch
     import torch.multiprocessing as mp
 
+    # Under the device machine's 10-minute command limit, so a stuck case reports itself.
+    timeout = timeout or int(os.environ.get("EP_IBGDA_TEST_TIMEOUT_S", "200"))
     gpus = torch.cuda.device_count()
     sys.stderr.write(f"{body.__name__}: {world} ranks on {min(world, gpus)} of {gpus} GPUs\n")
     ctx = mp.start_processes(

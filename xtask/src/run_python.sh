@@ -5,6 +5,7 @@
 #                                        (2 and 4 ranks as processes), then the torchrun example
 #   EP_IBGDA_TEST_RANKS=2,8 bash bundle/python/run.sh    other rank counts
 #   EXAMPLE_RANKS=4 bash bundle/python/run.sh            ranks of the example (default 2)
+# Bounds: EP_PY_SUITE_TIMEOUT (480 s), EP_PY_EXAMPLE_TIMEOUT (90 s), EP_IBGDA_TEST_TIMEOUT_S (200 s a case).
 #
 # Logs go to $OUT (or bundle/python/out): python_suite.log, python_example.log.
 set -u
@@ -27,10 +28,10 @@ fi
 "$pyx" -c "import ep_ibgda, torch; print('ep_ibgda', ep_ibgda.__version__, 'from', ep_ibgda.__file__, '| torch', torch.__version__, '| GPUs', torch.cuda.device_count())" | tee "$out/python_suite.log"
 
 cd "$here/tests" || exit 1
-timeout "${EP_PY_SUITE_TIMEOUT:-1500}" "$pyx" -m pytest -v -rs -s -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
+timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
 suite=${PIPESTATUS[0]}
 
-timeout "${EP_PY_EXAMPLE_TIMEOUT:-300}" "$pyx" -m torch.distributed.run --standalone --nproc-per-node "${EXAMPLE_RANKS:-2}" \
+timeout "${EP_PY_EXAMPLE_TIMEOUT:-90}" "$pyx" -m torch.distributed.run --standalone --nproc-per-node "${EXAMPLE_RANKS:-2}" \
   "$here/examples/dispatch_combine.py" 2>&1 | tee "$out/python_example.log"
 example=${PIPESTATUS[0]}
 
