@@ -27,12 +27,15 @@ pub(crate) fn to_py(e: ep::EpError) -> PyErr {
     use ep::EpError as E;
     let msg = e.to_string();
     match e {
-        E::InvalidArgument { .. } | E::ExpertIdOutOfRange { .. } | E::ForeignHandle { .. } => {
-            pyo3::exceptions::PyValueError::new_err(msg)
-        }
-        E::PeerTimeout { .. } | E::HostTimeout { .. } => {
-            pyo3::exceptions::PyTimeoutError::new_err(msg)
-        }
+        E::InvalidArgument { .. }
+        | E::ExpertIdOutOfRange { .. }
+        | E::TopkMismatch { .. }
+        | E::ForeignHandle { .. }
+        | E::SmBudget { .. } => pyo3::exceptions::PyValueError::new_err(msg),
+        E::PeerTimeout { .. }
+        | E::HostTimeout { .. }
+        | E::StreamTimeout { .. }
+        | E::SharedGpuTimeout { .. } => pyo3::exceptions::PyTimeoutError::new_err(msg),
         _ => pyo3::exceptions::PyRuntimeError::new_err(msg),
     }
 }
