@@ -38,12 +38,24 @@ const SYSTEM_LIBS: &[&str] = &[
     "libstdc++",
 ];
 
-/// Builds the bundle in `bundle/`.
-pub fn run() -> Result<()> {
+/// Builds the bundle in `bundle/`: the Rust GPU suite, and the Python package's wheel and GPU
+/// tests in `bundle/python/` when they fit under the size limit too (else said loudly);
+/// `--python`: the Python part alone (no Rust builds; a bundle of a few MiB).
+pub fn run(args: &[String]) -> Result<()> {
     let kernels = crate::kernels::build_kernels(false)?;
     let dir = root().join("bundle");
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
+    }
+    if args.iter().any(|a| a == "--python") {
+        crate::python::bundle(&dir.join("python"))?;
+        let size = dir_size(&dir)?;
+        step(&format!(
+            "bundle ready: {} (the Python package only, {:.1} MiB)\n    run it there with: bash bundle/python/run.sh   (carry: [\"bundle\"])",
+            dir.display(),
+            size as f64 / (1 << 20) as f64
+        ));
+        return Ok(());
     }
     for sub in ["tests", "bin", "lib"] {
         std::fs::create_dir_all(dir.join(sub))?;
@@ -86,7 +98,23 @@ pub fn run() -> Result<()> {
         std::fs::read_to_string(kernels.join("manifest.txt")).unwrap_or_default(),
     )?;
 
-    let size = dir_size(&dir)?;
+    let rust_size = dir_size(&dir)?;
+    crate::python::bundle(&dir.join("python"))?;
+    let mut size = dir_size(&dir)?;
+    let mut python = "; the Python package: bash bundle/python/run.sh";
+    if size > MAX_BUNDLE_BYTES && rust_size <= MAX_BUNDLE_BYTES {
+        let with_python = size;
+        std::fs::remove_dir_all(dir.join("python"))?;
+        size = rust_size;
+        python = "";
+        eprintln!(
+            "\nNOTE: the Python package is NOT in this bundle: with it the bundle would be {:.1} MiB, \
+             over the {} MiB limit. Build it alone with `cargo xtask device-bundle --python` (a \
+             second device call carrying `bundle`).",
+            with_python as f64 / (1 << 20) as f64,
+            MAX_BUNDLE_BYTES >> 20
+        );
+    }
     if size > MAX_BUNDLE_BYTES {
         bail!(
             "bundle is {} MiB, over the {} MiB the device call can carry",
@@ -95,7 +123,7 @@ pub fn run() -> Result<()> {
         );
     }
     step(&format!(
-        "bundle ready: {} ({} test binaries, {} programs, {:.1} MiB)\n    run it there with: bash bundle/run.sh   (carry: [\"bundle\"])",
+        "bundle ready: {} ({} test binaries, {} programs, {:.1} MiB)\n    run it there with: bash bundle/run.sh{python}   (carry: [\"bundle\"])",
         dir.display(),
         tests.len(),
         bins.len(),

@@ -7,10 +7,14 @@
 //!   is `cargo xtask example dispatch_combine`).
 //! - `test`: everything CI runs: Debian packages, nvcc, kernels, fmt, clippy, every CPU test.
 //! - `device-bundle`: release builds of the GPU tests and examples, the kernels, the shared
-//!   libraries they need and `run.sh`, in `bundle/`, to carry to the device machine.
+//!   libraries they need and `run.sh`, in `bundle/`, to carry to the device machine; with the
+//!   Python package's wheel and GPU tests in `bundle/python/`.
+//! - `python`: build the `ep_ibgda` wheel (maturin from PyPI) and install it into `python3`'s
+//!   environment.
 
 mod bundle;
 mod kernels;
+mod python;
 mod test;
 mod util;
 
@@ -23,7 +27,9 @@ commands:
   build-kernels [--force]   compile crates/ep-kernels/cuda/**/*.cu into target/kernels/*.fatbin
   example <name> [args..]   set up (apt packages, nvcc, kernels), then run an example in release mode
   test                      set up (apt packages, nvcc), build kernels, fmt check, clippy -D warnings, CPU tests
-  device-bundle             build GPU tests + examples (release) into bundle/ for the device machine
+  device-bundle [--python]  build GPU tests + examples (release) into bundle/ for the device machine
+                            (--python: only the Python package's wheel, GPU tests and example)
+  python [--no-install]     build the ep_ibgda wheel (maturin) and pip-install it into $PYTHON's (python3's) environment
 ";
 
 fn main() -> std::process::ExitCode {
@@ -48,7 +54,8 @@ fn run() -> Result<()> {
         "build-kernels" => kernels::build_kernels(rest.iter().any(|a| a == "--force")).map(|_| ()),
         "test" => test::run(),
         "example" => test::example(rest),
-        "device-bundle" => bundle::run(),
+        "device-bundle" => bundle::run(rest),
+        "python" => python::install(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())

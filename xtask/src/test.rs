@@ -1,4 +1,5 @@
-//! `cargo xtask test`: the whole CPU test job, from a fresh Debian/Ubuntu machine.
+//! `cargo xtask test`: the whole CPU test job, from a fresh Debian/Ubuntu machine (the Python
+//! package's torch-free tests included).
 //! `.ci/run` calls exactly this.
 
 use crate::util::{self, step};
@@ -14,6 +15,7 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("clang", "/usr/bin/clang"),
     ("pkg-config", "/usr/bin/pkg-config"),
     ("python3-pip", "/usr/bin/pip3"),
+    ("python3-venv", "/usr/lib/python3/dist-packages"),
 ];
 
 /// Runs set-up, kernels, fmt, clippy and every CPU test.
@@ -40,10 +42,21 @@ pub fn run() -> Result<()> {
     ]))?;
     step("cargo test (CPU; GPU tests report SKIPPED here)");
     util::run(Command::new("cargo").args(["test", "--workspace", "--locked"]))?;
+    step("python package: wheel (maturin), torch-free pytest suite in a venv");
+    crate::python::test()?;
     step(&format!(
         "all checks passed in {:.0} s",
         started.elapsed().as_secs_f64()
     ));
+    Ok(())
+}
+
+/// The set-up every build needs: Debian packages, nvcc, the kernels.
+pub fn setup() -> Result<()> {
+    step("checking Debian packages");
+    ensure_apt_packages()?;
+    step("building CUDA kernels (installs the pinned nvcc if needed)");
+    crate::kernels::build_kernels(false)?;
     Ok(())
 }
 
@@ -90,6 +103,10 @@ fn ensure_apt_packages() -> Result<()> {
             if *pkg == "python3-pip" {
                 return !pip_works();
             }
+            // So may venv (with ensurepip), which the Python package's tests use.
+            if *pkg == "python3-venv" {
+                return !venv_works();
+            }
             !Path::new(probe).exists()
         })
         .map(|(pkg, _)| *pkg)
@@ -120,6 +137,14 @@ fn has_libclang() -> bool {
         .args(["-c", "ldconfig -p | grep -q 'libclang.*\\.so'"])
         .status()
         .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn venv_works() -> bool {
+    Command::new("python3")
+        .args(["-c", "import ensurepip, venv"])
+        .output()
+        .map(|o| o.status.success())
         .unwrap_or(false)
 }
 

@@ -4,7 +4,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use ibgda_device::cuda::DeviceBuffer;
+use ibgda_device::cuda::{CudaError, DeviceBuffer};
 
 use crate::dtype::Element;
 use crate::error::EpError;
@@ -14,9 +14,70 @@ use crate::error::EpError;
 /// holds it any more.
 #[derive(Debug)]
 pub(crate) struct Region {
-    buf: Arc<DeviceBuffer>,
+    buf: Backing,
     offset: usize,
     len: usize,
+}
+
+/// The memory a [`Region`] lies in: an allocation of ours, or memory the caller owns.
+#[derive(Debug)]
+enum Backing {
+    Owned(Arc<DeviceBuffer>),
+    /// Caller memory ([`Tensor::from_device_ptr`]): never freed here.
+    Borrowed {
+        ctx: Arc<CudaContext>,
+        ptr: u64,
+        len: usize,
+    },
+}
+
+impl Backing {
+    fn ptr(&self) -> u64 {
+        match self {
+            Backing::Owned(b) => b.ptr(),
+            Backing::Borrowed { ptr, .. } => *ptr,
+        }
+    }
+
+    fn context(&self) -> &Arc<CudaContext> {
+        match self {
+            Backing::Owned(b) => b.context(),
+            Backing::Borrowed { ctx, .. } => ctx,
+        }
+    }
+
+    /// `count` elements from byte `offset` (synchronous), as [`DeviceBuffer::download`].
+    fn download<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<Vec<T>, CudaError> {
+        let (ctx, ptr, len) = match self {
+            Backing::Owned(b) => return b.download(offset, count),
+            Backing::Borrowed { ctx, ptr, len } => (ctx, *ptr, *len),
+        };
+        let mut out = vec![T::zeroed(); count];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        if offset.checked_add(bytes.len()).is_none_or(|end| end > len) {
+            return Err(CudaError::OutOfRange {
+                offset,
+                len: bytes.len(),
+                size: len,
+            });
+        }
+        let driver = |call, source| CudaError::Driver { call, source };
+        ctx.bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `from_device_ptr`'s caller promised `len` readable bytes at `ptr` on this
+        // context's device for the tensor's life; the range was checked above and `bytes` is
+        // writable host memory of exactly that size.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoH_v2(
+                bytes.as_mut_ptr().cast(),
+                ptr + offset as u64,
+                bytes.len(),
+            )
+        }
+        .result()
+        .map_err(|e| driver("cuMemcpyDtoH", e))?;
+        Ok(out)
+    }
 }
 
 impl Region {
@@ -24,7 +85,7 @@ impl Region {
     pub(crate) fn part(buf: &Arc<DeviceBuffer>, offset: usize, len: usize) -> Self {
         debug_assert!(offset + len <= buf.len());
         Self {
-            buf: buf.clone(),
+            buf: Backing::Owned(buf.clone()),
             offset,
             len,
         }
@@ -65,7 +126,7 @@ impl IntoStorage for Arc<DeviceBuffer> {
     fn into_storage(self) -> Arc<Region> {
         let len = self.len();
         Arc::new(Region {
-            buf: self,
+            buf: Backing::Owned(self),
             offset: 0,
             len,
         })
@@ -74,7 +135,9 @@ impl IntoStorage for Arc<DeviceBuffer> {
 
 /// A dense row-major tensor of `T` in GPU memory.
 ///
-/// The memory comes from `cuMemAlloc` (peer-mappable). Cloning shares the storage. Outputs of
+/// The memory comes from `cuMemAlloc` (peer-mappable), or is the caller's
+/// ([`from_device_ptr`](Self::from_device_ptr): inputs from another framework, never freed or
+/// mapped by peers here). Cloning shares the storage. Outputs of
 /// [`Buffer`](crate::Buffer) operations are views into the buffer's pooled regions, which stay
 /// reserved while any view or handle on them is alive.
 #[derive(Debug)]
@@ -190,6 +253,38 @@ impl<T: Element> Tensor<T> {
         self.read_only
     }
 
+    /// A tensor of `shape` over device memory the caller owns (another library's allocation, a
+    /// framework's tensor), without copying: inputs of [`Buffer`](crate::Buffer) and
+    /// [`LowLatencyBuffer`](crate::low_latency::LowLatencyBuffer) operations can be given this
+    /// way. The memory is never freed here. [`copy_from_host`](Self::copy_from_host) is refused
+    /// on such a tensor; [`to_host`](Self::to_host) works.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must address at least `shape.iter().product::<usize>() * size_of::<T>()` bytes of
+    /// device memory on `ctx`'s GPU (in its primary context or one that shares its address
+    /// space), aligned for `T`, that stays allocated for as long as this tensor, its clones, or
+    /// any GPU work given it may use it. Peers of a [`Buffer`](crate::Buffer) never map it: only
+    /// this rank's kernels and copies read it.
+    pub unsafe fn from_device_ptr(ctx: &Arc<CudaContext>, ptr: u64, shape: &[usize]) -> Self {
+        let len = numel(shape) * std::mem::size_of::<T>();
+        let storage = Arc::new(Region {
+            buf: Backing::Borrowed {
+                ctx: ctx.clone(),
+                ptr,
+                len,
+            },
+            offset: 0,
+            len,
+        });
+        Self::view(storage, 0, shape.to_vec())
+    }
+
+    /// Whether the tensor views caller memory ([`from_device_ptr`](Self::from_device_ptr)).
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.storage.buf, Backing::Borrowed { .. })
+    }
+
     /// Copies the tensor to the host (synchronous, bounded: after the legacy default stream's
     /// earlier work, waited for at most
     /// [`LEGACY_STREAM_BOUND`](ibgda_device::cuda::LEGACY_STREAM_BOUND), then a copy that waits for
@@ -240,9 +335,18 @@ impl<T: Element> Tensor<T> {
         if data.is_empty() {
             return Ok(());
         }
-        self.storage
-            .buf
-            .upload(self.storage.offset + self.offset, data)
+        let Backing::Owned(buf) = &self.storage.buf else {
+            return Err(EpError::Tensor {
+                gpu,
+                what: format!(
+                    "tensor of shape {:?} views caller memory (from_device_ptr): write it \
+                     through its owner",
+                    self.shape
+                ),
+                source: None,
+            });
+        };
+        buf.upload(self.storage.offset + self.offset, data)
             .map_err(|e| tensor_err(gpu, &format!("uploading {:?} {}", self.shape, T::NAME), e))
     }
 

@@ -1,0 +1,74 @@
+"""Argument checks on torch tensors that need no torch import (they read ``dtype``, ``shape``,
+``stride()`` and ``device``), so they run, and are tested, where torch is absent. Each raises
+``TypeError``/``ValueError`` naming the argument and the value, before any launch."""
+
+from typing import Any, Optional, Sequence, Tuple
+
+
+def dtype_name(t: Any) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(getattr(t, "dtype", type(t).__name__)).replace("torch.", "")
+
+
+def is_tensor(t: Any) -> bool:
+    return all(hasattr(t, a) for a in ("dtype", "shape", "stride", "device", "data_ptr"))
+
+
+def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    expect = 1
+    for size, st in zip(reversed(list(shape)), reversed(list(stride))):
+        if size != 1 and st != expect:
+            return False
+        expect *= size
+    return True
+
+
+def tensor(
+    name: str,
+    t: Any,
+    dtypes: Tuple[str, ...],
+    ndim: int,
+    device: Optional[int],
+    shape: Optional[Sequence[Optional[int]]] = None,
+) -> Tuple[int, ...]:
+    """Checks ``t`` is a contiguous CUDA tensor of one of ``dtypes`` with ``ndim`` dims on GPU
+    ``device`` (None: any), matching ``shape`` where it gives a size; returns its shape."""
+    if not is_tensor(t):
+        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    got = dtype_name(t)
+    if got not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {got}")
+    s = tuple(int(d) for d in t.shape)
+    if len(s) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {list(s)}")
+    if shape is not None:
+        for i, (have, want) in enumerate(zip(s, shape)):
+            if want is not None and have != want:
+                raise ValueError(
+                    f"{name} has shape {list(s)}, expected "
+                    f"{['*' if w is None else w for w in shape]} (dimension {i} is {have}, "
+                    f"expected {want})"
+                )
+    dev = t.device
+    if getattr(dev, "type", str(dev)) != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {dev}")
+    if device is not None and dev.index is not None and int(dev.index) != device:
+        raise ValueError(f"{name} is on cuda:{dev.index}, this buffer uses cuda:{device}")
+    if not is_contiguous(s, t.stride()):
+        raise ValueError(
+            f"{name} must be contiguous (row-major), got shape {list(s)} with strides "
+            f"{list(t.stride())}: call .contiguous()"
+        )
+    return s
+
+
+def positive_int(name: str, v: Any, minimum: int = 1) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return v

@@ -1,0 +1,880 @@
+"""``Buffer``: DeepEP's legacy (V1) ``deep_ep.Buffer`` over the Rust ``ep`` crate.
+
+How it maps onto the Rust core (what differs from DeepEP is said here, once):
+
+- **Bootstrap** goes through the caller's group: ``torch.distributed.all_gather_object`` on
+  ``group`` (any backend; vLLM's CPU/gloo group works), or ``comm.allgather`` (mpi4py) when
+  ``group`` is None. No port of our own is opened.
+- **Sizes.** The Rust buffers are sized by shapes, DeepEP's by bytes. The native buffers are
+  therefore built at the first call that needs them, a collective every rank makes: the intranode
+  one at the first ``dispatch`` (its shapes, maximised over the ranks, and as many tokens per rank
+  as ``num_nvl_bytes`` pays for), the low-latency one at the first ``low_latency_dispatch`` (its
+  ``num_max_dispatch_tokens_per_rank``, hidden and experts; ``num_rdma_bytes`` must be at least
+  ``get_low_latency_rdma_size_hint`` of them). A later call that does not fit raises
+  ``ValueError`` saying what would.
+- **Outputs** are torch tensors the caller owns: the Rust kernels write into the buffer's own
+  pooled memory, and each output is copied (device to device, on the communication stream) into
+  a tensor allocated with torch before the call returns (LL hook mode: when the hook runs).
+  Handles still reserve a pooled region each until they are dropped: at most
+  ``EP_IBGDA_MAX_LIVE_HANDLES`` (default 4) normal-mode handles may be alive at once, and
+  low-latency results are double-buffered (a dispatch's handle is good until the second next
+  dispatch), as DeepEP's.
+- **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
+  after the caller's current stream (or after ``previous_event``), and the current stream waits
+  for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
+- **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
+  on more than one node), ``enable_shrink`` and its masks, LogFMT combine, the wait-cost
+  statistics, ``get_local_buffer_tensor``, ``use_fabric``.
+"""
+
+import os
+import socket
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+from . import _checks as chk
+from . import _ep
+from .config import NUM_MAX_NVL_PEERS, Config, _COMBINE, _DISPATCH, _table_config, _align
+from .utils import EventHandle, EventOverlap
+
+_FP8_BLOCK = _ep.FP8_BLOCK
+_TOPK_DTYPES = ("int64", "int32")
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _collectives(group: Any, comm: Any) -> Tuple[int, int, Callable, Callable]:
+    """(rank, size, all_gather(obj) -> list, barrier()) over ``group`` or ``comm``."""
+    if group is not None:
+        if hasattr(group, "all_gather_object") and callable(group.all_gather_object):
+            # An object group of our own protocol (tests, other launchers): rank(), size(),
+            # all_gather_object(obj) -> list, barrier().
+            return group.rank(), group.size(), group.all_gather_object, group.barrier
+        import torch.distributed as dist
+
+        size = dist.get_world_size(group)
+
+        def all_gather(obj):
+            out = [None] * size
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        return dist.get_rank(group), size, all_gather, lambda: dist.barrier(group=group)
+    if comm is not None:
+        return comm.Get_rank(), comm.Get_size(), comm.allgather, comm.Barrier
+    raise ValueError("Buffer: give a torch.distributed group (group=) or an mpi4py communicator (comm=)")
+
+
+class _IntranodeHandle:
+    """What ``dispatch`` returns as ``handle``: pass it to ``combine`` or a cached ``dispatch``."""
+
+    __slots__ = ("native", "num_tokens", "hidden", "num_rows", "buffer_id")
+
+    def __init__(self, native: Any, num_tokens: int, hidden: int, buffer_id: int) -> None:
+        self.native = native
+        self.num_tokens = num_tokens
+        self.hidden = hidden
+        self.num_rows = native.num_rows
+        self.buffer_id = buffer_id
+
+
+class _LowLatencyHandle:
+    """What ``low_latency_dispatch`` returns as ``handle``."""
+
+    __slots__ = ("native", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_tokens", "buffer_id")
+
+    def __init__(self, native, n, hidden, num_experts, buffer_id) -> None:
+        self.native = native
+        self.num_max_dispatch_tokens_per_rank = n
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.num_tokens = native.num_tokens
+        self.buffer_id = buffer_id
+
+
+def _not_implemented(feature: str) -> NotImplementedError:
+    return NotImplementedError(f"ep_ibgda does not implement {feature} yet")
+
+
+class Buffer:
+    """One rank's communication buffer (DeepEP's ``deep_ep.Buffer``, legacy V1 API).
+
+    Every rank of ``group`` creates it with the same arguments and makes the same calls in the
+    same order. See the module docstring for how it maps onto the Rust core.
+    """
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: Any = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
+    ) -> None:
+        chk.positive_int("num_nvl_bytes", num_nvl_bytes, 0)
+        chk.positive_int("num_rdma_bytes", num_rdma_bytes, 0)
+        chk.positive_int("num_qps_per_rank", num_qps_per_rank, 1)
+        for name, v in (
+            ("low_latency_mode", low_latency_mode),
+            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+            ("allow_mnnvl", allow_mnnvl),
+            ("use_fabric", use_fabric),
+            ("explicitly_destroy", explicitly_destroy),
+            ("enable_shrink", enable_shrink),
+        ):
+            chk.flag(name, v)
+        if enable_shrink:
+            raise _not_implemented("enable_shrink (rank masks)")
+        if use_fabric:
+            raise _not_implemented("use_fabric (fabric memory handles)")
+        self.rank, self.group_size, self._all_gather, self._barrier = _collectives(group, comm)
+        self.group = group
+        self.comm = comm
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._device = self._current_device()
+        # Which host every rank is on decides intranode vs internode, as the group spans.
+        peers = self._all_gather((socket.gethostname(), self._device))
+        self._hosts = [p[0] for p in peers]
+        self._num_nodes = len(set(self._hosts))
+        self._timeout_s = float(os.environ.get("EP_IBGDA_TIMEOUT_S", "30"))
+        self._max_live = _env_int("EP_IBGDA_MAX_LIVE_HANDLES", 4)
+        self._intranode = None
+        self._ll = None
+        self._destroyed = False
+        self._id = id(self)
+
+    # ----- set-up ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _current_device() -> Optional[int]:
+        try:
+            import torch
+        except ImportError:
+            return None
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def _gather_bytes(self, data: bytes) -> List[bytes]:
+        return [bytes(b) for b in self._all_gather(bytes(data))]
+
+    def _live(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("Buffer: used after destroy()")
+
+    def _need_device(self) -> int:
+        if self._device is None:
+            self._device = self._current_device()
+        if self._device is None:
+            raise RuntimeError("Buffer: this operation needs torch with a CUDA GPU, and none is available")
+        return self._device
+
+    def _intranode_buffer(self, tokens: int, hidden: int, topk: int, num_experts: int):
+        """The native intranode buffer, built at the first dispatch (a collective)."""
+        if self._intranode is None:
+            device = self._need_device()
+            need = self._all_gather((tokens, hidden, topk, num_experts))
+            tokens_max = max(n[0] for n in need)
+            hidden_max = max(n[1] for n in need)
+            topk_max = max(max(n[2] for n in need), 16)
+            experts = {n[3] for n in need}
+            if len(experts) != 1:
+                raise ValueError(f"dispatch: ranks disagree on num_experts: {sorted(experts)}")
+            def per(m: int) -> float:
+                n = _ep.intranode_bytes(self.group_size, m, hidden_max, topk_max, num_experts, self._max_live)
+                return float("inf") if n is None else n
+
+            # As many tokens per rank as num_nvl_bytes pays for, and at least this call's.
+            lo, hi = 1, 1 << 20
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if per(mid) <= self.num_nvl_bytes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            max_tokens = max(tokens_max, lo, 1)
+            self._intranode = _ep.Intranode(
+                device,
+                self.rank,
+                self.group_size,
+                self._gather_bytes,
+                self._barrier,
+                max_tokens,
+                hidden_max,
+                topk_max,
+                num_experts,
+                self._max_live,
+                self._timeout_s,
+            )
+        lim = self._intranode.limits
+        if tokens > lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
+            raise ValueError(
+                f"dispatch: {tokens} tokens of hidden {hidden}, top-{topk} of {num_experts} experts "
+                f"does not fit this Buffer, built at its first dispatch for at most {lim[0]} "
+                f"tokens per rank, hidden {lim[1]}, top-{lim[2]} of {lim[3]} experts "
+                f"({self.num_nvl_bytes} num_nvl_bytes); a Buffer with num_nvl_bytes >= "
+                f"{_ep.intranode_bytes(self.group_size, max(tokens, lim[0]), max(hidden, lim[1]), max(topk, lim[2]), num_experts, self._max_live)} "
+                "whose first dispatch has these shapes would fit"
+            )
+        return self._intranode
+
+    def _ll_buffer(self, n: int, hidden: int, topk: int, num_experts: int):
+        """The native low-latency buffer, built at the first low-latency call (a collective)."""
+        if self._ll is None:
+            device = self._need_device()
+            hint = Buffer.get_low_latency_rdma_size_hint(n, hidden, self.group_size, num_experts)
+            if self.num_rdma_bytes < hint:
+                raise ValueError(
+                    f"low_latency_dispatch: num_rdma_bytes {self.num_rdma_bytes} is below "
+                    f"get_low_latency_rdma_size_hint({n}, {hidden}, {self.group_size}, "
+                    f"{num_experts}) = {hint}: create the Buffer with num_rdma_bytes >= {hint}"
+                )
+            self._ll = _ep.LowLatency(
+                device,
+                self.rank,
+                self.group_size,
+                self._gather_bytes,
+                self._barrier,
+                n,
+                hidden,
+                min(max(topk, 11), 16),
+                num_experts,
+                self.allow_nvlink_for_low_latency_mode,
+                self._timeout_s,
+            )
+        lim = self._ll.limits
+        if n != lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
+            raise ValueError(
+                f"low_latency: num_max_dispatch_tokens_per_rank {n}, hidden {hidden}, top-{topk}, "
+                f"{num_experts} experts: this Buffer's low-latency buffer was built for "
+                f"num_max_dispatch_tokens_per_rank {lim[0]}, hidden up to {lim[1]}, top-k up to "
+                f"{lim[2]}, {lim[3]} experts; use a new Buffer for other sizes"
+            )
+        return self._ll
+
+    # ----- static ----------------------------------------------------------------------------
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SMs the normal kernels use (even, as DeepEP requires)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2 != 0:
+            raise ValueError(f"set_num_sms: new_num_sms must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` of an event recorded on the current stream."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Our kernels are built for sm_90a (with compute_90 PTX)."""
+        return True
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's tuned dispatch config for ``num_ranks`` ranks (``Buffer.num_sms`` SMs)."""
+        return _table_config(_DISPATCH, "get_dispatch_config", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's tuned combine config for ``num_ranks`` ranks (``Buffer.num_sms`` SMs)."""
+        return _table_config(_COMBINE, "get_combine_config", num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """DeepEP's ``num_rdma_bytes`` for low-latency mode with these sizes (its formula)."""
+        n, e = num_max_dispatch_tokens_per_rank, num_experts
+        scales = hidden // 128
+        dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+        combine_msg = scales * 4 + hidden * 2
+        send = max(n * dispatch_msg, e * n * combine_msg)
+        recv = max(e * n * dispatch_msg, e * n * combine_msg)
+        signal = _align(e * 4, 128)
+        total = 2 * (send + recv + signal)
+        return (total + 128) // 128 * 128
+
+    # ----- helpers ---------------------------------------------------------------------------
+
+    def _streams(self, comm_ptr: int, previous_event: Optional[EventOverlap]):
+        """(torch current stream, the comm stream as a torch stream), comm ordered after the
+        current stream or ``previous_event``."""
+        import torch
+
+        compute = torch.cuda.current_stream()
+        comm = torch.cuda.ExternalStream(comm_ptr, device=torch.device("cuda", self._device))
+        if previous_event is not None:
+            if not isinstance(previous_event, EventOverlap) or previous_event.event is None:
+                raise TypeError(f"previous_event must be an EventOverlap with an event, got {previous_event!r}")
+            comm.wait_event(previous_event.event.event)
+        else:
+            comm.wait_stream(compute)
+        return compute, comm
+
+    def _view(self, view: Any, dtype: Any):
+        """A torch tensor over a native view (no copy), re-typed to ``dtype``."""
+        import torch
+
+        t = torch.as_tensor(view, device=torch.device("cuda", self._device))
+        return t.view(dtype) if t.dtype != dtype else t
+
+    def _finish(self, compute, comm, async_finish: bool, keep: Tuple[Any, ...], outputs: Tuple[Any, ...]) -> EventOverlap:
+        for t in outputs:
+            if t is not None:
+                t.record_stream(compute)
+        if async_finish:
+            for t in keep:
+                if t is not None and chk.is_tensor(t):
+                    t.record_stream(comm)
+            return EventOverlap(EventHandle._recorded_on(comm), extra_tensors=tuple(keep) + tuple(outputs))
+        compute.wait_stream(comm)
+        return EventOverlap(EventHandle._recorded_on(comm))
+
+    def _check_previous(self, previous_event, allocate_on_comm_stream, async_finish) -> None:
+        chk.flag("async_finish", async_finish)
+        chk.flag("allocate_on_comm_stream", allocate_on_comm_stream)
+        if allocate_on_comm_stream and previous_event is None:
+            raise ValueError("allocate_on_comm_stream=True needs previous_event (as in DeepEP)")
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+
+    def _internode(self, what: str) -> None:
+        if self._num_nodes > 1 or self.group_size > NUM_MAX_NVL_PEERS:
+            raise _not_implemented(
+                f"internode {what} (the group spans {self._num_nodes} hosts, {self.group_size} ranks)"
+            )
+
+    # ----- normal mode -----------------------------------------------------------------------
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: Any,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Tokens per rank / expert and ``is_token_in_rank`` from ``topk_idx`` ``[T, K]``.
+
+        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank or None,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``;
+        computed with torch operations on the current stream (after ``previous_event``), with
+        no host synchronisation.
+        """
+        self._live()
+        self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
+        chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device)
+        chk.positive_int("num_experts", num_experts)
+        if num_experts % self.group_size != 0:
+            raise ValueError(f"num_experts {num_experts} is not a multiple of the {self.group_size} ranks")
+        import torch
+
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        ranks = self.group_size
+        local = num_experts // ranks
+        idx = topk_idx.long()
+        valid = (idx >= 0) & (idx < num_experts)
+        rank_of = torch.where(valid, idx // local, torch.full_like(idx, -1))
+        is_token_in_rank = (rank_of.unsqueeze(-1) == torch.arange(ranks, device=idx.device)).any(dim=1)
+        num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+        # scatter_add, not bincount or boolean indexing: no host synchronisation.
+        slot = torch.where(valid, idx, torch.full_like(idx, num_experts)).flatten()
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
+        counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+        num_tokens_per_expert = counts[:num_experts].contiguous()
+        num_tokens_per_rdma_rank = None
+        if self._num_nodes > 1:
+            raise _not_implemented("internode get_dispatch_layout (num_tokens_per_rdma_rank)")
+        event = EventOverlap(EventHandle._recorded_on(torch.cuda.current_stream()))
+        return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
+
+    def _check_x(self, x: Any) -> Tuple[bool, int, int, Any, Any]:
+        """(fp8, tokens, hidden, values, scales) of a dispatch ``x``."""
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x as a tuple must be (fp8 values, scales), got {len(x)} items")
+            values, scales = x
+            t, h = chk.tensor("x[0]", values, ("float8_e4m3fn",), 2, self._device)
+            if h % _FP8_BLOCK != 0:
+                raise ValueError(f"x[0]: FP8 hidden {h} is not a multiple of {_FP8_BLOCK}")
+            chk.tensor("x[1]", scales, ("float32",), 2, self._device, (t, h // _FP8_BLOCK))
+            return True, t, h, values, scales
+        t, h = chk.tensor("x", x, ("bfloat16",), 2, self._device)
+        if (h * 2) % 16 != 0:
+            raise ValueError(f"x: hidden {h} gives rows of {h * 2} bytes, not a multiple of 16")
+        return False, t, h, x, None
+
+    def dispatch(
+        self,
+        x: Union[Any, Tuple[Any, Any]],
+        handle: Optional[_IntranodeHandle] = None,
+        num_tokens_per_rank: Optional[Any] = None,
+        num_tokens_per_rdma_rank: Optional[Any] = None,
+        is_token_in_rank: Optional[Any] = None,
+        num_tokens_per_expert: Optional[Any] = None,
+        topk_idx: Optional[Any] = None,
+        topk_weights: Optional[Any] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Sends each token to the ranks holding its experts (intranode, NVLink).
+
+        Returns ``(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, EventOverlap)``; a cached call (``handle``
+        given) returns ``(recv_x, None, None, None, None, EventOverlap)``.
+        """
+        self._live()
+        self._internode("dispatch")
+        self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
+        fp8, t, h, values, scales = self._check_x(x)
+        chk.positive_int("expert_alignment", expert_alignment)
+        chk.positive_int("num_worst_tokens", num_worst_tokens, 0)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a Config, got {type(config).__name__}")
+        if config is None:
+            config = Buffer.get_dispatch_config(self.group_size) if self.group_size in _DISPATCH else Config(Buffer.num_sms)
+        ranks = self.group_size
+        if handle is not None:
+            if not isinstance(handle, _IntranodeHandle) or handle.buffer_id != self._id:
+                raise TypeError("handle must be the handle a dispatch of this Buffer returned")
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch (handle=) takes no topk_idx / topk_weights")
+            if t != handle.num_tokens:
+                raise ValueError(f"x has {t} tokens, the handle's dispatch sent {handle.num_tokens}")
+            return self._dispatch_cached(handle, fp8, t, h, values, scales, config, previous_event, async_finish)
+        if is_token_in_rank is None:
+            raise ValueError("dispatch without handle= needs is_token_in_rank (from get_dispatch_layout)")
+        chk.tensor("is_token_in_rank", is_token_in_rank, ("bool",), 2, self._device, (t, ranks))
+        if num_tokens_per_rank is None:
+            raise ValueError("dispatch without handle= needs num_tokens_per_rank (from get_dispatch_layout)")
+        chk.tensor("num_tokens_per_rank", num_tokens_per_rank, ("int32",), 1, self._device, (ranks,))
+        if num_tokens_per_rdma_rank is not None:
+            raise _not_implemented("internode dispatch (num_tokens_per_rdma_rank given)")
+        if num_tokens_per_expert is None:
+            raise ValueError("dispatch without handle= needs num_tokens_per_expert (from get_dispatch_layout)")
+        (num_experts,) = chk.tensor("num_tokens_per_expert", num_tokens_per_expert, ("int32",), 1, self._device)
+        if num_experts == 0 or num_experts % ranks != 0:
+            raise ValueError(f"num_tokens_per_expert has {num_experts} experts, not a positive multiple of {ranks} ranks")
+        k = 0
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("topk_idx and topk_weights go together: give both or neither")
+        if topk_idx is not None:
+            _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
+            chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
+        if num_worst_tokens > 0 and topk_idx is None:
+            raise ValueError("num_worst_tokens > 0 needs topk_idx and topk_weights (as in DeepEP)")
+        import torch
+
+        buf = self._intranode_buffer(t, h, k, num_experts)
+        compute, comm = self._streams(buf.comm_stream, previous_event)
+        with torch.cuda.stream(comm):
+            if topk_idx is not None:
+                idx32 = topk_idx.to(torch.int32)
+            else:
+                # Routing without top-k: one expert of each destination rank stands for it.
+                local = num_experts // ranks
+                first = (torch.arange(ranks, device=is_token_in_rank.device, dtype=torch.int32) * local).expand(t, ranks)
+                idx32 = torch.where(is_token_in_rank, first, torch.full_like(first, -1)).contiguous()
+            kk = idx32.shape[1]
+            layout = buf.layout(idx32.data_ptr(), t, kk)
+            out = buf.dispatch(
+                layout,
+                values.data_ptr(),
+                fp8,
+                t,
+                h,
+                scales.data_ptr() if fp8 else 0,
+                idx32.data_ptr() if topk_idx is not None else 0,
+                topk_weights.data_ptr() if topk_idx is not None else 0,
+                k,
+                num_worst_tokens,
+                expert_alignment,
+                config.num_sms,
+            )
+            recv_x, recv_scales = self._copy_x(out, fp8, h)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty(tuple(out.topk_idx.shape), dtype=topk_idx.dtype, device=values.device)
+                recv_topk_idx.copy_(self._view(out.topk_idx, torch.int32))
+                recv_topk_weights = torch.empty(tuple(out.topk_weights.shape), dtype=torch.float32, device=values.device)
+                recv_topk_weights.copy_(self._view(out.topk_weights, torch.float32))
+        counts = [] if num_worst_tokens > 0 else list(out.num_recv_tokens_per_expert or [])
+        new_handle = _IntranodeHandle(out.handle, t, h, self._id)
+        keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32)
+        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights))
+        rx = (recv_x, recv_scales) if fp8 else recv_x
+        return rx, recv_topk_idx, recv_topk_weights, counts, new_handle, event
+
+    def _copy_x(self, out: Any, fp8: bool, h: int):
+        """torch copies of a dispatch's received rows (and scales), on the current stream."""
+        import torch
+
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        rows = out.x.shape[0]
+        dev = torch.device("cuda", self._device)
+        recv_x = torch.empty((rows, h), dtype=dtype, device=dev)
+        recv_x.copy_(self._view(out.x, dtype))
+        recv_scales = None
+        if fp8:
+            recv_scales = torch.empty(tuple(out.scales.shape), dtype=torch.float32, device=dev)
+            recv_scales.copy_(self._view(out.scales, torch.float32))
+        return recv_x, recv_scales
+
+    def _dispatch_cached(self, handle, fp8, t, h, values, scales, config, previous_event, async_finish):
+        import torch
+
+        buf = self._intranode
+        if h > buf.limits[1]:
+            raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
+        compute, comm = self._streams(buf.comm_stream, previous_event)
+        with torch.cuda.stream(comm):
+            out = buf.dispatch_cached(
+                handle.native, values.data_ptr(), fp8, t, h, scales.data_ptr() if fp8 else 0, config.num_sms
+            )
+            recv_x, recv_scales = self._copy_x(out, fp8, h)
+        event = self._finish(compute, comm, async_finish, (values, scales), (recv_x, recv_scales))
+        rx = (recv_x, recv_scales) if fp8 else recv_x
+        return rx, None, None, None, None, event
+
+    def combine(
+        self,
+        x: Any,
+        handle: _IntranodeHandle,
+        topk_weights: Optional[Any] = None,
+        bias: Union[Any, Tuple[Any, Any], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Sums each token's expert outputs back on the rank that sent it (f32 accumulation).
+
+        Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None,
+        EventOverlap)``.
+        """
+        self._live()
+        self._internode("combine")
+        self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
+        if not isinstance(handle, _IntranodeHandle) or handle.buffer_id != self._id:
+            raise TypeError("handle must be the handle a dispatch of this Buffer returned")
+        rows, h = chk.tensor("x", x, ("bfloat16",), 2, self._device, (handle.num_rows, None))
+        if (h * 2) % 16 != 0:
+            raise ValueError(f"x: hidden {h} gives rows of {h * 2} bytes, not a multiple of 16")
+        k = 0
+        if topk_weights is not None:
+            _, k = chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (rows, None))
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a Config, got {type(config).__name__}")
+        biases: Tuple[Any, ...] = ()
+        if bias is not None:
+            biases = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+            if len(biases) > 2:
+                raise ValueError(f"bias: at most two tensors, got {len(biases)}")
+            for i, b in enumerate(biases):
+                if b is not None:
+                    chk.tensor(f"bias[{i}]", b, ("bfloat16",), 2, self._device, (handle.num_tokens, h))
+        biases = tuple(biases) + (None,) * (2 - len(biases))
+        if config is None:
+            config = Buffer.get_combine_config(self.group_size) if self.group_size in _COMBINE else Config(Buffer.num_sms)
+        import torch
+
+        buf = self._intranode
+        compute, comm = self._streams(buf.comm_stream, previous_event)
+        with torch.cuda.stream(comm):
+            out = buf.combine(
+                handle.native,
+                x.data_ptr(),
+                rows,
+                h,
+                topk_weights.data_ptr() if topk_weights is not None else 0,
+                k,
+                biases[0].data_ptr() if biases[0] is not None else 0,
+                biases[1].data_ptr() if biases[1] is not None else 0,
+                config.num_sms,
+            )
+            combined_x = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=x.device)
+            combined_x.copy_(self._view(out.x, torch.bfloat16))
+            combined_w = None
+            if topk_weights is not None:
+                combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=x.device)
+                combined_w.copy_(self._view(out.topk_weights, torch.float32))
+        event = self._finish(compute, comm, async_finish, (x, topk_weights) + biases, (combined_x, combined_w))
+        return combined_x, combined_w, event
+
+    # ----- low-latency mode ------------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[Any] = None,
+        dispatch_wait_recv_cost_stats: Optional[Any] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Sends each token straight into its slot at the ranks of its experts (decode path).
+
+        Returns ``(recv_x or (recv_x_fp8, recv_scales), recv_count [L] int32, handle,
+        EventOverlap, hook)`` (``hook`` is None without ``return_recv_hook``, as in DeepEP); ``recv_x`` is ``[L, R*N, H]``, FP8 scales ``[L, R*N, H/128]``
+        float32 (or ``[L, R*N, H/512]`` int32 packed UE8M0), a column-major view as DeepEP's.
+        """
+        self._live()
+        if not self.low_latency_mode:
+            raise RuntimeError("low_latency_dispatch needs a Buffer created with low_latency_mode=True")
+        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            chk.flag(name, v)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise _not_implemented("dispatch_wait_recv_cost_stats (wait-cost statistics)")
+        n = chk.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        chk.positive_int("num_experts", num_experts)
+        ranks = self.group_size
+        if num_experts % ranks != 0:
+            raise ValueError(f"num_experts {num_experts} is not a multiple of the {ranks} ranks")
+        t, h = chk.tensor("x", x, ("bfloat16",), 2, self._device)
+        if t > n:
+            raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank {n}")
+        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (as in DeepEP)")
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0=True needs use_fp8=True")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook exclude each other (as in DeepEP)")
+        local = num_experts // ranks
+        if cumulative_local_expert_recv_stats is not None:
+            chk.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ("int32",), 1, self._device, (local,))
+        import torch
+
+        buf = self._ll_buffer(n, h, k, num_experts)
+        compute, stream = self._streams(buf.stream, None)
+        with torch.cuda.stream(stream):
+            idx32 = topk_idx.to(torch.int32)
+            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook)
+            dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+            recv_x = torch.empty(tuple(out.x.shape), dtype=dtype, device=x.device)
+            recv_scales = None
+            if use_fp8:
+                sl, rows, words = out.scales.shape
+                sdtype = torch.int32 if use_ue8m0 else torch.float32
+                # Column-major per expert, as DeepEP returns them.
+                recv_scales = torch.empty((sl, words, rows), dtype=sdtype, device=x.device).transpose(1, 2)
+            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
+        stats = cumulative_local_expert_recv_stats
+
+        def copy_out():
+            with torch.cuda.stream(stream):
+                recv_x.copy_(self._view(out.x, dtype))
+                if recv_scales is not None:
+                    recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
+                recv_count.copy_(self._view(out.recv_count, torch.int32))
+                if stats is not None:
+                    stats.add_(recv_count)
+
+        handle = _LowLatencyHandle(out.handle, n, h, num_experts, self._id)
+        outputs = (recv_x, recv_scales, recv_count)
+        rx = (recv_x, recv_scales) if use_fp8 else recv_x
+        if return_recv_hook:
+            native_hook = out.hook
+            keep = (x, topk_idx, idx32, stats, out)
+
+            def hook():
+                _ = keep  # the inputs stay alive until the receive is queued
+                cur = torch.cuda.current_stream()
+                stream.wait_stream(cur)
+                native_hook.call()
+                copy_out()
+                cur.wait_stream(stream)
+
+            for tt in outputs:
+                if tt is not None:
+                    tt.record_stream(compute)
+            return rx, recv_count, handle, EventOverlap(None), hook
+        copy_out()
+        event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats), outputs)
+        return rx, recv_count, handle, event, None
+
+    def low_latency_combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: _LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[Any] = None,
+        combine_wait_recv_cost_stats: Optional[Any] = None,
+    ):
+        """Sums each token's top-k weighted expert outputs back (BF16, f32 accumulation).
+
+        Returns ``(combined_x [T, H] bf16, EventOverlap, hook)`` (``hook`` None without
+        ``return_recv_hook``).
+        """
+        self._live()
+        if not self.low_latency_mode:
+            raise RuntimeError("low_latency_combine needs a Buffer created with low_latency_mode=True")
+        for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            chk.flag(name, v)
+        if use_logfmt:
+            raise _not_implemented("use_logfmt (LogFMT combine)")
+        if combine_wait_recv_cost_stats is not None:
+            raise _not_implemented("combine_wait_recv_cost_stats (wait-cost statistics)")
+        if not isinstance(handle, _LowLatencyHandle) or handle.buffer_id != self._id:
+            raise TypeError("handle must be the handle a low_latency_dispatch of this Buffer returned")
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook exclude each other (as in DeepEP)")
+        ranks = self.group_size
+        local = handle.num_experts // ranks
+        n, h, t = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_tokens
+        xs = chk.tensor("x", x, ("bfloat16",), 3, self._device, (local, ranks * n, h))
+        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
+        chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
+        if out is not None:
+            chk.tensor("out", out, ("bfloat16",), 2, self._device, (t, h))
+        import torch
+
+        buf = self._ll
+        compute, stream = self._streams(buf.stream, None)
+        with torch.cuda.stream(stream):
+            idx32 = topk_idx.to(torch.int32)
+            res = buf.combine(
+                handle.native,
+                0 if zero_copy else x.data_ptr(),
+                list(xs),
+                idx32.data_ptr(),
+                topk_weights.data_ptr(),
+                t,
+                k,
+                return_recv_hook,
+            )
+            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
+
+        def copy_out():
+            with torch.cuda.stream(stream):
+                combined.copy_(self._view(res.x, torch.bfloat16))
+
+        if return_recv_hook:
+            native_hook = res.hook
+            keep = (x, topk_idx, topk_weights, idx32, res)
+
+            def hook():
+                _ = keep
+                cur = torch.cuda.current_stream()
+                stream.wait_stream(cur)
+                native_hook.call()
+                copy_out()
+                cur.wait_stream(stream)
+
+            if out is None:
+                combined.record_stream(compute)
+            return combined, EventOverlap(None), hook
+        copy_out()
+        event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out),
+                             (combined,) if out is None else ())
+        return combined, event, None
+
+    def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle):
+        """The BF16 ``[L, R*N, H]`` buffer that a ``zero_copy`` combine reads (a view of the
+        buffer's own memory: write the expert outputs there)."""
+        self._live()
+        if not isinstance(handle, _LowLatencyHandle) or handle.buffer_id != self._id:
+            raise TypeError("handle must be the handle a low_latency_dispatch of this Buffer returned")
+        import torch
+
+        return self._view(self._ll.combine_input(handle.hidden), torch.bfloat16)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: the native buffer keeps its signals consistent itself (every
+        operation leaves them ready for the next). Checks the sizes against the buffer's."""
+        self._live()
+        chk.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        chk.positive_int("hidden", hidden)
+        chk.positive_int("num_experts", num_experts)
+        if self._ll is not None:
+            lim = self._ll.limits
+            if num_max_dispatch_tokens_per_rank != lim[0] or hidden > lim[1] or num_experts != lim[3]:
+                raise ValueError(
+                    f"clean_low_latency_buffer({num_max_dispatch_tokens_per_rank}, {hidden}, {num_experts}): "
+                    f"the low-latency buffer is for ({lim[0]}, up to {lim[1]}, {lim[3]})"
+                )
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Needs ``enable_shrink`` (not implemented)."""
+        raise _not_implemented("low_latency_update_mask_buffer (enable_shrink rank masks)")
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Needs ``enable_shrink`` (not implemented)."""
+        raise _not_implemented("low_latency_query_mask_buffer (enable_shrink rank masks)")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Needs ``enable_shrink`` (not implemented)."""
+        raise _not_implemented("low_latency_clean_mask_buffer (enable_shrink rank masks)")
+
+    # ----- misc ------------------------------------------------------------------------------
+
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0, use_rdma_buffer: bool = False):
+        """A tensor over the buffer's raw memory (not implemented: our buffers are not one flat
+        byte range)."""
+        raise _not_implemented("get_local_buffer_tensor (a tensor over the raw buffer)")
+
+    def get_comm_stream(self):
+        """The communication stream (``torch.cuda.Stream``) of the normal-mode operations."""
+        self._live()
+        if self._intranode is None:
+            raise RuntimeError("get_comm_stream: the communication stream is created at the first dispatch of this Buffer")
+        import torch
+
+        return torch.cuda.ExternalStream(self._intranode.comm_stream, device=torch.device("cuda", self._device))
+
+    def destroy(self) -> None:
+        """Frees the buffer with every rank (a collective; needs ``explicitly_destroy=True``)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True (as in DeepEP)")
+        if self._destroyed:
+            return
+        self._destroyed = True
+        errors = []
+        for native in (self._ll, self._intranode):
+            if native is not None:
+                try:
+                    native.shutdown()
+                except Exception as e:  # every part is released; report the first failure
+                    errors.append(e)
+        self._ll = self._intranode = None
+        if errors:
+            raise errors[0]

@@ -1,0 +1,395 @@
+//! The intranode (NVLink) buffer for Python: [`ep::Buffer`] driven with raw device addresses.
+//!
+//! Every method taking `*_ptr` arguments is internal API for `ep_ibgda/buffer.py`, which passes
+//! `data_ptr()` of torch tensors whose dtype, shape, device and contiguity it checked, and keeps
+//! them alive until the work queued on them has finished (references held by the returned
+//! event, `record_stream` on the communication stream). A pointer of 0 means "not given".
+//!
+//! Ordering: every operation runs on the buffer's communication stream and starts after an
+//! event recorded there (the Python layer first makes that stream wait for the caller's stream
+//! or `previous_event`), and never makes another stream wait (`async_finish`): the Python layer
+//! orders the caller's stream after the copies of the outputs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use ep::{Bf16, CombineArgs, DispatchArgs, DispatchX, Event, Fp8E4M3, RecvX, StreamOrder, TopK};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::group::PyGroup;
+use crate::to_py;
+use crate::view::{input, DeviceView};
+
+/// One rank's intranode buffer (internal: use `ep_ibgda.Buffer`).
+#[pyclass(module = "ep_ibgda._ep", unsendable)]
+pub struct Intranode {
+    inner: Option<ep::Buffer>,
+    group: PyGroup,
+    ctx: Arc<CudaContext>,
+}
+
+/// A dispatch layout computed by the native side (internal).
+#[pyclass(module = "ep_ibgda._ep", unsendable)]
+pub struct Layout {
+    inner: ep::DispatchLayout,
+}
+
+/// How a dispatch routed tokens: what combine and a cached dispatch need (opaque to callers).
+#[pyclass(module = "ep_ibgda._ep", unsendable)]
+pub struct Handle {
+    inner: ep::Handle,
+}
+
+#[pymethods]
+impl Handle {
+    /// Tokens the source side sent (rows of the combine output).
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+    /// Rows of the dispatch output (and of the combine input).
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.inner.num_rows()
+    }
+}
+
+/// What a dispatch produced, as views of the buffer's pooled memory (internal).
+#[pyclass(module = "ep_ibgda._ep", unsendable)]
+pub struct Dispatched {
+    /// Received rows (BF16 as `<i2`, FP8 as `|u1`).
+    #[pyo3(get)]
+    x: Py<DeviceView>,
+    /// FP8 scales, f32 `[rows, hidden / 128]`.
+    #[pyo3(get)]
+    scales: Option<Py<DeviceView>>,
+    /// Local expert ids, i32 `[rows, k]`.
+    #[pyo3(get)]
+    topk_idx: Option<Py<DeviceView>>,
+    /// Weights, f32 `[rows, k]`.
+    #[pyo3(get)]
+    topk_weights: Option<Py<DeviceView>>,
+    /// Rows received, when known on the host.
+    #[pyo3(get)]
+    num_recv_tokens: Option<usize>,
+    /// Rows per local expert (aligned), when known on the host.
+    #[pyo3(get)]
+    num_recv_tokens_per_expert: Option<Vec<usize>>,
+    /// For combine and cached dispatch.
+    #[pyo3(get)]
+    handle: Py<Handle>,
+}
+
+/// What a combine produced (internal).
+#[pyclass(module = "ep_ibgda._ep", unsendable)]
+pub struct Combined {
+    /// BF16 `[tokens, hidden]`.
+    #[pyo3(get)]
+    x: Py<DeviceView>,
+    /// f32 `[tokens, k]`, when weights were given.
+    #[pyo3(get)]
+    topk_weights: Option<Py<DeviceView>>,
+}
+
+fn released() -> PyErr {
+    PyRuntimeError::new_err("the buffer was destroyed (Buffer.destroy)")
+}
+
+impl Intranode {
+    fn buf(&mut self) -> PyResult<&mut ep::Buffer> {
+        self.inner.as_mut().ok_or_else(released)
+    }
+
+    /// An event at the current end of the communication stream: the operation's start.
+    fn here(&mut self) -> PyResult<Event> {
+        Event::on(self.buf()?.comm_stream()).map_err(to_py)
+    }
+
+    fn config(&mut self, num_sms: u32) -> PyResult<ep::Config> {
+        let mut c = ep::Config::default_for(self.buf()?.ranks());
+        if num_sms > 0 {
+            c.num_sms = num_sms;
+        }
+        Ok(c)
+    }
+
+    /// The tokens to send, over caller memory.
+    ///
+    /// # Safety
+    ///
+    /// As the module says: live, checked tensors of these shapes.
+    unsafe fn x_inputs(
+        &self,
+        x_ptr: u64,
+        fp8: bool,
+        tokens: usize,
+        hidden: usize,
+        scales_ptr: u64,
+    ) -> XIn {
+        let ctx = &self.ctx;
+        if fp8 {
+            // SAFETY: the caller's promise (see the module docs).
+            let x = unsafe { input::<Fp8E4M3>(ctx, x_ptr, &[tokens, hidden]) };
+            let words = hidden.div_ceil(ep::FP8_BLOCK);
+            // SAFETY: as above, scales `[tokens, hidden / 128]` f32.
+            let scales = unsafe { input::<f32>(ctx, scales_ptr, &[tokens, words]) };
+            XIn::Fp8(x, scales)
+        } else {
+            // SAFETY: the caller's promise (see the module docs).
+            XIn::Bf16(unsafe { input::<Bf16>(ctx, x_ptr, &[tokens, hidden]) })
+        }
+    }
+}
+
+/// The tokens to send.
+enum XIn {
+    Bf16(ep::Tensor<Bf16>),
+    Fp8(ep::Tensor<Fp8E4M3>, ep::Tensor<f32>),
+}
+
+impl XIn {
+    fn arg(&self) -> DispatchX<'_> {
+        match self {
+            XIn::Bf16(x) => DispatchX::Bf16(x),
+            XIn::Fp8(x, scales) => DispatchX::Fp8 { x, scales },
+        }
+    }
+}
+
+fn dispatched(py: Python<'_>, out: ep::DispatchOutput) -> PyResult<Dispatched> {
+    let (x, scales) = match &out.x {
+        RecvX::Bf16(x) => (DeviceView::py(py, x)?, None),
+        RecvX::Fp8 { x, scales } => (DeviceView::py(py, x)?, Some(DeviceView::py(py, scales)?)),
+    };
+    Ok(Dispatched {
+        x,
+        scales,
+        topk_idx: out
+            .topk_idx
+            .as_ref()
+            .map(|t| DeviceView::py(py, t))
+            .transpose()?,
+        topk_weights: out
+            .topk_weights
+            .as_ref()
+            .map(|t| DeviceView::py(py, t))
+            .transpose()?,
+        num_recv_tokens: out.num_recv_tokens,
+        num_recv_tokens_per_expert: out.num_recv_tokens_per_expert.clone(),
+        handle: Py::new(py, Handle { inner: out.handle })?,
+    })
+}
+
+#[pymethods]
+impl Intranode {
+    /// Builds this rank's buffer on GPU `device` together with every rank of the group
+    /// (`all_gather`, `barrier`: see [`PyGroup`]).
+    #[new]
+    #[pyo3(signature = (device, rank, world, all_gather, barrier, max_tokens_per_rank, max_hidden,
+        max_topk, num_experts, max_live_outputs, timeout_s))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        rank: usize,
+        world: usize,
+        all_gather: Py<PyAny>,
+        barrier: Py<PyAny>,
+        max_tokens_per_rank: usize,
+        max_hidden: usize,
+        max_topk: usize,
+        num_experts: usize,
+        max_live_outputs: usize,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        let ctx = ibgda_device::cuda::context(device)
+            .map_err(|e| PyRuntimeError::new_err(format!("rank {rank}: GPU {device}: {e}")))?;
+        let group = PyGroup::new(rank, world, device, all_gather, barrier);
+        let mut opts =
+            ep::BufferOptions::new(max_tokens_per_rank, max_hidden, max_topk, num_experts);
+        opts.max_live_outputs = max_live_outputs;
+        opts.timeout = Duration::from_secs_f64(timeout_s.max(0.001));
+        let inner = ep::Buffer::new(&ctx, &group, &opts).map_err(to_py)?;
+        Ok(Self {
+            inner: Some(inner),
+            group,
+            ctx,
+        })
+    }
+
+    /// The communication stream (a `CUstream` handle).
+    #[getter]
+    fn comm_stream(&mut self) -> PyResult<u64> {
+        Ok(self.buf()?.comm_stream().cu_stream() as u64)
+    }
+
+    /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs]`.
+    #[getter]
+    fn limits(&mut self) -> PyResult<Vec<usize>> {
+        let o = self.buf()?.options();
+        Ok(vec![
+            o.max_tokens_per_rank,
+            o.max_hidden,
+            o.max_topk,
+            o.num_experts,
+            o.max_live_outputs,
+        ])
+    }
+
+    /// The routing of `tokens` tokens by top-k ids (i32 `[tokens, k]` at `topk_idx_ptr`).
+    /// Waits (bounded) on the host.
+    fn layout(&mut self, topk_idx_ptr: u64, tokens: usize, k: usize) -> PyResult<Layout> {
+        // SAFETY: the module's contract: a live, checked i32 tensor `[tokens, k]`.
+        let idx = unsafe { input::<i32>(&self.ctx, topk_idx_ptr, &[tokens, k]) };
+        let inner = self.buf()?.get_dispatch_layout(&idx).map_err(to_py)?;
+        Ok(Layout { inner })
+    }
+
+    /// Dispatches `x` (BF16, or FP8 with f32 scales) by `layout`, with top-k when
+    /// `topk_idx_ptr` (i32) and `topk_weights_ptr` (f32) are given. `num_worst_tokens` 0: rows
+    /// as received (host wait, bounded).
+    #[pyo3(signature = (layout, x_ptr, fp8, tokens, hidden, scales_ptr, topk_idx_ptr,
+        topk_weights_ptr, k, num_worst_tokens, expert_alignment, num_sms))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        py: Python<'_>,
+        layout: &Layout,
+        x_ptr: u64,
+        fp8: bool,
+        tokens: usize,
+        hidden: usize,
+        scales_ptr: u64,
+        topk_idx_ptr: u64,
+        topk_weights_ptr: u64,
+        k: usize,
+        num_worst_tokens: usize,
+        expert_alignment: usize,
+        num_sms: u32,
+    ) -> PyResult<Dispatched> {
+        let ctx = self.ctx.clone();
+        // SAFETY: the module's contract: live, checked tensors of these shapes.
+        let xin = unsafe { self.x_inputs(x_ptr, fp8, tokens, hidden, scales_ptr) };
+        let topk = (topk_idx_ptr != 0).then(|| {
+            // SAFETY: the module's contract: i32 and f32 `[tokens, k]`.
+            unsafe {
+                (
+                    input::<i32>(&ctx, topk_idx_ptr, &[tokens, k]),
+                    input::<f32>(&ctx, topk_weights_ptr, &[tokens, k]),
+                )
+            }
+        });
+        let config = self.config(num_sms)?;
+        let start = self.here()?;
+        let x = xin.arg();
+        let ranks = self.buf()?.ranks();
+        let mut args = DispatchArgs::new(x, &layout.inner, ranks);
+        args.topk = topk.as_ref().map(|(idx, weights)| TopK { idx, weights });
+        args.num_worst_tokens = (num_worst_tokens > 0).then_some(num_worst_tokens);
+        args.expert_alignment = expert_alignment.max(1);
+        args.config = config;
+        args.order = StreamOrder {
+            previous_event: Some(&start),
+            async_finish: true,
+        };
+        let out = self.buf()?.dispatch(&args).map_err(to_py)?;
+        dispatched(py, out)
+    }
+
+    /// Sends `x` along the routes of `handle`'s dispatch (no top-k, no host wait).
+    #[pyo3(signature = (handle, x_ptr, fp8, tokens, hidden, scales_ptr, num_sms))]
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_cached(
+        &mut self,
+        py: Python<'_>,
+        handle: &Handle,
+        x_ptr: u64,
+        fp8: bool,
+        tokens: usize,
+        hidden: usize,
+        scales_ptr: u64,
+        num_sms: u32,
+    ) -> PyResult<Dispatched> {
+        // SAFETY: the module's contract: live, checked tensors of these shapes.
+        let xin = unsafe { self.x_inputs(x_ptr, fp8, tokens, hidden, scales_ptr) };
+        let config = self.config(num_sms)?;
+        let start = self.here()?;
+        let x = xin.arg();
+        let order = StreamOrder {
+            previous_event: Some(&start),
+            async_finish: true,
+        };
+        let out = self
+            .buf()?
+            .dispatch_cached(x, &handle.inner, &config, &order)
+            .map_err(to_py)?;
+        dispatched(py, out)
+    }
+
+    /// Sums every copy of each token back (BF16 `[rows, hidden]` at `x_ptr`), with weights
+    /// (f32 `[rows, k]`) and up to two biases (BF16 `[tokens, hidden]`) when given.
+    #[pyo3(signature = (handle, x_ptr, rows, hidden, topk_weights_ptr, k, bias0_ptr, bias1_ptr,
+        num_sms))]
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &mut self,
+        py: Python<'_>,
+        handle: &Handle,
+        x_ptr: u64,
+        rows: usize,
+        hidden: usize,
+        topk_weights_ptr: u64,
+        k: usize,
+        bias0_ptr: u64,
+        bias1_ptr: u64,
+        num_sms: u32,
+    ) -> PyResult<Combined> {
+        let ctx = self.ctx.clone();
+        let tokens = handle.inner.num_tokens();
+        // SAFETY: the module's contract: live, checked tensors of these shapes.
+        let x = unsafe { input::<Bf16>(&ctx, x_ptr, &[rows, hidden]) };
+        let w = (topk_weights_ptr != 0)
+            // SAFETY: as above, f32 `[rows, k]`.
+            .then(|| unsafe { input::<f32>(&ctx, topk_weights_ptr, &[rows, k]) });
+        let b0 = (bias0_ptr != 0)
+            // SAFETY: as above, BF16 `[tokens, hidden]`.
+            .then(|| unsafe { input::<Bf16>(&ctx, bias0_ptr, &[tokens, hidden]) });
+        let b1 = (bias1_ptr != 0)
+            // SAFETY: as above, BF16 `[tokens, hidden]`.
+            .then(|| unsafe { input::<Bf16>(&ctx, bias1_ptr, &[tokens, hidden]) });
+        let config = self.config(num_sms)?;
+        let start = self.here()?;
+        let ranks = self.buf()?.ranks();
+        let mut args = CombineArgs::new(&x, &handle.inner, ranks);
+        args.topk_weights = w.as_ref();
+        args.bias = [b0.as_ref(), b1.as_ref()];
+        args.config = config;
+        args.order = StreamOrder {
+            previous_event: Some(&start),
+            async_finish: true,
+        };
+        let out = self.buf()?.combine(&args).map_err(to_py)?;
+        Ok(Combined {
+            x: DeviceView::py(py, &out.x)?,
+            topk_weights: out
+                .topk_weights
+                .as_ref()
+                .map(|t| DeviceView::py(py, t))
+                .transpose()?,
+        })
+    }
+
+    /// Waits (bounded) for the communication stream; reports errors the kernels recorded.
+    fn synchronize(&mut self) -> PyResult<()> {
+        self.buf()?.synchronize().map_err(to_py)
+    }
+
+    /// Tears the buffer down together with every rank (a collective); idempotent.
+    fn shutdown(&mut self) -> PyResult<()> {
+        match self.inner.take() {
+            Some(b) => b.shutdown(&self.group).map_err(to_py),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+"""Runs a test body as ranks in processes (``torch.multiprocessing``, spawn) joined by a
+``torch.distributed`` gloo group, one GPU per rank or sharing the GPUs there are; and the checks
+that tell, loudly, why a GPU test was skipped."""
+
+import datetime
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+
+def need_gpu():
+    """Skips the calling test (and says so on stderr) without torch or a CUDA GPU."""
+    try:
+        import torch
+    except ImportError:
+        reason = "torch is not installed"
+    else:
+        reason = None if torch.cuda.is_available() else "no CUDA GPU visible"
+    if reason is not None:
+        sys.stderr.write(f"SKIPPED (needs torch and a CUDA GPU: {reason})\n")
+        pytest.skip(f"needs torch and a CUDA GPU: {reason}")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, body, world, port, args):
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(rank % gpus)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    try:
+        t0 = time.time()
+        body(rank, world, *args)
+        torch.cuda.synchronize()
+        sys.stderr.write(
+            f"[rank {rank}/{world} on cuda:{rank % gpus} of {gpus}] {body.__name__} passed in "
+            f"{time.time() - t0:.1f} s\n"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(body, world, *args, timeout=None):
+    """Runs ``body(rank, world, *args)`` in ``world`` processes; fails on the first rank that
+    raises (with its traceback) or when ``timeout`` seconds (``EP_IBGDA_TEST_TIMEOUT_S``, 200)
+    pass (the ranks are killed)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    # Under the device machine's 10-minute command limit, so a stuck case reports itself.
+    timeout = timeout or int(os.environ.get("EP_IBGDA_TEST_TIMEOUT_S", "200"))
+    gpus = torch.cuda.device_count()
+    sys.stderr.write(f"{body.__name__}: {world} ranks on {min(world, gpus)} of {gpus} GPUs\n")
+    ctx = mp.start_processes(
+        _entry, args=(body, world, _free_port(), args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{body.__name__}: {world} ranks still running after {timeout} s (killed)")
+
+
+def seed():
+    """The random seed: ``EP_TEST_SEED`` if set, else fresh; printed so a failure replays."""
+    s = int(os.environ.get("EP_TEST_SEED", str(int(time.time() * 1000) % (1 << 31))))
+    sys.stderr.write(f"seed {s} (replay with EP_TEST_SEED={s})\n")
+    return s
+
+
+def world_sizes():
+    """Rank counts to test: ``EP_IBGDA_TEST_RANKS`` (comma-separated) or 2 and 4."""
+    return [int(w) for w in os.environ.get("EP_IBGDA_TEST_RANKS", "2,4").split(",") if w]
+
+
+def gather(obj):
+    """Every rank's ``obj`` (CPU tensors, lists), by rank, over the default group."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

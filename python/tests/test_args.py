@@ -1,0 +1,222 @@
+"""Bad arguments raise a Python exception naming the argument, before any launch; missing
+features raise NotImplementedError naming the feature. Runs without torch and without a GPU: the
+tensors are fakes with the attributes the checks read, the group a one-process object group."""
+
+import pytest
+
+from ep_ibgda import Buffer, Config, EventOverlap
+
+T, H, K, E = 8, 256, 2, 4
+
+
+def make(group, **kw):
+    return Buffer(group(), int(1e8), 0, **kw)
+
+
+def test_constructor_checks(group):
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        Buffer(group(), -1)
+    with pytest.raises(TypeError, match="low_latency_mode"):
+        Buffer(group(), 0, 0, low_latency_mode=1)
+    with pytest.raises(NotImplementedError, match="enable_shrink"):
+        Buffer(group(), 0, 0, enable_shrink=True)
+    with pytest.raises(NotImplementedError, match="use_fabric"):
+        Buffer(group(), 0, 0, use_fabric=True)
+    with pytest.raises(ValueError, match="group"):
+        Buffer(None, 0, 0)
+    b = make(group, allow_mnnvl=True, num_qps_per_rank=8)
+    assert (b.rank, b.group_size, b.num_nvl_bytes, b.num_rdma_bytes, b.low_latency_mode) == (0, 1, int(1e8), 0, False)
+
+
+def test_mpi_style_comm():
+    class Comm:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 1
+
+        def allgather(self, obj):
+            return [obj]
+
+        def Barrier(self):
+            pass
+
+    b = Buffer(None, 0, 0, comm=Comm())
+    assert b.group_size == 1 and b.group is None
+
+
+def test_layout_argument_errors(group, fake):
+    b = make(group)
+    with pytest.raises(TypeError, match="topk_idx must have dtype int64"):
+        b.get_dispatch_layout(fake((T, K), "float32"), E)
+    with pytest.raises(ValueError, match="topk_idx must have 2 dimensions"):
+        b.get_dispatch_layout(fake((T,), "int64"), E)
+    with pytest.raises(ValueError, match="topk_idx must be on a CUDA device"):
+        b.get_dispatch_layout(fake((T, K), "int64", device="cpu"), E)
+    with pytest.raises(ValueError, match="topk_idx must be contiguous"):
+        b.get_dispatch_layout(fake((T, K), "int64", strides=(1, T)), E)
+    with pytest.raises(ValueError, match="num_experts"):
+        b.get_dispatch_layout(fake((T, K), "int64"), 0)
+    with pytest.raises(TypeError, match="topk_idx must be a torch tensor"):
+        b.get_dispatch_layout([[0, 1]], E)
+    with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+        b.get_dispatch_layout(fake((T, K), "int64"), E, allocate_on_comm_stream=True)
+    with pytest.raises(TypeError, match="previous_event"):
+        b.get_dispatch_layout(fake((T, K), "int64"), E, previous_event=object())
+
+
+def layout(fake, ranks=1):
+    return dict(
+        num_tokens_per_rank=fake((ranks,), "int32"),
+        is_token_in_rank=fake((T, ranks), "bool"),
+        num_tokens_per_expert=fake((E,), "int32"),
+        topk_idx=fake((T, K), "int64"),
+        topk_weights=fake((T, K), "float32"),
+    )
+
+
+def test_dispatch_argument_errors(group, fake):
+    b = make(group)
+    x = fake((T, H), "bfloat16")
+    with pytest.raises(TypeError, match="x must have dtype bfloat16, got float16"):
+        b.dispatch(fake((T, H), "float16"), **layout(fake))
+    with pytest.raises(ValueError, match="x must have 2 dimensions"):
+        b.dispatch(fake((T, H, 1)), **layout(fake))
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        b.dispatch(fake((T, H), strides=(1, T)), **layout(fake))
+    with pytest.raises(ValueError, match="x: hidden 4 gives rows of 8 bytes"):
+        b.dispatch(fake((T, 4)), **layout(fake))
+    with pytest.raises(TypeError, match=r"x\[1\] must have dtype float32"):
+        b.dispatch((fake((T, H), "float8_e4m3fn"), fake((T, H // 128), "bfloat16")), **layout(fake))
+    with pytest.raises(ValueError, match=r"x\[1\] has shape \[8, 3\], expected \[8, 2\]"):
+        b.dispatch((fake((T, H), "float8_e4m3fn"), fake((T, 3), "float32")), **layout(fake))
+    with pytest.raises(ValueError, match=r"x\[0\]: FP8 hidden 200"):
+        b.dispatch((fake((T, 200), "float8_e4m3fn"), fake((T, 1), "float32")), **layout(fake))
+    bad = layout(fake)
+    bad["is_token_in_rank"] = fake((T + 1, 1), "bool")
+    with pytest.raises(ValueError, match="is_token_in_rank has shape"):
+        b.dispatch(x, **bad)
+    bad = layout(fake)
+    bad["num_tokens_per_rank"] = fake((1,), "int64")
+    with pytest.raises(TypeError, match="num_tokens_per_rank must have dtype int32"):
+        b.dispatch(x, **bad)
+    bad = layout(fake)
+    bad["topk_weights"] = fake((T, K + 1), "float32")
+    with pytest.raises(ValueError, match="topk_weights has shape"):
+        b.dispatch(x, **bad)
+    bad = layout(fake)
+    del bad["topk_weights"]
+    with pytest.raises(ValueError, match="topk_idx and topk_weights go together"):
+        b.dispatch(x, **bad)
+    bad = layout(fake)
+    del bad["is_token_in_rank"]
+    with pytest.raises(ValueError, match="needs is_token_in_rank"):
+        b.dispatch(x, **bad)
+    with pytest.raises(ValueError, match="expert_alignment"):
+        b.dispatch(x, expert_alignment=0, **layout(fake))
+    with pytest.raises(ValueError, match="num_worst_tokens"):
+        b.dispatch(x, num_worst_tokens=-1, **layout(fake))
+    bad = layout(fake)
+    del bad["topk_weights"], bad["topk_idx"]
+    with pytest.raises(ValueError, match="num_worst_tokens > 0 needs topk_idx"):
+        b.dispatch(x, num_worst_tokens=16, **bad)
+    with pytest.raises(TypeError, match="config must be a Config"):
+        b.dispatch(x, config={"num_sms": 20}, **layout(fake))
+    with pytest.raises(TypeError, match="handle must be the handle"):
+        b.dispatch(x, handle=("not", "ours"))
+    with pytest.raises(NotImplementedError, match="internode"):
+        b.dispatch(x, num_tokens_per_rdma_rank=fake((1,), "int32"), **layout(fake))
+
+
+def test_wrong_gpu_is_named(group, fake):
+    b = make(group)
+    b._device = 0
+    with pytest.raises(ValueError, match="x is on cuda:1, this buffer uses cuda:0"):
+        b.dispatch(fake((T, H), index=1), **layout(fake))
+
+
+def test_combine_argument_errors(group, fake):
+    b = make(group)
+    with pytest.raises(TypeError, match="handle must be the handle"):
+        b.combine(fake((T, H)), None)
+
+
+def test_low_latency_argument_errors(group, fake):
+    normal = make(group)
+    x, idx = fake((T, H)), fake((T, K), "int64")
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        normal.low_latency_dispatch(x, idx, 128, E)
+    b = Buffer(group(), 0, int(1e9), low_latency_mode=True)
+    with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank 4"):
+        b.low_latency_dispatch(x, idx, 4, E)
+    with pytest.raises(TypeError, match="x must have dtype bfloat16"):
+        b.low_latency_dispatch(fake((T, H), "float32"), idx, 128, E)
+    with pytest.raises(ValueError, match="topk_idx has shape"):
+        b.low_latency_dispatch(x, fake((T + 1, K), "int64"), 128, E)
+    with pytest.raises(ValueError, match="use_ue8m0=True needs round_scale=True"):
+        b.low_latency_dispatch(x, idx, 128, E, use_ue8m0=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        b.low_latency_dispatch(x, idx, 128, E, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats has shape"):
+        b.low_latency_dispatch(x, idx, 128, E, cumulative_local_expert_recv_stats=fake((E + 1,), "int32"))
+    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
+        b.low_latency_dispatch(x, idx, 128, E, dispatch_wait_recv_cost_stats=fake((1,), "int64"))
+    with pytest.raises(NotImplementedError, match="use_logfmt"):
+        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, use_logfmt=True)
+    with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
+        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, combine_wait_recv_cost_stats=fake((1,), "int64"))
+    with pytest.raises(TypeError, match="handle must be the handle"):
+        b.low_latency_combine(x, idx, fake((T, K), "float32"), None)
+    with pytest.raises(ValueError, match="num_experts"):
+        b.clean_low_latency_buffer(128, H, 0)
+    b.clean_low_latency_buffer(128, H, E)
+
+
+def test_missing_features_are_named(group, fake):
+    b = make(group)
+    for call, feature in (
+        (lambda: b.low_latency_update_mask_buffer(0, True), "enable_shrink"),
+        (lambda: b.low_latency_query_mask_buffer(fake((1,), "int32")), "enable_shrink"),
+        (lambda: b.low_latency_clean_mask_buffer(), "enable_shrink"),
+        (lambda: b.get_local_buffer_tensor("int8", use_rdma_buffer=True), "get_local_buffer_tensor"),
+    ):
+        with pytest.raises(NotImplementedError, match=feature):
+            call()
+    two_hosts = Buffer(group(2, hosts=["a", "b"]), int(1e8))
+    with pytest.raises(NotImplementedError, match="internode dispatch"):
+        two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
+
+
+def test_destroy(group):
+    with pytest.raises(RuntimeError, match="explicitly_destroy=True"):
+        make(group).destroy()
+    b = make(group, explicitly_destroy=True)
+    b.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        b.clean_low_latency_buffer(128, H, E)
+
+
+def test_event_overlap_without_event():
+    e = EventOverlap(None)
+    with e:
+        pass
+    with pytest.raises(RuntimeError, match="no event"):
+        e.current_stream_wait()
+    assert EventOverlap(None, extra_tensors=(1, 2)).extra_tensors == (1, 2)
+
+
+def test_config_type_errors():
+    with pytest.raises(TypeError, match="num_sms must be an int"):
+        Config(num_sms=2.5)
+
+
+def test_native_buffers_without_a_driver_fail_cleanly():
+    from ep_ibgda import _ep
+
+    if _ep.cuda_driver_present():
+        pytest.skip("a CUDA driver is present: this checks the machine without one")
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.Intranode(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, 2, 1.0)
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.LowLatency(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, True, 1.0)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The Python package's GPU suite, on the device machine. Written by `cargo xtask device-bundle`.
+#
+#   bash bundle/python/run.sh            install the wheel (no internet), run the GPU pytest files
+#                                        (2 and 4 ranks as processes), then the torchrun example
+#   EP_IBGDA_TEST_RANKS=2,8 bash bundle/python/run.sh    other rank counts
+#   EXAMPLE_RANKS=4 bash bundle/python/run.sh            ranks of the example (default 2)
+# Bounds: EP_PY_SUITE_TIMEOUT (480 s), EP_PY_EXAMPLE_TIMEOUT (90 s), EP_IBGDA_TEST_TIMEOUT_S (200 s a case).
+#
+# Logs go to $OUT (or bundle/python/out): python_suite.log, python_example.log.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+work=$(mktemp -d)
+
+# A venv that sees the machine's torch; without the venv module, a --target install on PYTHONPATH.
+if "$py" -m venv --system-site-packages "$work/venv" >/dev/null 2>&1; then
+  pyx="$work/venv/bin/python"
+  "$pyx" -m pip install --quiet --no-index --find-links "$here/wheels" ep_ibgda pytest || exit 1
+else
+  pyx="$py"
+  "$pyx" -m pip install --quiet --no-index --find-links "$here/wheels" --target "$work/site" ep_ibgda pytest || exit 1
+  export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$pyx" -c "import ep_ibgda, torch; print('ep_ibgda', ep_ibgda.__version__, 'from', ep_ibgda.__file__, '| torch', torch.__version__, '| GPUs', torch.cuda.device_count())" | tee "$out/python_suite.log"
+
+cd "$here/tests" || exit 1
+timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
+suite=${PIPESTATUS[0]}
+
+timeout "${EP_PY_EXAMPLE_TIMEOUT:-90}" "$pyx" -m torch.distributed.run --standalone --nproc-per-node "${EXAMPLE_RANKS:-2}" \
+  "$here/examples/dispatch_combine.py" 2>&1 | tee "$out/python_example.log"
+example=${PIPESTATUS[0]}
+
+echo "python suite: exit $suite; torchrun example: exit $example" | tee -a "$out/python_suite.log"
+[ "$suite" = 0 ] && [ "$example" = 0 ]
