@@ -42,6 +42,13 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
+/// Says (past libtest's capture) that this test in a GPU binary runs no GPU case by design: a
+/// child a parent test re-executes, or a CPU check of a helper. The device suite's `run.sh`
+/// reports it as `AUX` rather than failing it as a test that ran no case.
+pub fn aux(why: &str) {
+    say(&format!("AUX ({why})"));
+}
+
 /// The GPU of rank `rank` when a group is spread round robin over `gpus` GPUs.
 pub fn gpu_of(rank: usize, gpus: usize) -> usize {
     rank % gpus.max(1)

@@ -676,6 +676,7 @@ fn tagged(line: &str) -> Option<&str> {
 
 #[test]
 fn protocol_lines_are_found_after_libtest_prefix() {
+    ep_kernels::testing::aux("a CPU check of the parent's parser of the child's lines");
     assert_eq!(
         tagged("test gpu_two_process_child ... IBEMU> info 00ff"),
         Some("info 00ff")
@@ -690,6 +691,7 @@ fn protocol_lines_are_found_after_libtest_prefix() {
 #[test]
 fn gpu_two_process_child() {
     if std::env::var_os(CHILD_ENV).is_none() {
+        ep_kernels::testing::aux("runs only as the child of gpu_two_process_writes_and_atomics");
         return;
     }
     let say = |s: &str| {
