@@ -274,6 +274,37 @@ fn quiet_waits_for_delayed_completions_in_every_mode() {
     }
 }
 
+/// A CQE lost on the way (the emulator's fault plan): quiet never sees the completion, so it
+/// runs into its bound and says so, naming rank, QP and the four indices, in every mode; the data
+/// itself landed.
+#[test]
+fn a_lost_completion_ends_quiet_in_a_bounded_named_timeout() {
+    for mode in MODES {
+        let (p, peer) = setup(4096);
+        let src = fill_src(&p, 5);
+        let bound = Duration::from_millis(300);
+        let g = group(&p, &peer, mode, 1, 64, bound);
+        let qpn = g.qpn(0);
+        g.nic()
+            .set_fault_plan(FaultPlan::default().lose_cqe(qpn, 1));
+        let qp = &g.host_qps()[0];
+        qp.put(remote(&p, 0), p.src.addr(), 512, true).unwrap();
+        let t0 = Instant::now();
+        let e = qp.quiet().expect_err("the only completion was lost");
+        let took = t0.elapsed();
+        assert!(
+            took >= bound && took < bound * 20,
+            "{mode:?}: quiet took {took:?}"
+        );
+        assert_eq!(e.kind(), Some(ErrorKind::TimeoutQuiet), "{mode:?}: {e}");
+        let msg = g.check().unwrap_err().to_string();
+        for want in ["rank 0", "QP 0", "ready_head=", "cons_idx=0", mode.name()] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+        assert_eq!(p.dst.host().unwrap().read_vec(0, 512), src[..512]);
+    }
+}
+
 #[test]
 fn producer_slots_are_aligned_u64s() {
     assert_eq!(

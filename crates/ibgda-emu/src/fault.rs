@@ -1,5 +1,5 @@
 //! Fault injection and shaping for tests: error CQEs on chosen WQEs, late completions, lost
-//! doorbells, and a bandwidth cap with per-operation latency to look like a real NIC.
+//! doorbells, lost CQEs, and a bandwidth cap with per-operation latency to look like a real NIC.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,16 @@ pub struct DoorbellDrop {
     pub nth: u64,
 }
 
+/// Never write the `nth` CQE (1-based, every CQE the QP produces) of QP `qpn`: its slot is used
+/// up and stays invalid, so a consumer that waits for it (quiet) must run into its time bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CqeLoss {
+    /// The QP.
+    pub qpn: u32,
+    /// Which CQE, 1-based.
+    pub nth: u64,
+}
+
 /// What to break or slow down. The default breaks nothing.
 ///
 /// ```
@@ -48,6 +58,8 @@ pub struct FaultPlan {
     pub delay_completions: Duration,
     /// Doorbells to lose.
     pub dropped_doorbells: Vec<DoorbellDrop>,
+    /// CQEs to lose.
+    pub lost_cqes: Vec<CqeLoss>,
     /// Cap on the bytes per second the NIC moves, all QPs together, in GB/s (1e9 bytes).
     pub bandwidth_gbps: Option<f64>,
     /// Time from a doorbell to the start of each WQE it announced.
@@ -64,6 +76,12 @@ impl FaultPlan {
     /// Loses the `nth` doorbell (1-based) of `qpn`.
     pub fn drop_doorbell(mut self, qpn: u32, nth: u64) -> Self {
         self.dropped_doorbells.push(DoorbellDrop { qpn, nth });
+        self
+    }
+
+    /// Loses the `nth` CQE (1-based) of `qpn`.
+    pub fn lose_cqe(mut self, qpn: u32, nth: u64) -> Self {
+        self.lost_cqes.push(CqeLoss { qpn, nth });
         self
     }
 
@@ -90,6 +108,14 @@ impl FaultPlan {
             .iter()
             .find(|f| f.qpn == qpn && f.nth == nth)
             .map(|f| f.syndrome)
+    }
+
+    pub(crate) fn lost_cqes_of(&self, qpn: u32) -> Vec<u64> {
+        self.lost_cqes
+            .iter()
+            .filter(|l| l.qpn == qpn)
+            .map(|l| l.nth)
+            .collect()
     }
 
     pub(crate) fn drops_doorbell(&self, qpn: u32, nth: u64) -> bool {

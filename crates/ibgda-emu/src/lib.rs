@@ -144,7 +144,7 @@ pub use doorbell::{recover_pi, DoorbellConfig, UarInfo, UAR_PAGE_BYTES};
 pub use error::{DriverError, EmuError};
 pub use exec::{vendor_syndrome, FetchOrder, MAX_MESSAGE};
 pub use fabric::{Fabric, NodeId, QpInfo};
-pub use fault::{DoorbellDrop, FaultPlan, WqeFault, INJECTED_SYNDROME};
+pub use fault::{CqeLoss, DoorbellDrop, FaultPlan, WqeFault, INJECTED_SYNDROME};
 pub use host::{HostBuffer, HostMemory};
 pub use ipc::MrExport;
 pub use mr::{Access, Mr, Place};

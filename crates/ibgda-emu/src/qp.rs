@@ -187,6 +187,10 @@ pub(crate) struct QpEngine {
     wqes_executed: u64,
     wqes_flushed: u64,
     cqes_written: u64,
+    /// CQEs this QP has produced (written, queued or lost), for the fault plan's lost CQEs.
+    cqes_emitted: u64,
+    /// The fault plan's CQEs of this QP to lose (1-based), refreshed every step.
+    lost_cqes: Vec<u64>,
     pending: VecDeque<PendingCqe>,
     first_error: Option<QpError>,
     ring_cache: (u64, Vec<u8>),
@@ -230,6 +234,8 @@ impl QpEngine {
             wqes_executed: 0,
             wqes_flushed: 0,
             cqes_written: 0,
+            cqes_emitted: 0,
+            lost_cqes: Vec::new(),
             pending: VecDeque::new(),
             first_error: None,
             ring_cache: (0, Vec::new()),
@@ -268,6 +274,7 @@ impl QpEngine {
         self.wqes_executed = 0;
         self.wqes_flushed = 0;
         self.cqes_written = 0;
+        self.cqes_emitted = 0;
         self.pending.clear();
         self.first_error = None;
         self.ring_cache = (0, Vec::new());
@@ -304,6 +311,9 @@ impl QpEngine {
     /// One round: doorbells, WQEs, completions. Returns whether anything happened.
     pub fn step(&mut self, cx: &StepCtx<'_>) -> Result<bool, EmuError> {
         let mut did = false;
+        if !cx.plan.lost_cqes.is_empty() || !self.lost_cqes.is_empty() {
+            self.lost_cqes = cx.plan.lost_cqes_of(self.qpn);
+        }
         if matches!(self.state, QpState::Rts | QpState::Error) {
             did |= self.poll_doorbells(cx)?;
             did |= self.run_wqes(cx)?;
@@ -725,7 +735,18 @@ impl QpEngine {
         make: impl FnOnce(u8) -> Cqe64,
         due: Option<Instant>,
     ) -> Result<(), EmuError> {
+        self.cqes_emitted += 1;
         let (loc, bytes) = self.cq.next(make);
+        if self.lost_cqes.contains(&self.cqes_emitted) {
+            // Lost (fault plan): its slot in the CQ is used up and never written, so a consumer
+            // waits at it, as when a NIC's completion is lost on the way to memory.
+            tracing::warn!(
+                qpn = self.qpn,
+                cqe = self.cqes_emitted,
+                "fault plan: CQE lost"
+            );
+            return Ok(());
+        }
         if self.pending.is_empty() && due.is_none() && self.lane.cqe_in_order(loc) {
             // SAFETY: the CQ was validated at creation (aligned, sized) and lives with the QP.
             unsafe { self.lane.put_cqe(loc, &bytes)? };

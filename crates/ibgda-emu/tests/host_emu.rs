@@ -588,6 +588,23 @@ fn injected_error_on_the_nth_wqe() {
 }
 
 #[test]
+fn a_lost_cqe_leaves_its_slot_invalid_and_later_cqes_behind_it() {
+    let mut p = Pair::manual();
+    let q = p.qpn();
+    p.a.set_fault_plan(FaultPlan::default().lose_cqe(q, 1));
+    let rm = p.remote(1024, 64, Access::REMOTE_WRITE);
+    p.post(InlineWrite::new(q, 0, ra(&rm, 0), b"one").cqe(true).build());
+    p.post(InlineWrite::new(q, 1, ra(&rm, 8), b"two").cqe(true).build());
+    let st = p.run();
+    assert_eq!(st.cqes_written, 1, "{st:?}");
+    assert_eq!(p.ra.read_vec(1024, 3), b"one", "the data still landed");
+    assert_eq!(p.ra.read_vec(1032, 3), b"two");
+    assert!(p.qp.poll_cqe(0).is_none(), "the lost CQE's slot stays invalid");
+    let second = p.qp.poll_cqe(1).expect("the second CQE is written behind it");
+    assert_ok(&second, 1, opcode::RDMA_WRITE, 3);
+}
+
+#[test]
 fn completions_can_be_delayed() {
     let mut p = Pair::manual();
     let q = p.qpn();
