@@ -599,8 +599,13 @@ fn a_lost_cqe_leaves_its_slot_invalid_and_later_cqes_behind_it() {
     assert_eq!(st.cqes_written, 1, "{st:?}");
     assert_eq!(p.ra.read_vec(1024, 3), b"one", "the data still landed");
     assert_eq!(p.ra.read_vec(1032, 3), b"two");
-    assert!(p.qp.poll_cqe(0).is_none(), "the lost CQE's slot stays invalid");
-    let second = p.qp.poll_cqe(1).expect("the second CQE is written behind it");
+    assert!(
+        p.qp.poll_cqe(0).is_none(),
+        "the lost CQE's slot stays invalid"
+    );
+    let second =
+        p.qp.poll_cqe(1)
+            .expect("the second CQE is written behind it");
     assert_ok(&second, 1, opcode::RDMA_WRITE, 3);
 }
 
