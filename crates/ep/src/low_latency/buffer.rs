@@ -23,10 +23,7 @@ use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
-use crate::transport::{
-    choose_nic, Arena, EmuRank, NicChoice, NicKind, PassiveQps, QpGroup, QpGroupConfig, RealNic,
-    TransportError,
-};
+use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
 const ERROR_OFFSET: usize = 0;
@@ -662,19 +659,6 @@ impl LowLatencyBuffer {
         check_options(rank, ranks, opts)?;
         // Ranks as processes reach each other's net buffers through CUDA IPC mappings.
         let procs = !group.same_process();
-        // The NIC and the handler mode, as `EP_NIC` and `IBGDA_NIC_HANDLER` may override them;
-        // before any collective, so every rank refuses the same way at once.
-        let asked = if opts.allow_nvlink {
-            opts.nic_handler
-        } else {
-            transport_nic(rank)?;
-            HandlerChoice::from_env_or(opts.nic_handler).map_err(|e| {
-                invalid(
-                    rank,
-                    format!("{}: {e}", ibgda_device::protocol::HANDLER_ENV),
-                )
-            })?
-        };
         // Before any collective, so every rank refuses the same way at once.
         let nics = match (opts.allow_nvlink, nics) {
             (true, _) => None,
@@ -696,13 +680,17 @@ impl LowLatencyBuffer {
         // Before any collective, so a mode this machine cannot run fails the same way on every
         // rank (mode cpu without GDRCopy).
         let handler = match &nics {
-            Some(n) => Some(n.me(rank).select(asked).map_err(|e| {
-                let need = if asked == HandlerChoice::Cpu {
+            Some(n) => Some(n.me(rank).select(opts.nic_handler).map_err(|e| {
+                let need = if opts.nic_handler == HandlerChoice::Cpu {
                     " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
                 } else {
                     ""
                 };
-                transport_err(rank, &format!("NIC handler {}{need}", asked.name()), e)
+                transport_err(
+                    rank,
+                    &format!("NIC handler {}{need}", opts.nic_handler.name()),
+                    e,
+                )
             })?),
             None => None,
         };
@@ -1634,29 +1622,6 @@ impl Drop for LowLatencyBuffer {
 }
 
 /// A transport failure at creation or teardown, as an error that names what was being done.
-/// Which NIC the transport runs on (`EP_NIC`: `auto`, the default, takes a real mlx5 device when
-/// one is usable and the emulated NIC otherwise, and logs which and why). Building QPs on a real
-/// device is not composed into `ep` yet: asking for it fails here with the reason.
-fn transport_nic(rank: usize) -> Result<(), EpError> {
-    let choice = NicChoice::from_env_or(NicChoice::Auto)
-        .map_err(|e| transport_err(rank, "choosing the NIC (EP_NIC)", e))?;
-    transport_nic_from(rank, choice)
-}
-
-fn transport_nic_from(rank: usize, choice: NicChoice) -> Result<(), EpError> {
-    match choose_nic(choice).map_err(|e| transport_err(rank, "choosing the NIC (EP_NIC)", e))? {
-        NicKind::Emulated => Ok(()),
-        NicKind::Real(name) => match RealNic::open(Some(&name)) {
-            Ok(_) => Ok(()),
-            Err(e) => Err(transport_err(
-                rank,
-                &format!("opening mlx5 device {name}"),
-                e,
-            )),
-        },
-    }
-}
-
 pub(super) fn transport_err(rank: usize, doing: &str, e: TransportError) -> EpError {
     EpError::Transport {
         rank,
@@ -1831,20 +1796,6 @@ pub(crate) fn check_options(
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn the_transport_takes_the_nic_asked_for_and_a_real_one_fails_with_its_reason() {
-        super::transport_nic_from(0, crate::transport::NicChoice::Emulated).unwrap();
-        if crate::transport::find_real_nic().is_err() {
-            let e = super::transport_nic_from(0, crate::transport::NicChoice::Real).unwrap_err();
-            let text = e.to_string();
-            assert!(
-                matches!(e, EpError::Transport { rank: 0, .. }) && text.contains("EP_NIC"),
-                "{text}"
-            );
-            super::transport_nic_from(0, crate::transport::NicChoice::Auto).unwrap();
-        }
-    }
-
     use super::*;
     use ep_kernels::intranode::ErrorWord;
 
