@@ -88,12 +88,23 @@ pub fn rank_gpus(n: usize) -> Option<Vec<Arc<CudaContext>>> {
         say(&format!("SKIPPED (needs 1 GPUs, found 0): {test}"));
         return None;
     }
-    let used = found.min(n).max(1);
-    let opened: Vec<Arc<CudaContext>> = (0..used)
-        .map(|i| ibgda_device::cuda::context(i).unwrap_or_else(|e| panic!("opening GPU {i}: {e}")))
-        .collect();
+    let ctxs = rank_contexts(n, found).unwrap_or_else(|e| panic!("opening the GPUs: {e}"));
     say(&format!("ranks: {}", mapping(n, found)));
-    Some((0..n).map(|r| opened[gpu_of(r, used)].clone()).collect())
+    Some(ctxs)
+}
+
+/// Contexts for `n` ranks of this process spread round robin over the first `gpus` GPUs (rank
+/// `i` on GPU `i % gpus`; ranks on one GPU share its primary context): what [`rank_gpus`] hands a
+/// test, and what the examples run on.
+pub fn rank_contexts(
+    n: usize,
+    gpus: usize,
+) -> Result<Vec<Arc<CudaContext>>, ibgda_device::cuda::CudaError> {
+    let used = gpus.min(n).max(1);
+    let opened = (0..used)
+        .map(ibgda_device::cuda::context)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((0..n).map(|r| opened[gpu_of(r, used)].clone()).collect())
 }
 
 /// The context of rank `rank` of a group of processes spread round robin over the visible GPUs

@@ -1183,13 +1183,10 @@ impl Buffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        let r = gated(
-            self.gate.as_deref(),
-            self.rank,
-            call,
-            self.opts.timeout,
-            || self.launch_local(f, grid, block, smem, p, call),
-        );
+        let gate = self.gate.as_deref().map(|g| (g, self.opts.timeout));
+        let r = gated(gate, self.rank, call, || {
+            self.launch_local(f, grid, block, smem, p, call)
+        });
         if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
             let _ = self.gate_failure.set(e.to_string());
         }

@@ -341,17 +341,17 @@ impl LaunchGate {
     }
 }
 
-/// `launch` through `gate` when there is one (ranks of this process share the GPU), else
-/// directly.
-pub(crate) fn gated<T>(
-    gate: Option<&LaunchGate>,
+/// `launch` through `gate` (the gate and its bound) when there is one (ranks of this process
+/// share the GPU), else directly. Buffers launch their waiting kernels this way; so should a
+/// caller replaying a CUDA graph captured from their operations.
+pub fn gated<T>(
+    gate: Option<(&LaunchGate, Duration)>,
     rank: usize,
     what: &'static str,
-    timeout: Duration,
     launch: impl FnOnce() -> Result<T, EpError>,
 ) -> Result<T, EpError> {
     match gate {
-        Some(g) => g.around(rank, what, timeout, launch),
+        Some((g, timeout)) => g.around(rank, what, timeout, launch),
         None => launch(),
     }
 }

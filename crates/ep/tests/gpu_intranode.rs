@@ -526,11 +526,9 @@ fn graph_rank(
                 source,
             })
         };
-        match buf.launch_gate() {
-            Some(g) => g.around(r, "cuGraphLaunch", Duration::from_secs(20), replay),
-            None => replay(),
-        }
-        .map_err(|e| format!("{what}: {e}"))?;
+        let gate = buf.launch_gate().map(|g| (&**g, Duration::from_secs(20)));
+        ep::residency::gated(gate, r, "cuGraphLaunch", replay)
+            .map_err(|e| format!("{what}: {e}"))?;
         buf.synchronize().map_err(|e| format!("{what}: {e}"))?;
         check_dispatch(
             &dout,

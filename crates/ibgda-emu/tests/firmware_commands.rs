@@ -31,12 +31,12 @@ fn fixture(subnet: &EmuSubnet, name: &str) -> Fixture {
     let pd = ProtectionDomain::new(&ctx).unwrap();
     let uar = Uar::alloc(&ctx).unwrap();
     let mem = Arc::new(HostBuffer::new(1 << 16));
+    let base = mem.addr() as *mut u8;
     // SAFETY: the fixture keeps `mem` until after the umem and every object placed in it are
     // gone (field order; the tests' raw objects are locals dropped before the fixture), and
     // touches it only through HostBuffer's copies.
-    let umem =
-        unsafe { Umem::register_host(&ctx, mem.addr() as *mut u8, 1 << 16, Access::LOCAL_WRITE) }
-            .unwrap();
+    let umem = unsafe { Umem::register_host(&ctx, base, 1 << 16, Access::LOCAL_WRITE) };
+    let umem = umem.unwrap();
     let cq = CqBuilder::new(&uar, umem.at(0), umem.at(0x8000), 6)
         .create()
         .unwrap();

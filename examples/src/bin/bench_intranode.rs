@@ -400,12 +400,7 @@ fn options(a: &Args) -> BufferOptions {
 /// Ranks as threads of this process; returns the JSON records.
 fn run_threads(a: &Args, n: usize) -> Result<Vec<String>> {
     let gpus = ep_kernels::testing::visible_gpus().min(n).max(1);
-    let opened: Vec<Arc<CudaContext>> = (0..gpus)
-        .map(ibgda_device::cuda::context)
-        .collect::<Result<_, _>>()?;
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
-        .map(|r| opened[ep_kernels::testing::gpu_of(r, gpus)].clone())
-        .collect();
+    let ctxs: Vec<Arc<CudaContext>> = ep_kernels::testing::rank_contexts(n, gpus)?;
     let machine = machine_name(gpus, &ctxs[0]);
     let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
     // Ranks of this process sharing a GPU must fit on it together: SM counts past what the

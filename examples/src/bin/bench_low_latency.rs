@@ -383,12 +383,7 @@ fn main() -> Result<()> {
     if a.procs {
         return run_processes(&a, n, ranks);
     }
-    let opened: Vec<Arc<CudaContext>> = (0..n.min(ranks))
-        .map(ibgda_device::cuda::context)
-        .collect::<Result<_, _>>()?;
-    let ctxs: Vec<Arc<CudaContext>> = (0..ranks)
-        .map(|r| opened[ep_kernels::testing::gpu_of(r, opened.len())].clone())
-        .collect();
+    let ctxs: Vec<Arc<CudaContext>> = ep_kernels::testing::rank_contexts(ranks, n)?;
     let machine = format!("{}x {}", n, ctxs[0].name().unwrap_or_default());
     let mut records = Vec::new();
     records.extend(run_config(&ctxs, &a, None, &machine)?);

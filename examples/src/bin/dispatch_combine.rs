@@ -347,12 +347,7 @@ fn report(a: &Args, reports: Vec<Result<RankReport, String>>) -> Result<()> {
 /// Ranks as threads of this process.
 fn run_threads(a: &Args, n: usize, gpus: usize) -> Result<()> {
     header(a, n, gpus, "threads");
-    let ctxs: Vec<Arc<CudaContext>> = (0..gpus.min(n))
-        .map(ibgda_device::cuda::context)
-        .collect::<Result<_, _>>()?;
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
-        .map(|r| ctxs[ep_kernels::testing::gpu_of(r, ctxs.len())].clone())
-        .collect();
+    let ctxs: Vec<Arc<CudaContext>> = ep_kernels::testing::rank_contexts(n, gpus)?;
     let started = Instant::now();
     let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
     ready(a, n, started);

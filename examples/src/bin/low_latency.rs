@@ -219,12 +219,7 @@ fn main() -> Result<()> {
         ep_kernels::testing::mapping(n, gpus)
     );
     let experts = a.experts_per_rank * n;
-    let opened: Vec<Arc<CudaContext>> = (0..gpus.min(n))
-        .map(ibgda_device::cuda::context)
-        .collect::<Result<_, _>>()?;
-    let ctxs: Vec<Arc<CudaContext>> = (0..n)
-        .map(|r| opened[ep_kernels::testing::gpu_of(r, opened.len())].clone())
-        .collect();
+    let ctxs: Vec<Arc<CudaContext>> = ep_kernels::testing::rank_contexts(n, gpus)?;
     let mut opts = LowLatencyOptions::new(a.tokens, a.hidden, a.topk, experts);
     opts.allow_nvlink = a.nvlink;
     opts.nic_handler = a.handler;

@@ -21,7 +21,7 @@ use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
-use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
+use crate::residency::{gated, GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
 use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
 
@@ -404,10 +404,8 @@ impl LlGraph {
                 source,
             })
         };
-        match &self.gate {
-            Some((g, t)) => g.around(self.rank, "cuGraphLaunch (low-latency graph)", *t, go),
-            None => go(),
-        }
+        let gate = self.gate.as_ref().map(|(g, t)| (&**g, *t));
+        gated(gate, self.rank, "cuGraphLaunch (low-latency graph)", go)
     }
 }
 
@@ -425,12 +423,9 @@ fn launch<P: DeviceRepr>(
     rank: usize,
     call: &'static str,
 ) -> Result<(), EpError> {
-    match gate {
-        Some((g, timeout)) => g.around(rank, call, timeout, || {
-            launch_now(stream, f, grid, p, rank, call)
-        }),
-        None => launch_now(stream, f, grid, p, rank, call),
-    }
+    gated(gate, rank, call, || {
+        launch_now(stream, f, grid, p, rank, call)
+    })
 }
 
 fn launch_now<P: DeviceRepr>(
