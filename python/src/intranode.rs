@@ -218,10 +218,10 @@ impl Intranode {
         })
     }
 
-    /// The communication stream (a `CUstream` handle).
+    /// The communication stream (a `CUstream` handle), never destroyed (see `kept_streams`).
     #[getter]
     fn comm_stream(&mut self) -> PyResult<u64> {
-        Ok(self.buf()?.comm_stream().cu_stream() as u64)
+        Ok(crate::kept_streams::keep(self.buf()?.comm_stream()))
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs]`.

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 mod group;
 mod intranode;
+mod kept_streams;
 mod low_latency;
 mod view;
 

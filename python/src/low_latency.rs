@@ -149,10 +149,11 @@ impl LowLatency {
         })
     }
 
-    /// The stream every operation runs on (a `CUstream` handle).
+    /// The stream every operation runs on (a `CUstream` handle), never destroyed (see
+    /// `kept_streams`).
     #[getter]
     fn stream(&mut self) -> PyResult<u64> {
-        Ok(self.buf()?.stream().cu_stream() as u64)
+        Ok(crate::kept_streams::keep(self.buf()?.stream()))
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts]`.

@@ -16,16 +16,22 @@ py=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 work=$(mktemp -d)
 
-# A venv that sees the machine's torch; without the venv module, a --target install on PYTHONPATH.
-if "$py" -m venv --system-site-packages "$work/venv" >/dev/null 2>&1; then
-  pyx="$work/venv/bin/python"
-  "$pyx" -m pip install --quiet --no-index --find-links "$here/wheels" ep_ibgda pytest || exit 1
-else
-  pyx="$py"
-  "$pyx" -m pip install --quiet --no-index --find-links "$here/wheels" --target "$work/site" ep_ibgda pytest || exit 1
-  export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-"$pyx" -c "import ep_ibgda, torch; print('ep_ibgda', ep_ibgda.__version__, 'from', ep_ibgda.__file__, '| torch', torch.__version__, '| GPUs', torch.cuda.device_count())" | tee "$out/python_suite.log"
+# Install beside the machine's own Python, which is where torch lives (on the device image
+# python3 is itself a venv, /opt/torch/.venv: a venv made from it with --system-site-packages
+# would see the base interpreter's packages, not torch). pytest comes from the wheels only
+# when the machine has none.
+pyx="$py"
+pkgs=ep_ibgda
+"$pyx" -c "import pytest" >/dev/null 2>&1 || pkgs="$pkgs pytest"
+# shellcheck disable=SC2086
+"$pyx" -m pip install --quiet --no-index --find-links "$here/wheels" --target "$work/site" $pkgs || exit 1
+export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+"$pyx" -c "import ep_ibgda, torch; print('ep_ibgda', ep_ibgda.__version__, 'from', ep_ibgda.__file__, '| torch', torch.__version__, '| GPUs', torch.cuda.device_count())" >"$out/python_suite.log" 2>&1
+ok=$?
+cat "$out/python_suite.log"
+if [ $ok != 0 ]; then echo "FAIL: $pyx cannot import ep_ibgda and torch (see above)"; exit 1; fi
+# Here every GPU test must run: a skip is a failure.
+export EP_IBGDA_REQUIRE_GPU=1
 
 cd "$here/tests" || exit 1
 timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"

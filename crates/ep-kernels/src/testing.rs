@@ -72,6 +72,34 @@ pub fn mapping(ranks: usize, gpus: usize) -> String {
     )
 }
 
+/// Environment variable that narrows the rank counts a multi-rank GPU test runs
+/// ([`rank_counts`]): a comma-separated list such as `8` or `2,4`.
+pub const TEST_RANKS_ENV: &str = "EP_TEST_RANKS";
+
+/// The rank counts a multi-rank test runs: `all`, narrowed by [`TEST_RANKS_ENV`] when set (to
+/// replay one failing size without the others). Prints what it narrowed to; a list that keeps
+/// none of `all` panics, since a test that runs no case must fail.
+///
+/// ```
+/// assert_eq!(ep_kernels::testing::rank_counts(&[2, 4, 8]).len(), 3); // EP_TEST_RANKS unset
+/// ```
+pub fn rank_counts(all: &[usize]) -> Vec<usize> {
+    let Ok(list) = std::env::var(TEST_RANKS_ENV) else {
+        return all.to_vec();
+    };
+    let wanted: Vec<usize> = list
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let kept: Vec<usize> = all.iter().copied().filter(|n| wanted.contains(n)).collect();
+    assert!(
+        !kept.is_empty(),
+        "{TEST_RANKS_ENV}={list} keeps none of this test's rank counts {all:?}"
+    );
+    eprintln!("{TEST_RANKS_ENV}={list}: running rank counts {kept:?} of {all:?}");
+    kept
+}
+
 /// Contexts for `n` ranks on however many GPUs are visible, round robin (rank `i` on GPU
 /// `i % m`; ranks on one GPU share its primary context), after printing the mapping
 /// (`ranks: 4 ranks on 1 GPU: 0,0,0,0`). `None`, after printing `SKIPPED (needs 1 GPUs, found

@@ -22,7 +22,7 @@ use gpu_intranode_common::{case_options, random_bf16, rank_rngs, Case, Round, Ro
 const RANK_COUNTS: [usize; 3] = [2, 4, 8];
 
 fn run_case(c: &Case) {
-    for ranks in RANK_COUNTS {
+    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
         let Some(ctxs) = rank_gpus(ranks) else { return };
         run_case_on(c, &ctxs);
     }

@@ -56,7 +56,7 @@ fn group(ctxs: &[Arc<CudaContext>], opts: &LowLatencyOptions) -> Vec<LowLatencyB
 #[test]
 fn dispatch_combine_match_reference() {
     let mut rng = Rng::new(seed());
-    for ranks in RANK_COUNTS {
+    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
         let Some(ctxs) = rank_gpus(ranks) else { return };
         run_matrix(&ctxs, ranks, &mut rng);
     }
@@ -78,14 +78,25 @@ fn shutdown_all(bufs: Vec<LowLatencyBuffer>) {
 }
 
 fn run_matrix(ctxs: &[Arc<CudaContext>], ranks: usize, rng: &mut Rng) {
+    let t_group = std::time::Instant::now();
     let mut bufs = group(ctxs, &options(ranks));
-    for c in cases() {
+    eprintln!("EP{ranks}: group created in {:.2?}", t_group.elapsed());
+    for (i, c) in cases().into_iter().enumerate() {
+        let t_case = std::time::Instant::now();
         let data = random_data(rng, ranks, c.hidden, c.topk, None);
+        let t_ranks = std::time::Instant::now();
         let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
             let r = b.rank();
             run_case(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}: {e}"))
         });
+        let ranks_time = t_ranks.elapsed();
+        let t_check = std::time::Instant::now();
         check(ranks, &c, &data, &res, &format!("EP{ranks} {c:?}"));
+        eprintln!(
+            "EP{ranks} case {i} passed in {:.2?} (ranks {ranks_time:.2?}, check {:.2?}): {c:?}",
+            t_case.elapsed(),
+            t_check.elapsed()
+        );
     }
     // Back-to-back dispatches in hook mode: both sends first, then both receives (two results
     // held at once, one per half), then both combines.
@@ -120,7 +131,7 @@ fn run_matrix(ctxs: &[Arc<CudaContext>], ranks: usize, rng: &mut Rng) {
 #[test]
 fn cuda_graph_replays_match_reference() {
     let mut rng = Rng::new(seed());
-    for ranks in RANK_COUNTS {
+    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
         let Some(ctxs) = rank_gpus(ranks) else { return };
         let mut bufs = group(&ctxs, &options(ranks));
         for hook in [false, true] {
@@ -290,11 +301,12 @@ fn transport_group(
 #[test]
 fn transport_matrix_matches_reference_in_gpu_and_cpu_host_memory_modes() {
     let mut rng = Rng::new(seed());
-    for ranks in RANK_COUNTS {
+    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
         let Some(ctxs) = rank_gpus(ranks) else { return };
         for mode in TRANSPORT_MODES {
             let mut bufs = transport_group(&ctxs, mode);
-            for c in transport_cases() {
+            for (i, c) in transport_cases().into_iter().enumerate() {
+                let t_case = std::time::Instant::now();
                 let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
                 let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
                     let r = b.rank();
@@ -307,6 +319,11 @@ fn transport_matrix_matches_reference_in_gpu_and_cpu_host_memory_modes() {
                     &data,
                     &res,
                     &format!("EP{ranks} transport mode {} {c:?}", mode.1.name()),
+                );
+                eprintln!(
+                    "EP{ranks} transport mode {} case {i} passed in {:.2?}",
+                    mode.1.name(),
+                    t_case.elapsed()
                 );
             }
             shutdown_all(bufs);

@@ -102,34 +102,48 @@ pub fn random_data(
 ) -> Vec<RankData> {
     let experts = experts_for(ranks);
     let local = experts / ranks;
-    (0..ranks)
-        .map(|_| {
-            let t = tokens.unwrap_or_else(|| 1 + rng.below(MAX_TOKENS as u64) as usize);
-            let mut idx = Vec::with_capacity(t * topk);
-            for _ in 0..t {
-                let nowhere = rng.below(20) == 0;
-                let mut chosen: Vec<i32> = Vec::new();
-                while chosen.len() < topk {
-                    let e = rng.below(experts as u64) as i32;
-                    if !chosen.contains(&e) {
-                        chosen.push(e);
+    // One generator per rank, seeded from `rng` (so a seed still replays the whole case), each
+    // rank's data made on its own thread: at EP8 the combine inputs alone are hundreds of
+    // millions of values, which one thread took over a second per case to draw.
+    let seeds: Vec<u64> = (0..ranks).map(|_| rng.next_u64()).collect();
+    std::thread::scope(|s| {
+        let joins: Vec<_> = seeds
+            .into_iter()
+            .map(|seed| {
+                s.spawn(move || {
+                    let mut rng = Rng::new(seed);
+                    let t = tokens.unwrap_or_else(|| 1 + rng.below(MAX_TOKENS as u64) as usize);
+                    let mut idx = Vec::with_capacity(t * topk);
+                    for _ in 0..t {
+                        let nowhere = rng.below(20) == 0;
+                        let mut chosen: Vec<i32> = Vec::new();
+                        while chosen.len() < topk {
+                            let e = rng.below(experts as u64) as i32;
+                            if !chosen.contains(&e) {
+                                chosen.push(e);
+                            }
+                        }
+                        for e in chosen {
+                            idx.push(if nowhere || rng.below(10) == 0 { -1 } else { e });
+                        }
                     }
-                }
-                for e in chosen {
-                    idx.push(if nowhere || rng.below(10) == 0 { -1 } else { e });
-                }
-            }
-            RankData {
-                tokens: t,
-                x: random_bf16(rng, t * hidden),
-                weights: (0..t * topk)
-                    .map(|_| rng.below(1 << 16) as f32 / (1 << 16) as f32)
-                    .collect(),
-                idx,
-                comb_in: random_bf16(rng, local * ranks * MAX_TOKENS * hidden),
-            }
-        })
-        .collect()
+                    RankData {
+                        tokens: t,
+                        x: random_bf16(&mut rng, t * hidden),
+                        weights: (0..t * topk)
+                            .map(|_| rng.below(1 << 16) as f32 / (1 << 16) as f32)
+                            .collect(),
+                        idx,
+                        comb_in: random_bf16(&mut rng, local * ranks * MAX_TOKENS * hidden),
+                    }
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("generating a rank's data panicked"))
+            .collect()
+    })
 }
 
 /// Copies `data` into the existing tensor `dst` (ordered on the buffer's stream, then waited for).
@@ -185,10 +199,19 @@ pub fn read_dispatch(out: &LlDispatchOutput, res: &mut RankResult) -> Result<(),
 
 /// One dispatch + combine on this rank, outputs downloaded.
 pub fn run_case(buf: &mut LowLatencyBuffer, d: &RankData, c: &Case) -> Result<RankResult, EpError> {
+    // EP_TEST_PHASES=1: rank 0 prints where a case's host time goes.
+    let phases = buf.rank() == 0 && std::env::var("EP_TEST_PHASES").is_ok_and(|v| v == "1");
+    let mut marks: Vec<(&str, std::time::Instant)> = vec![("start", std::time::Instant::now())];
+    let mut mark = |what: &'static str| {
+        if phases {
+            marks.push((what, std::time::Instant::now()));
+        }
+    };
     let ctx = buf.context().clone();
     let x = Tensor::from_host(&ctx, &d.x, &[d.tokens, c.hidden])?;
     let idx = Tensor::from_host(&ctx, &d.idx, &[d.tokens, c.topk])?;
     let w = Tensor::from_host(&ctx, &d.weights, &[d.tokens, c.topk])?;
+    mark("inputs");
     let mut res = RankResult::default();
     let mut args = LlDispatchArgs::new(&x, &idx);
     args.fp8 = c.fp8;
@@ -197,8 +220,11 @@ pub fn run_case(buf: &mut LowLatencyBuffer, d: &RankData, c: &Case) -> Result<Ra
     if let Some(h) = out.hook.take() {
         h.call()?;
     }
+    mark("dispatch");
     buf.synchronize()?;
+    mark("dispatch sync");
     read_dispatch(&out, &mut res)?;
+    mark("dispatch read");
 
     let (local, cap) = (buf.num_local_experts(), buf.ranks() * MAX_TOKENS);
     let comb_in;
@@ -210,14 +236,25 @@ pub fn run_case(buf: &mut LowLatencyBuffer, d: &RankData, c: &Case) -> Result<Ra
         comb_in = Tensor::from_host(&ctx, &d.comb_in, &[local, cap, c.hidden])?;
         LlCombineX::Tensor(&comb_in)
     };
+    mark("combine input");
     let mut cargs = LlCombineArgs::new(cx, &idx, &w, &out.handle);
     cargs.return_recv_hook = c.hook;
     let mut co = buf.combine(&cargs)?;
     if let Some(h) = co.hook.take() {
         h.call()?;
     }
+    mark("combine");
     buf.synchronize()?;
+    mark("combine sync");
     res.out = co.x.to_host()?;
+    mark("combine read");
+    if phases {
+        let steps: Vec<String> = marks
+            .windows(2)
+            .map(|w| format!("{} {:.1?}", w[1].0, w[1].1 - w[0].1))
+            .collect();
+        eprintln!("  rank 0 phases: {}", steps.join(", "));
+    }
     Ok(res)
 }
 
@@ -241,14 +278,28 @@ pub fn routing(ranks: usize, c: &Case, data: &[RankData]) -> Routing {
 /// Checks every rank's results against the reference; panics with the first differences.
 pub fn check(ranks: usize, c: &Case, data: &[RankData], res: &[RankResult], what: &str) {
     let routing = routing(ranks, c, data);
-    for (r, got) in res.iter().enumerate() {
-        check_dispatch(ranks, c, data, &routing, r, got, what);
-    }
-    let inexact: usize = res
-        .iter()
-        .enumerate()
-        .map(|(s, got)| check_combine(ranks, c, data, &routing, s, got, what))
-        .sum();
+    // Each rank's results are checked on a thread of its own (EP8 took over a second on one).
+    let inexact: usize = std::thread::scope(|s| {
+        let routing = &routing;
+        let joins: Vec<_> = res
+            .iter()
+            .enumerate()
+            .map(|(r, got)| {
+                s.spawn(move || {
+                    check_dispatch(ranks, c, data, routing, r, got, what);
+                    check_combine(ranks, c, data, routing, r, got, what)
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .enumerate()
+            .map(|(r, j)| {
+                j.join()
+                    .unwrap_or_else(|_| panic!("{what}: rank {r}'s results differ (above)"))
+            })
+            .sum()
+    });
     if inexact > 0 {
         eprintln!("{what}: {inexact} combine values within one BF16 unit of the reference");
     }
