@@ -30,7 +30,7 @@ use ibgda_device::wire::syndrome;
 use ibgda_emu::FaultPlan;
 
 /// Bound of every wait in these buffers: short, so that every error case ends quickly.
-const BOUND: Duration = Duration::from_secs(1);
+const BOUND: Duration = Duration::from_secs(2);
 const HIDDEN: usize = 2048;
 /// Tokens per rank: small, so each case is quick.
 const TOKENS: usize = 16;
