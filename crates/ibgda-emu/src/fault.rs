@@ -1,5 +1,6 @@
 //! Fault injection and shaping for tests: error CQEs on chosen WQEs, late completions, lost
-//! doorbells, lost CQEs, and a bandwidth cap with per-operation latency to look like a real NIC.
+//! doorbells, lost CQEs, a NIC that dies (its host stopped mid-operation), and a bandwidth cap
+//! with per-operation latency to look like a real NIC.
 
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,9 @@ pub struct CqeLoss {
 ///     .drop_doorbell(0x100, 1)
 ///     .delay_completions(Duration::from_micros(50));
 /// assert_eq!(plan.wqe_errors.len(), 1);
+/// // Peer death: this NIC runs 10 more WQEs, then nothing ever again.
+/// let dead = FaultPlan::default().die_after_wqes(10);
+/// assert_eq!(dead.die_after_wqes, Some(10));
 /// ```
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FaultPlan {
@@ -64,6 +68,10 @@ pub struct FaultPlan {
     pub bandwidth_gbps: Option<f64>,
     /// Time from a doorbell to the start of each WQE it announced.
     pub per_op_latency: Duration,
+    /// Peer death: the NIC executes this many more WQEs (all its QPs together, counted from when
+    /// the plan was set) and then stops for good: no doorbell is read, no WQE executed and no
+    /// CQE written after that, as when the node it sits in has died. `Some(0)`: dead at once.
+    pub die_after_wqes: Option<u64>,
 }
 
 impl FaultPlan {
@@ -83,6 +91,18 @@ impl FaultPlan {
     pub fn lose_cqe(mut self, qpn: u32, nth: u64) -> Self {
         self.lost_cqes.push(CqeLoss { qpn, nth });
         self
+    }
+
+    /// Kills the NIC after `n` more WQEs (all QPs together): see
+    /// [`die_after_wqes`](Self::die_after_wqes).
+    pub fn die_after_wqes(mut self, n: u64) -> Self {
+        self.die_after_wqes = Some(n);
+        self
+    }
+
+    /// Whether a NIC that has executed `executed` WQEs under this plan is dead.
+    pub(crate) fn dead(&self, executed: u64) -> bool {
+        self.die_after_wqes.is_some_and(|n| executed >= n)
     }
 
     /// Delays every completion by `d`.

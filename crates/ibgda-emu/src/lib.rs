@@ -116,7 +116,9 @@
 //! # Faults and shaping
 //!
 //! [`FaultPlan`]: an error CQE on the n-th WQE of a QP, completions delayed, the n-th doorbell
-//! dropped, and a bandwidth cap with per-operation latency ([`FaultPlan::nic_400g`]).
+//! dropped, the n-th CQE lost, the NIC dead after n more WQEs (peer death:
+//! [`FaultPlan::die_after_wqes`]), and a bandwidth cap with per-operation latency
+//! ([`FaultPlan::nic_400g`]).
 
 mod backend;
 mod cq;

@@ -125,6 +125,8 @@ pub(crate) struct NicShared {
     next_qpn: AtomicU32,
     next_key: AtomicU32,
     plan: RwLock<FaultPlan>,
+    /// WQEs executed since the plan was set (all QPs), for [`FaultPlan::die_after_wqes`].
+    executed: AtomicU64,
     wire: Mutex<Wire>,
     stop: AtomicBool,
     thread: Mutex<Option<std::thread::Thread>>,
@@ -173,12 +175,17 @@ impl NicShared {
 
     fn round(&self, qps: &[Arc<QpSlot>]) -> bool {
         let plan = self.plan.read().expect("plan lock");
+        // A dead NIC (peer death) does nothing at all any more.
+        if plan.dead(self.executed.load(Ordering::Relaxed)) {
+            return false;
+        }
         let cx = StepCtx {
             backend: &*self.backend,
             local: &self.registry,
             plan: &plan,
             wire: &self.wire,
             cfg: &self.cfg,
+            executed: &self.executed,
         };
         let mut did = false;
         for slot in qps {
@@ -334,6 +341,7 @@ impl Nic {
             next_qpn: AtomicU32::new(1),
             next_key: AtomicU32::new(1),
             plan: RwLock::new(FaultPlan::default()),
+            executed: AtomicU64::new(0),
             wire: Mutex::new(Wire::default()),
             stop: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -793,7 +801,11 @@ impl Nic {
 
     /// Replaces the fault plan (applies from the next round).
     pub fn set_fault_plan(&self, plan: FaultPlan) {
-        *self.shared.plan.write().expect("plan lock") = plan;
+        let mut p = self.shared.plan.write().expect("plan lock");
+        // Counted afresh under the new plan (rounds hold the read lock while they count).
+        self.shared.executed.store(0, Ordering::Relaxed);
+        *p = plan;
+        drop(p);
         *self.shared.wire.lock().expect("wire lock") = Wire::default();
     }
 
@@ -834,8 +846,12 @@ impl Nic {
                     plan: &plan,
                     wire: &self.shared.wire,
                     cfg: &self.shared.cfg,
+                    executed: &self.shared.executed,
                 };
-                e.poll_doorbells(&cx)?;
+                // A dead NIC reads no doorbell.
+                if !plan.dead(self.shared.executed.load(Ordering::Relaxed)) {
+                    e.poll_doorbells(&cx)?;
+                }
                 if e.is_idle() {
                     e.lane.fence(self.shared.cfg.op_timeout)?;
                     return Ok(e.status());

@@ -207,6 +207,8 @@ pub(crate) struct StepCtx<'a> {
     pub plan: &'a FaultPlan,
     pub wire: &'a Mutex<Wire>,
     pub cfg: &'a NicConfig,
+    /// WQEs the NIC executed under this plan, all QPs (peer death).
+    pub executed: &'a std::sync::atomic::AtomicU64,
 }
 
 impl QpEngine {
@@ -466,6 +468,10 @@ impl QpEngine {
                     }
                 }
             }
+            // Peer death: past its last WQE the NIC stops here, mid-round, for good.
+            if cx.plan.dead(cx.executed.load(Ordering::Relaxed)) {
+                break;
+            }
             let mut due = None;
             if cx.plan.shaped() {
                 let wb = parsed.as_ref().map(|p| wire_bytes(&p.op)).unwrap_or(0);
@@ -484,6 +490,7 @@ impl QpEngine {
                 due = Some(due.map_or(d, |x: Instant| x.max(d)));
             }
             self.wqes_executed += 1;
+            cx.executed.fetch_add(1, Ordering::Relaxed);
             let mut reason = String::new();
             let mut planned = Planned::default();
             let outcome = if let Some(s) = cx.plan.wqe_fault(self.qpn, self.wqes_executed) {

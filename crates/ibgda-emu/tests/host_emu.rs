@@ -609,6 +609,57 @@ fn a_lost_cqe_leaves_its_slot_invalid_and_later_cqes_behind_it() {
     assert_ok(&second, 1, opcode::RDMA_WRITE, 3);
 }
 
+/// Peer death: the NIC executes the WQEs it has left under the plan, then nothing ever again (no
+/// doorbell read, no WQE run, no CQE written), while a live NIC beside it keeps working; waiting
+/// on the dead one runs into its bound with the indices where it stopped.
+#[test]
+fn a_dead_nic_stops_after_its_last_wqe_and_never_runs_another() {
+    let mut p = Pair::manual();
+    let q = p.qpn();
+    p.a.set_fault_plan(FaultPlan::default().die_after_wqes(2));
+    let rm = p.remote(1024, 64, Access::REMOTE_WRITE);
+    for (i, w) in [b"aaa", b"bbb", b"ccc", b"ddd"].iter().enumerate() {
+        p.post(
+            InlineWrite::new(q, i as u16, ra(&rm, 8 * i as u64), *w)
+                .cqe(true)
+                .build(),
+        );
+    }
+    p.ring();
+    let e =
+        p.a.wait_idle(q, Duration::from_millis(100))
+            .expect_err("a dead NIC never goes idle");
+    let msg = e.to_string();
+    assert!(msg.contains("idle"), "{msg}");
+    let st = p.a.qp_status(q).unwrap();
+    assert_eq!((st.wqes_executed, st.fetched), (2, 2), "{st:?}");
+    assert_eq!(p.ra.read_vec(1024, 3), b"aaa");
+    assert_eq!(p.ra.read_vec(1032, 3), b"bbb");
+    assert_eq!(p.ra.read_vec(1040, 3), [GUARD; 3], "WQE 3 never ran");
+    // A later doorbell is not even read.
+    p.post(
+        InlineWrite::new(q, 4, ra(&rm, 32), b"eee")
+            .cqe(true)
+            .build(),
+    );
+    p.ring();
+    for _ in 0..10 {
+        assert!(!p.a.progress().unwrap(), "a dead NIC made progress");
+    }
+    let st2 = p.a.qp_status(q).unwrap();
+    assert_eq!(
+        (st2.announced, st2.wqes_executed, st2.cqes_written),
+        (st.announced, 2, 2),
+        "{st2:?}"
+    );
+    assert_eq!(p.cqes().len(), 2);
+    // A new plan brings it back (a test's reset, not a node coming back to life).
+    p.a.set_fault_plan(FaultPlan::default());
+    let st3 = p.idle();
+    assert_eq!(st3.wqes_executed, 5, "{st3:?}");
+    assert_eq!(p.ra.read_vec(1040, 3), b"ccc");
+}
+
 #[test]
 fn completions_can_be_delayed() {
     let mut p = Pair::manual();

@@ -984,6 +984,21 @@ impl LowLatencyBuffer {
         self.transport.as_ref().map(|t| t.handler)
     }
 
+    /// Transport mode: this rank's NIC and, per rank, the QP numbers of this rank's QPs to it
+    /// (empty for itself); what fault injection ([`super::faults`]) needs, and nothing more.
+    pub(super) fn emulated_qps(&self) -> Option<(&Arc<ibgda_emu::Nic>, Vec<Vec<u32>>)> {
+        let t = self.transport.as_ref()?;
+        let qpns = t
+            .groups
+            .iter()
+            .map(|g| {
+                g.as_ref()
+                    .map_or(Vec::new(), |g| (0..g.len()).map(|i| g.qpn(i)).collect())
+            })
+            .collect();
+        Some((t._nics.me(self.rank).nic(), qpns))
+    }
+
     fn transport_table(&self) -> u64 {
         self.transport.as_ref().map_or(0, |t| t.table.ptr())
     }

@@ -41,6 +41,7 @@
 //! (`put_warp`, `signal`, `quiet` in `low_latency.cu`) that picks the path per destination.
 
 mod buffer;
+mod faults;
 mod plan;
 pub mod reference;
 mod remote;
@@ -49,3 +50,4 @@ pub use buffer::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,
     LlGraph, LlHandle, LlRecvX, LlScales, LowLatencyBuffer, LowLatencyOptions, RecvHook,
 };
+pub use faults::LlTransportQps;
