@@ -41,6 +41,8 @@
 //! (`put_warp`, `signal`, `quiet` in `low_latency.cu`) that picks the path per destination.
 
 mod buffer;
+pub mod logfmt;
+mod mask;
 mod plan;
 pub mod reference;
 mod remote;
