@@ -119,12 +119,7 @@ pub const fn logfmt_meta_bytes(hidden: usize) -> usize {
 /// Bytes of one combine receive slot, as `combine_slot_bytes` in `include/ep/logfmt.cuh`: a BF16
 /// row, or (LogFMT) the meta and the row with no group cast, its largest encoding.
 pub const fn combine_slot_bytes(hidden: usize, logfmt: bool) -> usize {
-    hidden * 2
-        + if logfmt {
-            logfmt_meta_bytes(hidden)
-        } else {
-            0
-        }
+    hidden * 2 + if logfmt { logfmt_meta_bytes(hidden) } else { 0 }
 }
 
 /// Entries of a rank mask (`i32`, 1 = masked), one per possible rank.

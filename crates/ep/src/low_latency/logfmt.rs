@@ -115,14 +115,14 @@ pub fn encode(row: &[Bf16]) -> Vec<u8> {
     let mut out = vec![0u8; meta];
     for (g, group) in row.chunks(LOGFMT_GROUP).enumerate() {
         let (amax, amin) = extremes(group);
-        out[4 * g..4 * g + 4].copy_from_slice(&(u32::from(amax) | (u32::from(amin) << 16)).to_le_bytes());
+        out[4 * g..4 * g + 4]
+            .copy_from_slice(&(u32::from(amax) | (u32::from(amin) << 16)).to_le_bytes());
         match Group::of(amax, amin) {
             Some(q) => {
                 for chunk in group.chunks(8) {
-                    let bits = chunk
-                        .iter()
-                        .enumerate()
-                        .fold(0u128, |acc, (j, &v)| acc | (u128::from(q.code(v)) << (10 * j)));
+                    let bits = chunk.iter().enumerate().fold(0u128, |acc, (j, &v)| {
+                        acc | (u128::from(q.code(v)) << (10 * j))
+                    });
                     out.extend_from_slice(&bits.to_le_bytes()[..10]);
                 }
             }
@@ -210,7 +210,10 @@ mod tests {
             384,
         );
         let wire = encode(&r);
-        assert_eq!(wire.len(), logfmt_meta_bytes(384) + CAST_BYTES + 2 * RAW_BYTES);
+        assert_eq!(
+            wire.len(),
+            logfmt_meta_bytes(384) + CAST_BYTES + 2 * RAW_BYTES
+        );
         assert!(wire.len() <= combine_slot_bytes(384, true));
         let back = decode(&wire, 384);
         for (i, (a, b)) in r.iter().zip(&back).enumerate() {

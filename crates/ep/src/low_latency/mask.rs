@@ -65,7 +65,13 @@ impl RankMask {
                 ),
             ));
         }
-        self.set(stream, target, 1, u32::from(masked), "cuMemsetD32Async (mask)")
+        self.set(
+            stream,
+            target,
+            1,
+            u32::from(masked),
+            "cuMemsetD32Async (mask)",
+        )
     }
 
     /// Unmasks every rank, ordered on `stream`.
