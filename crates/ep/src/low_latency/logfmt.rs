@@ -26,7 +26,8 @@
 //! let wire = encode(&row);
 //! assert_eq!(wire.len(), 16 + 160); // meta, one cast group
 //! let back = decode(&wire, 128);
-//! assert!(row.iter().zip(&back).all(|(a, b)| (a.to_f32() - b).abs() <= 0.01 * a.to_f32().abs()));
+//! // A zero in the group puts lmin at lmax - 32: steps of 2^(32/510), errors up to 2.2 %.
+//! assert!(row.iter().zip(&back).all(|(a, b)| (a.to_f32() - b).abs() <= 0.023 * a.to_f32().abs()));
 //! ```
 //!
 //! [`LlCombineArgs::use_logfmt`]: super::LlCombineArgs::use_logfmt
