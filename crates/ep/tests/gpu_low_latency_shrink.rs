@@ -15,7 +15,7 @@
 
 mod gpu_low_latency_common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
@@ -82,12 +82,15 @@ struct Shrunk {
     mask: Vec<i32>,
 }
 
-/// One dispatch + combine with wait-cost statistics (and LogFMT when asked), outputs downloaded.
+/// One dispatch + combine with wait-cost statistics (and LogFMT when asked), outputs downloaded;
+/// the ranks meet at `meet` between the two, when given (a rank whose dispatch waited out its
+/// bound comes late to the combine's launch gate, which has the same bound).
 fn run_stats(
     buf: &mut LowLatencyBuffer,
     d: &RankData,
     c: &Case,
     use_logfmt: bool,
+    meet: Option<&Barrier>,
 ) -> Result<Shrunk, EpError> {
     let ctx = buf.context().clone();
     let ranks = buf.ranks();
@@ -106,6 +109,9 @@ fn run_stats(
     }
     buf.synchronize()?;
     read_dispatch(&out, &mut res)?;
+    if let Some(m) = meet {
+        m.wait();
+    }
     let comb_in = Tensor::from_host(
         &ctx,
         &d.comb_in,
@@ -168,7 +174,7 @@ fn masked_rank_is_skipped(ctxs: &[Arc<CudaContext>], opts: &LowLatencyOptions, w
                     b.update_mask(s, true).expect("update_mask");
                 }
             }
-            run_stats(b, &data[r], &c, false).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+            run_stats(b, &data[r], &c, false, None).unwrap_or_else(|e| panic!("rank {r}: {e}"))
         });
         let want = masked_data(&data, &masked, local);
         for (r, g) in got.iter().enumerate() {
@@ -248,12 +254,13 @@ fn a_timed_out_wait_masks_its_rank_instead_of_failing() {
     let mut bufs = LowLatencyBuffer::create_group(&ctxs, &o).expect("creating the buffers");
     let c = case(2048, 4, false);
     let data = random_data(&mut rng, 2, c.hidden, c.topk, Some(32));
+    let meet = Barrier::new(2);
     let got: Vec<Shrunk> = on_ranks(&mut bufs, |b| {
         let r = b.rank();
         if r == 0 {
             b.update_mask(1, true).expect("update_mask");
         }
-        run_stats(b, &data[r], &c, false).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+        run_stats(b, &data[r], &c, false, Some(&meet)).unwrap_or_else(|e| panic!("rank {r}: {e}"))
     });
     assert_eq!(got[0].mask, vec![0, 1], "rank 0 masked rank 1 itself");
     assert_eq!(
@@ -351,7 +358,7 @@ fn logfmt_group(ctxs: &[Arc<CudaContext>], opts: &LowLatencyOptions, what: &str)
         let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
         let got: Vec<Shrunk> = on_ranks(&mut bufs, |b| {
             let r = b.rank();
-            run_stats(b, &data[r], &c, true).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+            run_stats(b, &data[r], &c, true, None).unwrap_or_else(|e| panic!("rank {r}: {e}"))
         });
         for (s, g) in got.iter().enumerate() {
             check_logfmt(
