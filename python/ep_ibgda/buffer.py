@@ -22,9 +22,17 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
 - **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
   after the caller's current stream (or after ``previous_event``), and the current stream waits
   for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
+- **Rank masks** (``enable_shrink``): each rank's mask lives in the native low-latency buffer,
+  which is built at the first ``low_latency_dispatch``; masks set (or cleaned, or queried)
+  before that are kept on the host and applied when it is built. A receive wait that runs out
+  of time masks the rank it waited for instead of failing (``low_latency_query_mask_buffer``
+  reports it). ``clean_low_latency_buffer`` is a real reset (a collective of every rank: host
+  barriers around zeroing the signals), which brings a rank that was masked and missed calls
+  back in step.
+- **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``
+  in the Rust crate spells it out); not with ``zero_copy``, hidden a multiple of 128.
 - **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
-  on more than one node), ``enable_shrink`` and its masks, LogFMT combine, the wait-cost
-  statistics, ``get_local_buffer_tensor``, ``use_fabric``.
+  on more than one node), ``get_local_buffer_tensor``, ``use_fabric``.
 """
 
 import os
@@ -138,8 +146,6 @@ class Buffer:
             ("enable_shrink", enable_shrink),
         ):
             chk.flag(name, v)
-        if enable_shrink:
-            raise _not_implemented("enable_shrink (rank masks)")
         if use_fabric:
             raise _not_implemented("use_fabric (fabric memory handles)")
         self.rank, self.group_size, self._all_gather, self._barrier = _collectives(group, comm)
@@ -162,6 +168,8 @@ class Buffer:
         self._max_live = _env_int("EP_IBGDA_MAX_LIVE_HANDLES", 4)
         self._intranode = None
         self._ll = None
+        # Masks set before the native low-latency buffer exists (enable_shrink).
+        self._pending_mask = [0] * self.group_size
         self._destroyed = False
         self._id = id(self)
 
@@ -261,7 +269,12 @@ class Buffer:
                 num_experts,
                 self.allow_nvlink_for_low_latency_mode,
                 self._timeout_s,
+                self.enable_shrink,
             )
+            if self.enable_shrink:
+                for r, m in enumerate(self._pending_mask):
+                    if m:
+                        self._ll.update_mask(r, True)
         lim = self._ll.limits
         if n != lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
             raise ValueError(
@@ -656,8 +669,6 @@ class Buffer:
         for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
                         ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
             chk.flag(name, v)
-        if dispatch_wait_recv_cost_stats is not None:
-            raise _not_implemented("dispatch_wait_recv_cost_stats (wait-cost statistics)")
         n = chk.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         chk.positive_int("num_experts", num_experts)
         ranks = self.group_size
@@ -676,13 +687,17 @@ class Buffer:
         local = num_experts // ranks
         if cumulative_local_expert_recv_stats is not None:
             chk.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ("int32",), 1, self._device, (local,))
+        wait_stats = dispatch_wait_recv_cost_stats
+        if wait_stats is not None:
+            chk.tensor("dispatch_wait_recv_cost_stats", wait_stats, ("int64",), 1, self._device, (ranks,))
         import torch
 
         buf = self._ll_buffer(n, h, k, num_experts)
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
-            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook)
+            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                               wait_stats.data_ptr() if wait_stats is not None else 0)
             dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
             recv_x = torch.empty(tuple(out.x.shape), dtype=dtype, device=x.device)
             recv_scales = None
@@ -708,7 +723,7 @@ class Buffer:
         rx = (recv_x, recv_scales) if use_fp8 else recv_x
         if return_recv_hook:
             native_hook = out.hook
-            keep = (x, topk_idx, idx32, stats, out)
+            keep = (x, topk_idx, idx32, stats, wait_stats, out)
 
             def hook():
                 _ = keep  # the inputs stay alive until the receive is queued
@@ -723,7 +738,7 @@ class Buffer:
                     tt.record_stream(compute)
             return rx, recv_count, handle, EventOverlap(None), hook
         copy_out()
-        event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats), outputs)
+        event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats, wait_stats), outputs)
         return rx, recv_count, handle, event, None
 
     def low_latency_combine(
@@ -750,10 +765,8 @@ class Buffer:
         for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
                         ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
             chk.flag(name, v)
-        if use_logfmt:
-            raise _not_implemented("use_logfmt (LogFMT combine)")
-        if combine_wait_recv_cost_stats is not None:
-            raise _not_implemented("combine_wait_recv_cost_stats (wait-cost statistics)")
+        if use_logfmt and zero_copy:
+            raise ValueError("use_logfmt and zero_copy exclude each other (as in DeepEP: the rows are encoded on the way)")
         if not isinstance(handle, _LowLatencyHandle) or handle.buffer_id != self._id:
             raise TypeError("handle must be the handle a low_latency_dispatch of this Buffer returned")
         if async_finish and return_recv_hook:
@@ -766,6 +779,11 @@ class Buffer:
         chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
         if out is not None:
             chk.tensor("out", out, ("bfloat16",), 2, self._device, (t, h))
+        if use_logfmt and h % 128 != 0:
+            raise ValueError(f"use_logfmt needs hidden a multiple of 128, got {h}")
+        wait_stats = combine_wait_recv_cost_stats
+        if wait_stats is not None:
+            chk.tensor("combine_wait_recv_cost_stats", wait_stats, ("int64",), 1, self._device, (ranks,))
         import torch
 
         buf = self._ll
@@ -781,6 +799,8 @@ class Buffer:
                 t,
                 k,
                 return_recv_hook,
+                use_logfmt,
+                wait_stats.data_ptr() if wait_stats is not None else 0,
             )
             combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
 
@@ -790,7 +810,7 @@ class Buffer:
 
         if return_recv_hook:
             native_hook = res.hook
-            keep = (x, topk_idx, topk_weights, idx32, res)
+            keep = (x, topk_idx, topk_weights, idx32, wait_stats, res)
 
             def hook():
                 _ = keep
@@ -804,7 +824,7 @@ class Buffer:
                 combined.record_stream(compute)
             return combined, EventOverlap(None), hook
         copy_out()
-        event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out),
+        event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
                              (combined,) if out is None else ())
         return combined, event, None
 
@@ -819,8 +839,9 @@ class Buffer:
         return self._view(self._ll.combine_input(handle.hidden), torch.bfloat16)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Nothing to clean: the native buffer keeps its signals consistent itself (every
-        operation leaves them ready for the next). Checks the sizes against the buffer's."""
+        """Resets the low-latency signals of every rank (a collective: every rank calls it;
+        host-synchronous, with barriers before and after). Masks are kept. Checks the sizes
+        against the buffer's; nothing to reset before the first ``low_latency_dispatch``."""
         self._live()
         chk.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         chk.positive_int("hidden", hidden)
@@ -832,18 +853,64 @@ class Buffer:
                     f"clean_low_latency_buffer({num_max_dispatch_tokens_per_rank}, {hidden}, {num_experts}): "
                     f"the low-latency buffer is for ({lim[0]}, up to {lim[1]}, {lim[3]})"
                 )
+            import torch
+
+            # The caller's earlier work first (its stream may still write what it passed us).
+            torch.cuda.current_stream().synchronize()
+            self._ll.clean()
+
+    def _need_shrink(self, what: str) -> None:
+        self._live()
+        if not self.enable_shrink:
+            raise RuntimeError(f"{what} needs a Buffer created with enable_shrink=True (as in DeepEP)")
+
+    def _ll_stream_after_current(self):
+        """The low-latency stream, made to wait for the caller's current stream."""
+        import torch
+
+        stream = torch.cuda.ExternalStream(self._ll.stream, device=torch.device("cuda", self._device))
+        stream.wait_stream(torch.cuda.current_stream())
+        return stream
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Needs ``enable_shrink`` (not implemented)."""
-        raise _not_implemented("low_latency_update_mask_buffer (enable_shrink rank masks)")
+        """Masks (``mask=True``) or unmasks ``rank_to_mask`` on this rank: later low-latency
+        operations send nothing to it and treat what it sends as absent (needs ``enable_shrink``).
+        Ordered after the caller's current stream."""
+        self._need_shrink("low_latency_update_mask_buffer")
+        if not isinstance(rank_to_mask, int) or isinstance(rank_to_mask, bool) or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
+        chk.flag("mask", mask)
+        if self._ll is None:
+            self._pending_mask[rank_to_mask] = int(mask)
+            return
+        self._ll_stream_after_current()
+        self._ll.update_mask(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
-        """Needs ``enable_shrink`` (not implemented)."""
-        raise _not_implemented("low_latency_query_mask_buffer (enable_shrink rank masks)")
+        """Fills ``mask_status`` (int32 ``[num_ranks]``) with who is masked on this rank (1:
+        masked by the caller, or because a wait on it timed out). Ordered on the caller's current
+        stream (needs ``enable_shrink``)."""
+        self._need_shrink("low_latency_query_mask_buffer")
+        chk.tensor("mask_status", mask_status, ("int32",), 1, self._device, (self.group_size,))
+        import torch
+
+        if self._ll is None:
+            mask_status.copy_(torch.tensor(self._pending_mask, dtype=torch.int32), non_blocking=False)
+            return
+        stream = self._ll_stream_after_current()
+        self._ll.query_mask(mask_status.data_ptr())
+        cur = torch.cuda.current_stream()
+        cur.wait_stream(stream)
+        mask_status.record_stream(stream)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Needs ``enable_shrink`` (not implemented)."""
-        raise _not_implemented("low_latency_clean_mask_buffer (enable_shrink rank masks)")
+        """Unmasks every rank on this rank (needs ``enable_shrink``)."""
+        self._need_shrink("low_latency_clean_mask_buffer")
+        if self._ll is None:
+            self._pending_mask = [0] * self.group_size
+            return
+        self._ll_stream_after_current()
+        self._ll.clean_mask()
 
     # ----- misc ------------------------------------------------------------------------------
 

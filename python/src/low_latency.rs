@@ -119,7 +119,7 @@ impl LowLatency {
     /// Builds this rank's buffer on GPU `device` with every rank of the group.
     #[new]
     #[pyo3(signature = (device, rank, world, all_gather, barrier, max_tokens_per_rank, max_hidden,
-        max_topk, num_experts, allow_nvlink, timeout_s))]
+        max_topk, num_experts, allow_nvlink, timeout_s, enable_shrink=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -133,6 +133,7 @@ impl LowLatency {
         num_experts: usize,
         allow_nvlink: bool,
         timeout_s: f64,
+        enable_shrink: bool,
     ) -> PyResult<Self> {
         let ctx = ibgda_device::cuda::context(device)
             .map_err(|e| PyRuntimeError::new_err(format!("rank {rank}: GPU {device}: {e}")))?;
@@ -141,6 +142,7 @@ impl LowLatency {
         let mut opts =
             LowLatencyOptions::new(max_tokens_per_rank, max_hidden, max_topk, num_experts);
         opts.allow_nvlink = allow_nvlink;
+        opts.enable_shrink = enable_shrink;
         opts.timeout = Duration::from_secs_f64(timeout_s.max(0.001));
         let inner = LowLatencyBuffer::new(&ctx, group, &opts).map_err(to_py)?;
         Ok(Self {
@@ -174,9 +176,10 @@ impl LowLatency {
         Ok(self.buf()?.num_sms())
     }
 
-    /// Dispatches BF16 `x` `[tokens, hidden]` by i32 `topk_idx` `[tokens, k]`.
+    /// Dispatches BF16 `x` `[tokens, hidden]` by i32 `topk_idx` `[tokens, k]`; the receive adds
+    /// its wait cycles per source rank to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none).
     #[pyo3(signature = (x_ptr, tokens, hidden, topk_idx_ptr, k, use_fp8, round_scale, use_ue8m0,
-        return_recv_hook))]
+        return_recv_hook, wait_stats_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -190,7 +193,9 @@ impl LowLatency {
         round_scale: bool,
         use_ue8m0: bool,
         return_recv_hook: bool,
+        wait_stats_ptr: u64,
     ) -> PyResult<LlDispatched> {
+        let ranks = self.buf()?.ranks();
         // SAFETY: the module's contract: live, checked tensors of these shapes.
         let x = unsafe { input::<Bf16>(&self.ctx, x_ptr, &[tokens, hidden]) };
         // SAFETY: as above, i32 `[tokens, k]`.
@@ -201,6 +206,10 @@ impl LowLatency {
             ue8m0: use_ue8m0,
         });
         args.return_recv_hook = return_recv_hook;
+        let stats = (wait_stats_ptr != 0)
+            // SAFETY: the module's contract: a live, checked i64 `[ranks]` tensor.
+            .then(|| unsafe { input::<i64>(&self.ctx, wait_stats_ptr, &[ranks]) });
+        args.wait_stats = stats.as_ref();
         let out = self.buf()?.dispatch(&args).map_err(to_py)?;
         let (x, scales) = match &out.x {
             LlRecvX::Bf16(x) => (DeviceView::py(py, x)?, None),
@@ -223,9 +232,10 @@ impl LowLatency {
 
     /// Combines expert outputs (BF16 `[local, ranks * max_tokens, hidden]` at `x_ptr`, or the
     /// zero-copy buffer when `x_ptr` is 0) with the dispatch's i32 `topk_idx` and f32
-    /// `topk_weights` `[tokens, k]`.
+    /// `topk_weights` `[tokens, k]`; LogFMT rows with `use_logfmt`; wait cycles per source rank
+    /// added to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none).
     #[pyo3(signature = (handle, x_ptr, x_shape, topk_idx_ptr, topk_weights_ptr, tokens, k,
-        return_recv_hook))]
+        return_recv_hook, use_logfmt=false, wait_stats_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
@@ -238,7 +248,10 @@ impl LowLatency {
         tokens: usize,
         k: usize,
         return_recv_hook: bool,
+        use_logfmt: bool,
+        wait_stats_ptr: u64,
     ) -> PyResult<LlCombined> {
+        let ranks = self.buf()?.ranks();
         let ctx = self.ctx.clone();
         let x = (x_ptr != 0)
             // SAFETY: the module's contract: live, checked tensors of these shapes.
@@ -251,8 +264,13 @@ impl LowLatency {
             Some(x) => LlCombineX::Tensor(x),
             None => LlCombineX::ZeroCopy,
         };
+        let stats = (wait_stats_ptr != 0)
+            // SAFETY: the module's contract: a live, checked i64 `[ranks]` tensor.
+            .then(|| unsafe { input::<i64>(&ctx, wait_stats_ptr, &[ranks]) });
         let mut args = LlCombineArgs::new(cx, &idx, &w, &handle.inner);
         args.return_recv_hook = return_recv_hook;
+        args.use_logfmt = use_logfmt;
+        args.wait_stats = stats.as_ref();
         let out = self.buf()?.combine(&args).map_err(to_py)?;
         Ok(LlCombined {
             x: DeviceView::py(py, &out.x)?,
@@ -264,6 +282,29 @@ impl LowLatency {
     fn combine_input(&mut self, py: Python<'_>, hidden: usize) -> PyResult<Py<DeviceView>> {
         let t = self.buf()?.combine_input(hidden).map_err(to_py)?;
         DeviceView::py(py, &t)
+    }
+
+    /// Masks (or unmasks) `rank` on this rank, ordered on the buffer's stream (`enable_shrink`).
+    fn update_mask(&mut self, rank: usize, mask: bool) -> PyResult<()> {
+        self.buf()?.update_mask(rank, mask).map_err(to_py)
+    }
+
+    /// Copies who is masked (i32 `[ranks]`, 1 = masked) to `ptr`, ordered on the buffer's stream.
+    fn query_mask(&mut self, ptr: u64) -> PyResult<()> {
+        let ranks = self.buf()?.ranks();
+        // SAFETY: the module's contract: a live, checked i32 `[ranks]` tensor.
+        let out = unsafe { input::<i32>(&self.ctx, ptr, &[ranks]) };
+        self.buf()?.query_mask(&out).map_err(to_py)
+    }
+
+    /// Unmasks every rank, ordered on the buffer's stream.
+    fn clean_mask(&mut self) -> PyResult<()> {
+        self.buf()?.clean_mask().map_err(to_py)
+    }
+
+    /// Resets every rank's signals and sequence numbers (a collective, host-synchronous).
+    fn clean(&mut self) -> PyResult<()> {
+        self.buf()?.clean().map_err(to_py)
     }
 
     /// Waits (bounded) for the buffer's stream; reports errors the kernels recorded.

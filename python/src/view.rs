@@ -23,7 +23,7 @@ pub struct DeviceView {
     /// Array-interface element type.
     #[pyo3(get)]
     typestr: &'static str,
-    /// The ep element type's name (`bf16`, `fp8_e4m3`, `f32`, `i32`, `u8`).
+    /// The ep element type's name (`bf16`, `fp8_e4m3`, `f32`, `i32`, `i64`, `u8`).
     #[pyo3(get)]
     dtype: &'static str,
     _keep: Box<dyn Any + Send + Sync>,
@@ -36,6 +36,7 @@ impl DeviceView {
             "bf16" => "<i2",
             "f32" => "<f4",
             "i32" => "<i4",
+            "i64" => "<i8",
             _ => "|u1",
         };
         Self {

@@ -18,8 +18,7 @@ def test_constructor_checks(group):
         Buffer(group(), -1)
     with pytest.raises(TypeError, match="low_latency_mode"):
         Buffer(group(), 0, 0, low_latency_mode=1)
-    with pytest.raises(NotImplementedError, match="enable_shrink"):
-        Buffer(group(), 0, 0, enable_shrink=True)
+    assert Buffer(group(), 0, 0, enable_shrink=True).enable_shrink
     with pytest.raises(NotImplementedError, match="use_fabric"):
         Buffer(group(), 0, 0, use_fabric=True)
     with pytest.raises(ValueError, match="group"):
@@ -160,12 +159,14 @@ def test_low_latency_argument_errors(group, fake):
         b.low_latency_dispatch(x, idx, 128, E, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats has shape"):
         b.low_latency_dispatch(x, idx, 128, E, cumulative_local_expert_recv_stats=fake((E + 1,), "int32"))
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
-        b.low_latency_dispatch(x, idx, 128, E, dispatch_wait_recv_cost_stats=fake((1,), "int64"))
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
-        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, use_logfmt=True)
-    with pytest.raises(NotImplementedError, match="combine_wait_recv_cost_stats"):
-        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, combine_wait_recv_cost_stats=fake((1,), "int64"))
+    with pytest.raises(ValueError, match="dispatch_wait_recv_cost_stats has shape"):
+        b.low_latency_dispatch(x, idx, 128, E, dispatch_wait_recv_cost_stats=fake((2,), "int64"))
+    with pytest.raises(TypeError, match="dispatch_wait_recv_cost_stats must have dtype int64"):
+        b.low_latency_dispatch(x, idx, 128, E, dispatch_wait_recv_cost_stats=fake((1,), "int32"))
+    with pytest.raises(ValueError, match="use_logfmt and zero_copy"):
+        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, use_logfmt=True, zero_copy=True)
+    with pytest.raises(TypeError, match="use_logfmt must be a bool"):
+        b.low_latency_combine(x, idx, fake((T, K), "float32"), None, use_logfmt=1)
     with pytest.raises(TypeError, match="handle must be the handle"):
         b.low_latency_combine(x, idx, fake((T, K), "float32"), None)
     with pytest.raises(ValueError, match="num_experts"):
@@ -173,12 +174,34 @@ def test_low_latency_argument_errors(group, fake):
     b.clean_low_latency_buffer(128, H, E)
 
 
+def test_masks_need_enable_shrink_and_a_rank_in_range(group, fake):
+    b = make(group)
+    for call in (
+        lambda: b.low_latency_update_mask_buffer(0, True),
+        lambda: b.low_latency_query_mask_buffer(fake((1,), "int32")),
+        lambda: b.low_latency_clean_mask_buffer(),
+    ):
+        with pytest.raises(RuntimeError, match="enable_shrink=True"):
+            call()
+    s = Buffer(group(), 0, int(1e9), low_latency_mode=True, enable_shrink=True)
+    # Before the first low-latency call the masks are kept on the host.
+    s.low_latency_update_mask_buffer(0, True)
+    assert s._pending_mask == [1]
+    s.low_latency_clean_mask_buffer()
+    assert s._pending_mask == [0]
+    with pytest.raises(ValueError, match="rank_to_mask"):
+        s.low_latency_update_mask_buffer(1, True)
+    with pytest.raises(TypeError, match="mask must be a bool"):
+        s.low_latency_update_mask_buffer(0, 1)
+    with pytest.raises(ValueError, match="mask_status has shape"):
+        s.low_latency_query_mask_buffer(fake((2,), "int32"))
+    with pytest.raises(TypeError, match="mask_status must have dtype int32"):
+        s.low_latency_query_mask_buffer(fake((1,), "int64"))
+
+
 def test_missing_features_are_named(group, fake):
     b = make(group)
     for call, feature in (
-        (lambda: b.low_latency_update_mask_buffer(0, True), "enable_shrink"),
-        (lambda: b.low_latency_query_mask_buffer(fake((1,), "int32")), "enable_shrink"),
-        (lambda: b.low_latency_clean_mask_buffer(), "enable_shrink"),
         (lambda: b.get_local_buffer_tensor("int8", use_rdma_buffer=True), "get_local_buffer_tensor"),
     ):
         with pytest.raises(NotImplementedError, match=feature):

@@ -10,7 +10,7 @@
 // offsets, runs the start barrier and computes where this rank's tokens go in every
 // destination; `ep_intranode_dispatch` pushes each token straight into its final row in every
 // destination's receive region (16-byte streaming loads, stores to peer memory), then its last
-// block releases the data and waits for every peer's. Combine: `ep_intranode_barrier` publishes
+// block releases the data and waits for every peer's. Combine: `ep_intranode_notify_barrier` publishes
 // this rank's combine input (its address with ranks as threads; with ranks as processes its
 // offset in this rank's window, where the host staged it unless it already lay there), then
 // `ep_intranode_combine_pull` reads every copy of each token straight from the ranks holding
@@ -275,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_barrier(const BarrierParams p) {
+extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify_barrier(const BarrierParams p) {
     __shared__ int abort;
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     __syncthreads();

@@ -51,6 +51,7 @@
 #include <cstdint>
 
 #include "ep/device.cuh"
+#include "ep/logfmt.cuh"
 #include "ibgda/protocol.cuh"
 
 using namespace ep;
@@ -137,8 +138,11 @@ struct LlDispatchParams {
     int32_t ue8m0;                  // scales packed as UE8M0 exponent bytes, 4 per u32
     int32_t msg_bytes;
     int32_t half;                   // which half (0 or 1)
+    uint64_t mask;                  // int32 [kMaxRanks] rank mask (enable_shrink), or 0
+    uint64_t wait_stats;            // int64 [ranks]: wait cycles added per source rank, or 0
 };
-static_assert(sizeof(LlDispatchParams) == 232, "LlDispatchParams layout");
+static_assert(sizeof(LlDispatchParams) == 248, "LlDispatchParams layout");
+static_assert(offsetof(LlDispatchParams, mask) == 232, "LlDispatchParams layout");
 static_assert(offsetof(LlDispatchParams, out_topk) == 128, "LlDispatchParams layout");
 static_assert(offsetof(LlDispatchParams, rank) == 176, "LlDispatchParams layout");
 
@@ -167,8 +171,13 @@ struct LlCombineParams {
     int32_t num_local;
     int32_t phases;
     int32_t half;
+    uint64_t mask;                  // int32 [kMaxRanks] rank mask (enable_shrink), or 0
+    uint64_t wait_stats;            // int64 [ranks]: wait cycles added per source rank, or 0
+    uint64_t logfmt_stage;          // LogFMT: where rows are encoded before they go out
+                                    // ([local][ranks * max_tokens][logfmt_slot_bytes]), or 0: BF16
 };
-static_assert(sizeof(LlCombineParams) == 208, "LlCombineParams layout");
+static_assert(sizeof(LlCombineParams) == 232, "LlCombineParams layout");
+static_assert(offsetof(LlCombineParams, mask) == 208, "LlCombineParams layout");
 static_assert(offsetof(LlCombineParams, dispatch_topk) == 104, "LlCombineParams layout");
 static_assert(offsetof(LlCombineParams, rank) == 168, "LlCombineParams layout");
 
@@ -197,8 +206,11 @@ struct LlState {
     uint32_t dispatch_blocks_done;  // blocks of the current dispatch receive that have finished
     uint32_t pad[6];
     // Followed by uint64 last_signal[2][num_experts] (the dispatch signal this rank last stored
-    // to each expert on each half), then int32 finish[num_experts]: (token, expert) sends
-    // completed by this rank's warps in the current dispatch; the expert's count warp resets it.
+    // to each expert on each half), uint64 last_flag[2][num_experts] (the combine flag this rank
+    // last stored for local expert le at rank r, index le * ranks + r, on each half: a flag skipped
+    // for a masked rank is caught up by the next one), then int32 finish[num_experts]: (token,
+    // expert) sends completed by this rank's warps in the current dispatch; the expert's count
+    // warp resets it.
 };
 static_assert(sizeof(LlState) == 64, "LlState layout");
 static_assert(offsetof(LlState, dispatch_seq) == 16 && offsetof(LlState, dispatch_blocks_done) == 36, "LlState layout");
@@ -207,8 +219,11 @@ static_assert(offsetof(LlTransport, nqps) == 192, "LlTransport layout");
 __device__ __forceinline__ uint64_t* last_signal_of(uint64_t state) {
     return reinterpret_cast<uint64_t*>(state + sizeof(LlState));
 }
+__device__ __forceinline__ uint64_t* last_flag_of(uint64_t state, int num_experts) {
+    return reinterpret_cast<uint64_t*>(state + sizeof(LlState) + 16ull * static_cast<uint64_t>(num_experts));
+}
 __device__ __forceinline__ int* finish_of(uint64_t state, int num_experts) {
-    return reinterpret_cast<int*>(state + sizeof(LlState) + 16ull * static_cast<uint64_t>(num_experts));
+    return reinterpret_cast<int*>(state + sizeof(LlState) + 32ull * static_cast<uint64_t>(num_experts));
 }
 
 // ---- The send interface ----------------------------------------------------------------------
@@ -397,22 +412,59 @@ __device__ __forceinline__ float pow2_ceil(float s) {
     return __uint_as_float(b);
 }
 
-// Bounded wait until *p satisfies `ok`; false (error recorded, or someone else's error seen).
+// ---- Rank masks (enable_shrink) and wait costs -------------------------------------------------
+
+// Whether rank `r` is masked on this rank: its tokens are not sent to it, and what it sends is
+// treated as absent. `mask` is 0 when shrink is off; `r` outside [0, kMaxRanks) is never masked.
+__device__ __forceinline__ bool rank_masked(uint64_t mask, int r) {
+    if (mask == 0 || r < 0 || r >= kMaxRanks) return false;
+    return ld_volatile_u32(reinterpret_cast<const uint32_t*>(mask) + r) != 0u;
+}
+
+// Masks rank `r` (a wait on it timed out with shrink on); the host's query reports it.
+__device__ __forceinline__ void mask_rank(uint64_t mask, int r) {
+    if (mask == 0 || r < 0 || r >= kMaxRanks) return;
+    atomicExch(reinterpret_cast<unsigned*>(mask) + r, 1u);
+    __threadfence_system();
+}
+
+// Adds `cycles` waited on source rank `r` to the caller's int64 [ranks] statistics, if any.
+__device__ __forceinline__ void add_wait_cost(uint64_t stats, int r, int ranks, long long cycles) {
+    if (stats == 0 || r < 0 || r >= ranks || cycles <= 0) return;
+    atomicAdd(reinterpret_cast<unsigned long long*>(stats) + r, static_cast<unsigned long long>(cycles));
+}
+
+// Bounded wait until *p satisfies `ok`, on source rank `peer`; false when the value is not to be
+// used: an error was recorded (here or elsewhere), or the peer is masked (before or during the
+// wait). With a mask (shrink on), running out of time masks the peer instead of failing the
+// operation. The cycles spent are added to `stats[peer]`.
 template <class Ok>
 __device__ __forceinline__ bool wait_sys(const uint64_t* p, Ok ok, uint64_t* seen, const uint64_t error,
-                                         uint64_t timeout_ns, int rank, int peer, uint32_t what, uint64_t expert) {
+                                         uint64_t timeout_ns, int rank, int peer, uint32_t what, uint64_t expert,
+                                         uint64_t mask, uint64_t stats, int ranks) {
+    if (rank_masked(mask, peer)) return false;
     const uint64_t start = globaltimer_ns();
+    const long long c0 = clock64();
     uint32_t polls = 0;
+    bool got = true;
     while (!ok(*seen = ld_acquire_sys(p))) {
         if ((++polls & 1023u) == 0u) {
-            if (error_recorded(error)) return false;
+            if (error_recorded(error) || rank_masked(mask, peer)) {
+                got = false;
+                break;
+            }
             if (globaltimer_ns() - start > ibgda_wait_bound_ns(timeout_ns)) {
-                record_error(error, kErrTimeout, rank, peer, what, expert, *seen);
-                return false;
+                if (mask != 0)
+                    mask_rank(mask, peer);
+                else
+                    record_error(error, kErrTimeout, rank, peer, what, expert, *seen);
+                got = false;
+                break;
             }
         }
     }
-    return true;
+    add_wait_cost(stats, peer, ranks, clock64() - c0);
+    return got;
 }
 
 // ---- Dispatch ----------------------------------------------------------------------------------
@@ -513,6 +565,7 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
             const int e = s_expert[k];
             if (e < 0) continue;
             const int dst = e / L, le = e % L;
+            if (rank_masked(p.mask, dst)) continue;  // counted as sent below; nothing goes out
             int lo = part * per;
             int n = min(per, msg16 - lo);
             if (Net::kOn && net.peer(dst) == 0) {
@@ -567,9 +620,13 @@ __device__ __forceinline__ void dispatch_send(const LlDispatchParams& p, const N
                 const int dst = e / L, le = e % L;
                 const uint64_t off = p.signal_off + (static_cast<uint64_t>(le) * R + p.rank) * 8;
                 const uint64_t value = ((seq + 1) << 32) | (static_cast<uint64_t>(n) + 1);
-                const uint64_t last = last_signal[e];
-                last_signal[e] = value;  // only this thread touches it in this kernel
-                net.signal(dst, off, value, value - last, le);
+                // A masked destination gets no signal; last_signal keeps what it last got, so the
+                // transport's next add (once unmasked) brings the word to the right value.
+                if (!rank_masked(p.mask, dst)) {
+                    const uint64_t last = last_signal[e];
+                    last_signal[e] = value;  // only this thread touches it in this kernel
+                    net.signal(dst, off, value, value - last, le);
+                }
             }
         }
     }
@@ -594,7 +651,8 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_
             const uint64_t want = (seq + 1) & 0xffffffffull;
             uint64_t seen = 0;
             const bool ok = wait_sys(sig, [want](uint64_t v) { return (v >> 32) == want; }, &seen, p.error,
-                                     p.timeout_ns, p.rank, r, kWaitDispatchRecv, static_cast<uint64_t>(le));
+                                     p.timeout_ns, p.rank, r, kWaitDispatchRecv, static_cast<uint64_t>(le), p.mask,
+                                     p.wait_stats, R);
             s_cnt[r] = ok ? static_cast<int>(seen & 0xffffffffull) - 1 : 0;
         }
         __syncthreads();
@@ -661,6 +719,21 @@ __device__ __forceinline__ void dispatch_recv(const LlDispatchParams& p, uint64_
 
 // ---- Combine -----------------------------------------------------------------------------------
 
+// One thread: flags local expert `le`'s rows at rank `r` (the n-th combine on a half stores n).
+// A masked rank gets no flag; last_flag keeps what it last got, so the transport's next add
+// (once unmasked) brings the word to the right value.
+template <class Net>
+__device__ __forceinline__ void combine_flag(const LlCombineParams& p, const Net& net, int r, int le, uint64_t seq) {
+    if (rank_masked(p.mask, r)) return;
+    const int e = p.rank * p.num_local + le;
+    uint64_t* last = last_flag_of(p.state, p.num_experts) + static_cast<int64_t>(p.half) * p.num_experts +
+                     static_cast<int64_t>(le) * p.ranks + r;
+    const uint64_t value = seq + 1;
+    const uint64_t delta = value - *last;
+    *last = value;  // only this thread touches it in this kernel
+    net.signal(r, p.flag_off + static_cast<uint64_t>(e) * 8, value, delta, e);
+}
+
 template <class Net>
 __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net& net, uint64_t seq) {
     __shared__ int s_off[kMaxRanks], s_cnt[kMaxRanks], s_pre[kMaxRanks + 1];
@@ -672,6 +745,8 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
     // copied there first.
     const uint64_t mine = p.peer_base[p.rank];
     const uint64_t stage = Net::kOn && net.tp != nullptr ? mine + net.tp->comb_send_off : 0;
+    const bool logfmt = p.logfmt_stage != 0;
+    const uint64_t slot = combine_slot_bytes(H, logfmt);
     for (int le = blockIdx.x; le < L; le += gridDim.x) {
         const int e = p.rank * L + le;
         if (threadIdx.x < R) {
@@ -707,12 +782,14 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
         // over the block's warps, several warps per row when there are few rows. A transport
         // destination gets each row as one RDMA write (slice 0's job).
         const int total = s_pre[R];
-        const int wpr = warps_per_row(total);
+        // LogFMT: one warp per row (it encodes the row, then sends what the encoding left).
+        const int wpr = logfmt ? 1 : warps_per_row(total);
         const int slice = (row16 + wpr - 1) / wpr;
         for (int job = warp; job < total * wpr; job += kWarps) {
             const int j = job / wpr, part = job % wpr;
             int r = 0;
             while (r + 1 < R && s_pre[r + 1] <= j) ++r;
+            if (rank_masked(p.mask, r)) continue;  // a masked rank gets none of its rows back
             const int64_t row = static_cast<int64_t>(le) * cap + s_off[r] + (j - s_pre[r]);
             const int src_token = reinterpret_cast<const int*>(p.src_info)[row];
             if (src_token < 0 || src_token >= p.max_tokens) {
@@ -723,8 +800,16 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
                 continue;
             }
             const int4* src = reinterpret_cast<const int4*>(p.x + row * H * 2);
-            const uint64_t off =
-                p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * static_cast<uint64_t>(H) * 2;
+            const uint64_t off = p.recv_off + (static_cast<uint64_t>(e) * p.max_tokens + src_token) * slot;
+            if (logfmt) {
+                // Encoded into this rank's staging (registered: the NIC reads it), then sent.
+                const uint64_t st = p.logfmt_stage + static_cast<uint64_t>(row) * slot;
+                const int bytes = logfmt_encode_row(src, reinterpret_cast<char*>(st), H, lane);
+                if (Net::kOn && net.peer(r) == 0) __threadfence_system();
+                __syncwarp();
+                net.put_warp(r, off, reinterpret_cast<const int4*>(st), st, bytes / 16, lane, e);
+                continue;
+            }
             if (!Net::kOn || net.peer(r) != 0) {
                 const int lo = part * slice;
                 const int n = min(slice, row16 - lo);
@@ -744,7 +829,7 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
         __syncthreads();
         if constexpr (Net::kOn) {
             // Transport: each expert's flags right after its rows, one QP post per thread.
-            if (threadIdx.x < R) net.signal(threadIdx.x, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
+            if (threadIdx.x < R) combine_flag(p, net, static_cast<int>(threadIdx.x), le, seq);
             __syncthreads();
         }
     }
@@ -754,12 +839,81 @@ __device__ __forceinline__ void combine_send(const LlCombineParams& p, const Net
         // experts than blocks) pays one system-scope release on its critical path, not two.
         const int b = static_cast<int>(blockIdx.x), G = static_cast<int>(gridDim.x);
         const int mine_experts = b < L ? (L - b + G - 1) / G : 0;
-        for (int i = threadIdx.x; i < mine_experts * R; i += blockDim.x) {
-            const int e = p.rank * L + b + (i / R) * G;
-            net.signal(i % R, p.flag_off + static_cast<uint64_t>(e) * 8, seq + 1, 1, e);
-        }
+        for (int i = threadIdx.x; i < mine_experts * R; i += blockDim.x)
+            combine_flag(p, net, i % R, b + (i / R) * G, seq);
     }
     net.quiet();
+}
+
+// Block-collective, LogFMT: token t's sum over its present top-k rows (`s_e[k]` >= 0), decoded
+// from the slots, in the reference's order (k ascending, one fused multiply-add per value).
+__device__ __forceinline__ void logfmt_recv_token(const LlCombineParams& p, int t, uint64_t slot, const int* s_e) {
+    __shared__ int s_goff[kMaxTopk][kLogfmtMaxGroups];
+    __shared__ LogfmtGroup s_g[kMaxTopk][kLogfmtMaxGroups];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int H = p.hidden, K = p.topk, G = min(H / kLogfmtGroup, kLogfmtMaxGroups);
+    const int meta = logfmt_meta_bytes(H);
+    const char* recv = reinterpret_cast<const char*>(p.peer_base[p.rank] + p.recv_off);
+    const float* wts = reinterpret_cast<const float*>(p.topk_weights);
+    // Warp k reads row k's meta: the groups' parameters and where each starts.
+    if (warp < K && s_e[warp] >= 0) {
+        const char* row = recv + (static_cast<uint64_t>(s_e[warp]) * p.max_tokens + t) * slot;
+        int size[2] = {0, 0};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int g = lane + 32 * h;
+            if (g >= G) continue;
+            const uint32_t m = ld_volatile_u32(reinterpret_cast<const uint32_t*>(row) + g);
+            const LogfmtGroup q = logfmt_group(m & 0xffffu, m >> 16);
+            s_g[warp][g] = q;
+            size[h] = q.step > 0.0f ? kLogfmtCastBytes : kLogfmtRawBytes;
+        }
+        int incl[2] = {size[0], size[1]};
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int v = __shfl_up_sync(0xffffffffu, incl[h], o);
+                if (lane >= o) incl[h] += v;
+            }
+        }
+        const int total0 = __shfl_sync(0xffffffffu, incl[0], 31);
+        if (lane < G) s_goff[warp][lane] = meta + incl[0] - size[0];
+        if (lane + 32 < G) s_goff[warp][lane + 32] = meta + total0 + incl[1] - size[1];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        const int g = c / (kLogfmtGroup / 8), i = c % (kLogfmtGroup / 8);
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const int e = s_e[k];
+            if (e < 0) continue;
+            const char* group = recv + (static_cast<uint64_t>(e) * p.max_tokens + t) * slot + s_goff[k][g];
+            const LogfmtGroup q = s_g[k][g];
+            float v[8];
+            if (q.step > 0.0f) {
+                logfmt_decode8(group, i, q, v);
+            } else {
+                const int4 raw = ld_na_v4(reinterpret_cast<const int4*>(group) + i);
+                const uint32_t u[4] = {static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y),
+                                       static_cast<uint32_t>(raw.z), static_cast<uint32_t>(raw.w)};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] = bf16_to_f32(static_cast<uint16_t>(u[j / 2] >> (16 * (j % 2))));
+            }
+            const float w = wts[t * K + k];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] = fmaf(w, v[j], acc[j]);
+        }
+        int4 o;
+        o.x = static_cast<int>(f32_to_bf16_rn(acc[0]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[1])) << 16));
+        o.y = static_cast<int>(f32_to_bf16_rn(acc[2]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[3])) << 16));
+        o.z = static_cast<int>(f32_to_bf16_rn(acc[4]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[5])) << 16));
+        o.w = static_cast<int>(f32_to_bf16_rn(acc[6]) | (static_cast<uint32_t>(f32_to_bf16_rn(acc[7])) << 16));
+        reinterpret_cast<int4*>(p.out + static_cast<uint64_t>(t) * H * 2)[c] = o;
+    }
+    __syncthreads();
 }
 
 __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t seq) {
@@ -770,6 +924,8 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
     const int* idx = reinterpret_cast<const int*>(p.topk_idx);
     const float* wts = reinterpret_cast<const float*>(p.topk_weights);
     const int n16 = H / 8;
+    const bool logfmt = p.logfmt_stage != 0;
+    const uint64_t slot = combine_slot_bytes(H, logfmt);
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
         if (threadIdx.x < K) {
             const int k = threadIdx.x;
@@ -793,12 +949,16 @@ __device__ __forceinline__ void combine_recv(const LlCombineParams& p, uint64_t 
                 const uint64_t* flag = reinterpret_cast<const uint64_t*>(mine + p.flag_off) + e;
                 uint64_t seen = 0;
                 ok = wait_sys(flag, [seq](uint64_t v) { return v > seq; }, &seen, p.error, p.timeout_ns, p.rank, e / L,
-                              kWaitCombineRecv, static_cast<uint64_t>(e));
+                              kWaitCombineRecv, static_cast<uint64_t>(e), p.mask, p.wait_stats, p.ranks);
             }
             s_e[k] = ok ? e : -1;
             s_w[k] = wts[t * K + k];
         }
         __syncthreads();
+        if (logfmt) {
+            logfmt_recv_token(p, t, slot, s_e);
+            continue;
+        }
         for (int c = threadIdx.x; c < n16; c += blockDim.x) {
             float acc[8];
 #pragma unroll

@@ -308,7 +308,7 @@ pub struct DispatchParams {
     pub pad: i32,
 }
 
-/// `ep_intranode_barrier` parameters.
+/// `ep_intranode_notify_barrier` parameters.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BarrierParams {

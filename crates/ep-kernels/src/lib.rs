@@ -18,6 +18,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DriverError};
 
 pub mod intranode;
 pub mod low_latency;
+pub mod profile_names;
 pub mod testing;
 
 include!(concat!(env!("OUT_DIR"), "/modules.rs"));

@@ -85,7 +85,8 @@ pub mod transport_what {
 }
 
 /// Per-rank state in local device memory (`LlState`), zeroed at creation; followed by
-/// `u64 last_signal[2][experts]`, then `i32 finish[experts]` ([`state_bytes`]).
+/// `u64 last_signal[2][experts]`, `u64 last_flag[2][experts]`, then `i32 finish[experts]`
+/// ([`state_bytes`]).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LlState {
@@ -103,8 +104,26 @@ pub struct LlState {
 
 /// Bytes of the per-rank state for `num_experts` experts ([`LlState`] and its arrays).
 pub const fn state_bytes(num_experts: usize) -> usize {
-    std::mem::size_of::<LlState>() + 16 * num_experts + 4 * num_experts
+    std::mem::size_of::<LlState>() + 32 * num_experts + 4 * num_experts
 }
+
+/// Channels per LogFMT group (one amax/amin pair, one cast decision).
+pub const LOGFMT_GROUP: usize = 128;
+
+/// Bytes of a LogFMT row's meta (`u32` per group, padded to 16), as `logfmt_meta_bytes` in
+/// `include/ep/logfmt.cuh`.
+pub const fn logfmt_meta_bytes(hidden: usize) -> usize {
+    (hidden / LOGFMT_GROUP * 4).div_ceil(16) * 16
+}
+
+/// Bytes of one combine receive slot, as `combine_slot_bytes` in `include/ep/logfmt.cuh`: a BF16
+/// row, or (LogFMT) the meta and the row with no group cast, its largest encoding.
+pub const fn combine_slot_bytes(hidden: usize, logfmt: bool) -> usize {
+    hidden * 2 + if logfmt { logfmt_meta_bytes(hidden) } else { 0 }
+}
+
+/// Entries of a rank mask (`i32`, 1 = masked), one per possible rank.
+pub const MASK_WORDS: usize = MAX_RANKS;
 
 /// The transport of a buffer with NVLink disabled (`LlTransport`, in device memory; the
 /// kernels' `transport` parameter points at it).
@@ -204,6 +223,10 @@ pub struct LlDispatchParams {
     pub msg_bytes: i32,
     /// Which half (0 or 1).
     pub half: i32,
+    /// `i32 [MASK_WORDS]` rank mask (`enable_shrink`), or 0: no masks, a timeout fails.
+    pub mask: u64,
+    /// `i64 [ranks]`: cycles waited for each source rank are added here, or 0.
+    pub wait_stats: u64,
 }
 
 /// `ep_ll_combine` parameters.
@@ -259,6 +282,14 @@ pub struct LlCombineParams {
     pub phases: i32,
     /// Which half (0 or 1).
     pub half: i32,
+    /// As in [`LlDispatchParams::mask`].
+    pub mask: u64,
+    /// As in [`LlDispatchParams::wait_stats`].
+    pub wait_stats: u64,
+    /// LogFMT: where this rank encodes its rows before sending them
+    /// (`[local][ranks × max tokens][combine_slot_bytes(hidden, true)]` in its net buffer), or 0:
+    /// rows travel as BF16.
+    pub logfmt_stage: u64,
 }
 
 /// `ep_ll_sleep` parameters (benchmarks: keep the stream busy while the host queues work).
@@ -285,10 +316,13 @@ const _: () = {
     assert!(offset_of!(LlState, dispatch_seq) == 16);
     assert!(offset_of!(LlState, dispatch_blocks_done) == 36);
     assert!(offset_of!(LlTransport, nqps) == 192);
-    assert!(size_of::<LlDispatchParams>() == 232);
+    assert!(size_of::<LlDispatchParams>() == 248);
+    assert!(offset_of!(LlDispatchParams, mask) == 232);
+    assert!(offset_of!(LlCombineParams, mask) == 208);
+    assert!(logfmt_meta_bytes(7168) == 224 && combine_slot_bytes(7168, true) == 14560);
     assert!(offset_of!(LlDispatchParams, out_topk) == 128);
     assert!(offset_of!(LlDispatchParams, rank) == 176);
-    assert!(size_of::<LlCombineParams>() == 208);
+    assert!(size_of::<LlCombineParams>() == 232);
     assert!(offset_of!(LlCombineParams, dispatch_topk) == 104);
     assert!(offset_of!(LlCombineParams, rank) == 168);
     assert!(size_of::<LlSleepParams>() == 8);
@@ -320,7 +354,8 @@ mod tests {
 
     #[test]
     fn state_arrays_follow_the_header() {
-        // u64 last_signal[2][experts] then i32 finish[experts], as finish_of() in the .cu.
-        assert_eq!(state_bytes(288), 64 + 16 * 288 + 4 * 288);
+        // u64 last_signal[2][experts], u64 last_flag[2][experts], then i32 finish[experts], as
+        // last_flag_of() and finish_of() in the .cu.
+        assert_eq!(state_bytes(288), 64 + 16 * 288 + 16 * 288 + 4 * 288);
     }
 }

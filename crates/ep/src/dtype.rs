@@ -125,7 +125,7 @@ macro_rules! element {
         impl Element for $t { const NAME: &'static str = $n; }
     )*};
 }
-element!(Bf16 => "bf16", Fp8E4M3 => "fp8_e4m3", f32 => "f32", i32 => "i32", u8 => "u8");
+element!(Bf16 => "bf16", Fp8E4M3 => "fp8_e4m3", f32 => "f32", i32 => "i32", i64 => "i64", u8 => "u8");
 
 #[cfg(test)]
 mod tests {

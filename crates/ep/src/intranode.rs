@@ -383,7 +383,7 @@ impl Kernels {
             layout: f(k::LAYOUT_MODULE, "ep_dispatch_layout")?,
             notify: f(k::INTRANODE_MODULE, "ep_intranode_notify")?,
             dispatch: f(k::INTRANODE_MODULE, "ep_intranode_dispatch")?,
-            barrier: f(k::INTRANODE_MODULE, "ep_intranode_barrier")?,
+            barrier: f(k::INTRANODE_MODULE, "ep_intranode_notify_barrier")?,
             pull: f(k::INTRANODE_MODULE, "ep_intranode_combine_pull")?,
         })
     }
@@ -1932,7 +1932,7 @@ impl Buffer {
             k::NOTIFY_THREADS,
             0,
             &barrier,
-            "cuLaunchKernel(ep_intranode_barrier)",
+            "cuLaunchKernel(ep_intranode_notify_barrier)",
         )?;
         let out_weights = if topk > 0 {
             out.ptr() + self.out_w_offset as u64

@@ -14,6 +14,7 @@ use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::Fabric;
 
+use super::mask::RankMask;
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
 use crate::bootstrap::{exchange_buffers, PeerBuffer};
 use crate::dtype::{Bf16, Element, Fp8E4M3};
@@ -71,6 +72,11 @@ pub struct LowLatencyOptions {
     pub timeout: Duration,
     /// Fill each output region with the byte 0xAB before every operation (tests).
     pub poison_outputs: bool,
+    /// Rank masks (DeepEP's `enable_shrink`): ranks can be left out of the operations
+    /// ([`LowLatencyBuffer::update_mask`]), and a receive wait that runs out of time masks the
+    /// rank it waited for instead of failing the operation ([`LowLatencyBuffer::query_mask`]
+    /// says who). Without it a timeout is an error.
+    pub enable_shrink: bool,
 }
 
 impl LowLatencyOptions {
@@ -96,6 +102,7 @@ impl LowLatencyOptions {
             nic_handler: HandlerChoice::Auto,
             timeout: Duration::from_secs(10),
             poison_outputs: false,
+            enable_shrink: false,
         }
     }
 
@@ -153,6 +160,9 @@ pub struct LlDispatchArgs<'a> {
     pub return_recv_hook: bool,
     /// Thread blocks (at most one per SM); `None`: every SM.
     pub num_sms: Option<u32>,
+    /// `i64 [ranks]`: the receive adds the GPU cycles it waited for each source rank (DeepEP's
+    /// `dispatch_wait_recv_cost_stats`).
+    pub wait_stats: Option<&'a Tensor<i64>>,
 }
 
 impl<'a> LlDispatchArgs<'a> {
@@ -164,6 +174,7 @@ impl<'a> LlDispatchArgs<'a> {
             fp8: None,
             return_recv_hook: false,
             num_sms: None,
+            wait_stats: None,
         }
     }
 }
@@ -278,6 +289,13 @@ pub struct LlCombineArgs<'a> {
     pub return_recv_hook: bool,
     /// Thread blocks; `None`: every SM.
     pub num_sms: Option<u32>,
+    /// `i64 [ranks]`: the receive adds the GPU cycles it waited for each source rank (DeepEP's
+    /// `combine_wait_recv_cost_stats`).
+    pub wait_stats: Option<&'a Tensor<i64>>,
+    /// Send the rows in LogFMT-10 (see [`logfmt`](super::logfmt)): groups of 128 channels whose
+    /// magnitudes are below 1 travel as 10-bit log-domain codes (160 bytes instead of 256).
+    /// Lossy (about 2^-8 relative per value); hidden a multiple of 128; not with zero-copy.
+    pub use_logfmt: bool,
 }
 
 impl<'a> LlCombineArgs<'a> {
@@ -295,6 +313,8 @@ impl<'a> LlCombineArgs<'a> {
             handle,
             return_recv_hook: false,
             num_sms: None,
+            wait_stats: None,
+            use_logfmt: false,
         }
     }
 }
@@ -331,6 +351,7 @@ pub struct RecvHook {
     gate: Option<(Arc<LaunchGate>, Duration)>,
     _keep: Vec<Arc<DeviceBuffer>>,
     _keep_routing: Option<(Tensor<i32>, Tensor<f32>)>,
+    _keep_stats: Option<Tensor<i64>>,
     _mapped: Arc<MappedHost>,
     _errors: Arc<ErrorReport>,
 }
@@ -468,6 +489,8 @@ pub struct LowLatencyBuffer {
     out_plan: OutPlan,
     peer_base: [u64; k::MAX_RANKS],
     state: Arc<DeviceBuffer>,
+    /// The rank mask, with `enable_shrink`.
+    mask: Option<RankMask>,
     dispatch_out: [Arc<DeviceBuffer>; 2],
     combine_out: [Arc<DeviceBuffer>; 2],
     dispatch_half: usize,
@@ -732,6 +755,11 @@ impl LowLatencyBuffer {
         };
         let state = DeviceBuffer::new(ctx, k::state_bytes(opts.num_experts)).map_err(dev)?;
         state.fill_bytes(0).map_err(dev)?;
+        let mask = if opts.enable_shrink {
+            Some(RankMask::new(ctx, rank, ranks)?)
+        } else {
+            None
+        };
         let region = |bytes| -> Result<Arc<DeviceBuffer>, EpError> {
             Ok(Arc::new(DeviceBuffer::new(ctx, bytes).map_err(dev)?))
         };
@@ -920,6 +948,7 @@ impl LowLatencyBuffer {
             out_plan,
             peer_base,
             state: Arc::new(state),
+            mask,
             dispatch_out,
             combine_out,
             dispatch_half: 0,
@@ -1001,6 +1030,59 @@ impl LowLatencyBuffer {
 
     fn transport_table(&self) -> u64 {
         self.transport.as_ref().map_or(0, |t| t.table.ptr())
+    }
+
+    fn mask_addr(&self) -> u64 {
+        self.mask.as_ref().map_or(0, RankMask::addr)
+    }
+
+    /// What a hook keeps alive, the mask included (its kernel reads it).
+    fn keep_with_mask(&self, mut keep: Vec<Arc<DeviceBuffer>>) -> Vec<Arc<DeviceBuffer>> {
+        keep.extend(self.mask.as_ref().map(RankMask::keep));
+        keep
+    }
+
+    fn shrink_mask(&self, what: &str) -> Result<&RankMask, EpError> {
+        self.usable()?;
+        self.mask.as_ref().ok_or_else(|| {
+            invalid(
+                self.rank,
+                format!("{what} needs a buffer built with enable_shrink (rank masks)"),
+            )
+        })
+    }
+
+    /// Masks (`true`) or unmasks `rank` on this rank (DeepEP's
+    /// `low_latency_update_mask_buffer`), ordered on [`stream`](Self::stream): later operations
+    /// send nothing to it and treat what it sends as absent. Needs `enable_shrink`. Not a
+    /// collective: each rank masks whom it likes.
+    pub fn update_mask(&mut self, rank: usize, masked: bool) -> Result<(), EpError> {
+        self.shrink_mask("update_mask")?
+            .update(&self.stream, rank, masked)
+    }
+
+    /// Copies who is masked on this rank (`i32 [ranks]`, 1 = masked: by the caller, or because a
+    /// wait on it ran out of time) into `mask_status`, ordered on [`stream`](Self::stream)
+    /// (DeepEP's `low_latency_query_mask_buffer`). Needs `enable_shrink`.
+    pub fn query_mask(&mut self, mask_status: &Tensor<i32>) -> Result<(), EpError> {
+        self.shape_is(mask_status, &[self.ranks], "mask_status")?;
+        self.shrink_mask("query_mask")?
+            .query_into(&self.stream, mask_status)
+    }
+
+    /// Who is masked on this rank, after everything queued so far (waits, bounded, for the
+    /// stream).
+    pub fn mask_status(&mut self) -> Result<Vec<i32>, EpError> {
+        let t = Tensor::filled(&self.ctx, 0i32, &[self.ranks])?;
+        self.query_mask(&t)?;
+        self.synchronize()?;
+        t.to_host()
+    }
+
+    /// Unmasks every rank on this rank, ordered on [`stream`](Self::stream) (DeepEP's
+    /// `low_latency_clean_mask_buffer`). Needs `enable_shrink`.
+    pub fn clean_mask(&mut self) -> Result<(), EpError> {
+        self.shrink_mask("clean_mask")?.clean(&self.stream)
     }
 
     /// Where zero-copy combine takes the expert outputs from: BF16
@@ -1162,6 +1244,9 @@ impl LowLatencyBuffer {
             Some(_) => k::FP8_BLOCK,
         };
         self.check_hidden(h, multiple, "hidden")?;
+        if let Some(s) = args.wait_stats {
+            self.shape_is(s, &[self.ranks], "dispatch_wait_recv_cost_stats")?;
+        }
         let grid = self.grid("low-latency dispatch", args.num_sms)?;
 
         let half = self.dispatch_half;
@@ -1212,6 +1297,8 @@ impl LowLatencyBuffer {
             ue8m0: i32::from(ue8m0),
             msg_bytes: msg_bytes(h, fp8.is_some()) as i32,
             half: half as i32,
+            mask: self.mask_addr(),
+            wait_stats: args.wait_stats.map_or(0, Tensor::device_address),
         };
         let launched = launch(
             self.gate(),
@@ -1257,8 +1344,9 @@ impl LowLatencyBuffer {
             grid,
             rank: self.rank,
             gate: self.gate_for_hook(),
-            _keep: vec![region.clone(), self.net.clone(), self.state.clone()],
+            _keep: self.keep_with_mask(vec![region.clone(), self.net.clone(), self.state.clone()]),
             _keep_routing: None,
+            _keep_stats: args.wait_stats.cloned(),
             _mapped: self.mapped.clone(),
             _errors: self.errors.clone(),
         });
@@ -1324,6 +1412,19 @@ impl LowLatencyBuffer {
         }
         self.shape_is(args.topk_idx, &[t, kk], "topk_idx")?;
         self.shape_is(args.topk_weights, &[t, kk], "topk_weights")?;
+        if let Some(s) = args.wait_stats {
+            self.shape_is(s, &[self.ranks], "combine_wait_recv_cost_stats")?;
+        }
+        if args.use_logfmt {
+            if matches!(args.x, LlCombineX::ZeroCopy) {
+                return Err(invalid(
+                    self.rank,
+                    "use_logfmt with zero-copy: the rows are encoded where zero-copy keeps its \
+                     input (as in DeepEP, LogFMT needs x given)",
+                ));
+            }
+            self.check_hidden(h, k::LOGFMT_GROUP, "LogFMT combine hidden")?;
+        }
         let grid = self.grid("low-latency combine", args.num_sms)?;
 
         let half = self.combine_half;
@@ -1360,6 +1461,13 @@ impl LowLatencyBuffer {
                     k::phase::RECV
                 },
             half: half as i32,
+            mask: self.mask_addr(),
+            wait_stats: args.wait_stats.map_or(0, Tensor::device_address),
+            logfmt_stage: if args.use_logfmt {
+                self.net.ptr() + self.net_plan.comb_send as u64
+            } else {
+                0
+            },
         };
         let launched = launch(
             self.gate(),
@@ -1384,13 +1492,14 @@ impl LowLatencyBuffer {
             rank: self.rank,
             gate: self.gate_for_hook(),
             // The dispatch's region too: the receive reads its top-k ids.
-            _keep: vec![
+            _keep: self.keep_with_mask(vec![
                 out.clone(),
                 self.net.clone(),
                 self.state.clone(),
                 hd.region.clone(),
-            ],
+            ]),
             _keep_routing: Some((args.topk_idx.clone(), args.topk_weights.clone())),
+            _keep_stats: args.wait_stats.cloned(),
             _mapped: self.mapped.clone(),
             _errors: self.errors.clone(),
         });
@@ -1518,6 +1627,43 @@ impl LowLatencyBuffer {
         );
         self.poisoned = Some(err.to_string());
         Err(err)
+    }
+
+    /// Resets the signals, flags and sequence numbers of every rank (DeepEP's
+    /// `clean_low_latency_buffer`): a collective of all ranks. Waits (bounded) for this rank's
+    /// work, meets every rank, zeroes this rank's signal words and state, waits for that, and
+    /// meets again, so no rank signals a peer before every peer has cleaned. Masks are kept.
+    /// Afterwards the buffer is as new (outputs and handles of earlier operations stay valid
+    /// for reading, but combine refuses nothing: do not combine across a clean). A rank masked
+    /// and unmasked again while it missed operations is back in step after a clean.
+    pub fn clean(&mut self) -> Result<(), EpError> {
+        self.usable()?;
+        self.synchronize()?;
+        self.group.all_gather(&[])?;
+        let rank = self.rank;
+        let cuda = |call, source| EpError::Cuda { rank, call, source };
+        // The dispatch signals and combine flags of both halves come first in the net buffer
+        // (NetPlan takes them first), the receive rows after them.
+        let signals = self.net_plan.recv[0];
+        // SAFETY: the first `signals` bytes of this rank's live net buffer and the whole state
+        // allocation, ordered on this buffer's stream; every rank's work has finished (synchronized
+        // above, then met), so no kernel or NIC writes into them meanwhile.
+        unsafe {
+            sys::cuMemsetD8Async(self.net.ptr(), 0, signals, self.stream.cu_stream())
+                .result()
+                .map_err(|e| cuda("cuMemsetD8Async (clean signals)", e))?;
+            sys::cuMemsetD8Async(
+                self.state.ptr(),
+                0,
+                self.state.len(),
+                self.stream.cu_stream(),
+            )
+            .result()
+            .map_err(|e| cuda("cuMemsetD8Async (clean state)", e))?;
+        }
+        self.synchronize()?;
+        self.group.all_gather(&[])?;
+        Ok(())
     }
 
     /// Waits (bounded) until everything queued on the buffer's stream has run, then reports any

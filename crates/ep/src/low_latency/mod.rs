@@ -17,6 +17,16 @@
 //! - The handle is opaque (its routing tensors are read-only) and the kernels check every value
 //!   they read from it and every top-k id a combine is given (in range, and the dispatch's in
 //!   that place or -1): a bad one is a named error, and nothing is written by it.
+//! - Rank masks ([`LowLatencyOptions::enable_shrink`], DeepEP's `enable_shrink`): a rank masked
+//!   on this rank ([`LowLatencyBuffer::update_mask`]) gets nothing from it and what it sends is
+//!   treated as absent; with shrink on, a receive wait that runs out of time masks its rank
+//!   instead of failing ([`LowLatencyBuffer::query_mask`] reports it). [`LowLatencyBuffer::clean`]
+//!   resets every rank's signals (a collective). The CPU definition is
+//!   `reference::masked_ids`.
+//! - Wait costs: [`LlDispatchArgs::wait_stats`] / [`LlCombineArgs::wait_stats`] add the GPU cycles
+//!   each receive waited per source rank (DeepEP's `*_wait_recv_cost_stats`).
+//! - LogFMT combine ([`LlCombineArgs::use_logfmt`]): rows of small magnitudes travel as 10-bit
+//!   log-domain codes; the format and its CPU definition are in [`logfmt`].
 //! - Results are double buffered: the outputs of a dispatch (and of a combine) stay valid until
 //!   the second next one; a call whose half is still referenced fails with
 //!   [`EpError::RegionsInUse`](crate::EpError::RegionsInUse) instead of overwriting it.
@@ -42,6 +52,8 @@
 
 mod buffer;
 mod faults;
+pub mod logfmt;
+mod mask;
 mod plan;
 pub mod reference;
 mod remote;

@@ -1,7 +1,7 @@
 //! Where everything lies in a low-latency buffer's memory, for given options. Equal on every
 //! rank (the kernels address peers' regions with this rank's offsets).
 
-use ep_kernels::low_latency::{FP8_BLOCK, MAX_TOPK};
+use ep_kernels::low_latency::{combine_slot_bytes, FP8_BLOCK, MAX_TOPK};
 
 const ALIGN: usize = 256;
 
@@ -28,10 +28,12 @@ pub(crate) struct NetPlan {
     pub(crate) flag: [usize; 2],
     /// Dispatch messages `[local][ranks][max tokens][msg]`.
     pub(crate) recv: [usize; 2],
-    /// Combine rows `[experts][max tokens][hidden]` BF16.
+    /// Combine rows `[experts][max tokens][slot]`: BF16 rows, or LogFMT-encoded ones (slots of
+    /// `combine_slot_bytes(hidden, true)`, sized for the largest hidden).
     pub(crate) comb_recv: [usize; 2],
     /// Zero-copy combine input `[local][ranks × max tokens][hidden]` BF16 (also where the
-    /// transport sends combine rows from).
+    /// transport sends combine rows from, and where LogFMT rows are encoded: sized for
+    /// LogFMT slots, which zero-copy never uses).
     pub(crate) comb_send: usize,
     /// Dispatch send staging `[max tokens][msg]` (transport: the NIC reads messages here).
     pub(crate) stage: usize,
@@ -90,8 +92,9 @@ impl NetPlan {
         let flag = [take(e * 8), take(e * 8)];
         let msg = msg_bytes(h, false);
         let recv = [take(l * r * t * msg), take(l * r * t * msg)];
-        let comb_recv = [take(e * t * h * 2), take(e * t * h * 2)];
-        let comb_send = take(l * r * t * h * 2);
+        let slot = combine_slot_bytes(h, true);
+        let comb_recv = [take(e * t * slot), take(e * t * slot)];
+        let comb_send = take(l * r * t * slot);
         let stage = take(t * msg);
         Self {
             signal,
