@@ -43,7 +43,6 @@
 mod buffer;
 mod plan;
 pub mod reference;
-mod remote;
 
 pub use buffer::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,

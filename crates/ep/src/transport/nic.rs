@@ -5,6 +5,13 @@
 use core::fmt;
 use core::str::FromStr;
 
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use ibgda_emu::Fabric;
+
+use super::backend::RankTransport;
+use super::emulated_transport::EmulatedTransport;
 use super::error::TransportError;
 
 /// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
@@ -66,43 +73,73 @@ pub enum NicKind {
     Real(String),
 }
 
+impl fmt::Display for NicKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Emulated => f.write_str("emulated mlx5"),
+            Self::Real(name) => write!(f, "mlx5 device {name}"),
+        }
+    }
+}
+
+/// The NIC chosen and why, in words for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NicDecision {
+    /// The NIC.
+    pub kind: NicKind,
+    /// Why it was chosen.
+    pub why: String,
+}
+
 /// The first mlx5 device, or why there is none usable.
 pub fn find_real_nic() -> Result<String, String> {
     match ibgda_verbs::list_devices() {
         Ok(list) => list
             .into_iter()
-            .next()
+            .find(|d| d.mlx5)
             .map(|d| d.name)
             .ok_or_else(ibgda_verbs::no_device_hint),
         Err(e) => Err(e.to_string()),
     }
 }
 
-/// Decides real or emulated NIC and logs the decision in one line.
-pub fn choose_nic(choice: NicChoice) -> Result<NicKind, TransportError> {
-    let kind = match choice {
-        NicChoice::Emulated => {
-            tracing::info!(target: "ep", "NIC: emulated mlx5 (asked for)");
-            NicKind::Emulated
-        }
+/// Decides real or emulated NIC for `choice`, without logging: the caller says it, with the
+/// handler mode, in one line. `real` with no usable mlx5 device is
+/// [`TransportError::NoRealNic`] with the reason.
+pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
+    Ok(match choice {
+        NicChoice::Emulated => NicDecision {
+            kind: NicKind::Emulated,
+            why: format!("{NIC_ENV}=emulated or asked for"),
+        },
         NicChoice::Real => {
             let name = find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?;
-            tracing::info!(target: "ep", "NIC: real mlx5 device {name} (asked for)");
-            NicKind::Real(name)
+            NicDecision {
+                kind: NicKind::Real(name),
+                why: format!("{NIC_ENV}=real or asked for"),
+            }
         }
         NicChoice::Auto => match find_real_nic() {
-            Ok(name) => {
-                tracing::info!(target: "ep", "NIC: real mlx5 device {name}");
-                NicKind::Real(name)
-            }
-            Err(why) => {
-                let why = why.lines().next().unwrap_or("no device").to_string();
-                tracing::info!(target: "ep", "NIC: emulated mlx5 (no usable RDMA device: {why})");
-                NicKind::Emulated
-            }
+            Ok(name) => NicDecision {
+                kind: NicKind::Real(name),
+                why: "auto: a usable mlx5 device is present".into(),
+            },
+            Err(why) => NicDecision {
+                kind: NicKind::Emulated,
+                why: format!(
+                    "auto: no usable mlx5 device ({})",
+                    why.lines().next().unwrap_or("none found")
+                ),
+            },
         },
-    };
-    Ok(kind)
+    })
+}
+
+/// Decides real or emulated NIC and logs the decision in one line.
+pub fn choose_nic(choice: NicChoice) -> Result<NicKind, TransportError> {
+    let d = decide_nic(choice)?;
+    tracing::info!(target: "ep", "NIC: {} ({})", d.kind, d.why);
+    Ok(d.kind)
 }
 
 /// The real-hardware path: an mlx5 device opened for IBGDA QPs.
@@ -128,6 +165,30 @@ impl RealNic {
             device: found,
             what: "building IBGDA QPs on real hardware",
         })
+    }
+}
+
+/// Opens rank `rank`'s transport on the NIC `kind`, on `ctx`'s GPU. Ranks that are threads of
+/// this process pass the fabric every rank's emulated NIC shares (`threads`); ranks as processes
+/// pass `None`.
+pub fn open_transport(
+    kind: &NicKind,
+    ctx: &Arc<CudaContext>,
+    rank: u32,
+    threads: Option<&Fabric>,
+) -> Result<Arc<dyn RankTransport>, TransportError> {
+    match kind {
+        NicKind::Emulated => Ok(Arc::new(match threads {
+            Some(fabric) => EmulatedTransport::threads(fabric, ctx, rank)?,
+            None => EmulatedTransport::process(ctx, rank)?,
+        })),
+        NicKind::Real(name) => Err(match RealNic::open(Some(name)) {
+            Err(e) => e,
+            Ok(nic) => TransportError::RealNicUnsupported {
+                device: nic.device,
+                what: "building IBGDA QPs on real hardware",
+            },
+        }),
     }
 }
 
