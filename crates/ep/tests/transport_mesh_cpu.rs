@@ -8,11 +8,14 @@
 use std::time::Duration;
 
 use ep::bootstrap::{Communicator, ThreadGroup};
-use ep::transport::{connect_mesh, EmulatedTransport, QpGroupConfig, RankTransport};
+use ep::transport::{
+    connect_mesh, EmulatedTransport, QpGroupConfig, RankTransport, VerbsTransport,
+};
 use ep::Exchange;
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_device::wire::RemoteAddr;
+use ibgda_emu::firmware::EmuSubnet;
 use ibgda_emu::Fabric;
 
 const RANKS: usize = 3;
@@ -90,7 +93,13 @@ fn mesh_carries_writes_and_atomics(
                         .expect("put");
                         qp.signal_add(remote(COUNTS + 8 * rank), rank as u64 + 1, true, true)
                             .expect("signal");
-                        qp.quiet().expect("quiet");
+                        if let Err(e) = qp.quiet() {
+                            panic!(
+                                "{name}/{mode}: rank {rank} → {dst}: quiet: {e:?}: {:?}; {:?}",
+                                set.check(),
+                                qp.counters()
+                            );
+                        }
                         set.check().expect("no recorded failure");
                     }
                     // Every rank's writes have completed once every rank has quieted.
@@ -125,6 +134,18 @@ fn the_emulated_transport_connects_every_peer_through_the_bootstrap() {
         let fabric = Fabric::new();
         mesh_carries_writes_and_atomics("emulated", mode, |r| {
             Box::new(EmulatedTransport::host(&fabric, r as u32).expect("host NIC"))
+        });
+    }
+}
+
+#[test]
+fn the_verbs_transport_on_the_emulated_firmware_connects_every_peer_through_the_bootstrap() {
+    // Every QP here is built by ibgda-verbs' PRM command images (CREATE_CQ, CREATE_QP,
+    // RST2INIT, INIT2RTR, RTR2RTS) decoded by the emulated firmware.
+    for mode in [HandlerChoice::Gpu, HandlerChoice::CpuHostMemory] {
+        let subnet = EmuSubnet::new();
+        mesh_carries_writes_and_atomics("verbs", mode, |r| {
+            Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
         });
     }
 }
