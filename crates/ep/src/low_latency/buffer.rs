@@ -13,7 +13,7 @@ use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::protocol::HANDLER_ENV;
 use ibgda_device::qp_desc::NicHandler;
-use ibgda_emu::Fabric;
+use ibgda_emu::firmware::EmuSubnet;
 
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
 use crate::bootstrap::{exchange_buffers, PeerBuffer};
@@ -71,6 +71,9 @@ pub struct LowLatencyOptions {
     /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
     /// (GDRCopy; creation fails cleanly without it) or `Auto`.
     pub nic_handler: HandlerChoice,
+    /// Which NIC carries the transport when NVLink is disabled (`Auto`: a real mlx5 device when
+    /// one is usable, else the emulated NIC; `EP_NIC` overrides).
+    pub nic: NicChoice,
     /// Bound of every wait, on the GPU and on the host.
     pub timeout: Duration,
     /// Fill each output region with the byte 0xAB before every operation (tests).
@@ -98,6 +101,7 @@ impl LowLatencyOptions {
             num_experts,
             allow_nvlink: true,
             nic_handler: HandlerChoice::Auto,
+            nic: NicChoice::Auto,
             timeout: Duration::from_secs(10),
             poison_outputs: false,
         }
@@ -545,9 +549,9 @@ impl LlNet {
     }
 }
 
-/// The NIC the transport runs on, as `EP_NIC` (default `auto`) decides.
-fn transport_nic(rank: usize) -> Result<NicDecision, EpError> {
-    let choice = NicChoice::from_env_or(NicChoice::Auto)
+/// The NIC the transport runs on: `asked` (the options'), unless `EP_NIC` overrides it.
+fn transport_nic(rank: usize, asked: NicChoice) -> Result<NicDecision, EpError> {
+    let choice = NicChoice::from_env_or(asked)
         .map_err(|e| transport_err(rank, &format!("choosing the NIC ({NIC_ENV})"), e))?;
     transport_nic_for(rank, choice)
 }
@@ -579,13 +583,13 @@ impl LowLatencyBuffer {
         let nics = if opts.allow_nvlink {
             None
         } else {
-            let decision = transport_nic(0)?;
-            let fabric = Fabric::new();
+            let decision = transport_nic(0, opts.nic)?;
+            let subnet = EmuSubnet::new();
             let ranks = ctxs
                 .iter()
                 .enumerate()
                 .map(|(r, ctx)| {
-                    open_transport(&decision.kind, ctx, r as u32, Some(&fabric)).map_err(|e| {
+                    open_transport(&decision.kind, ctx, r as u32, Some(&subnet)).map_err(|e| {
                         transport_err(r, &format!("opening the NIC ({})", decision.kind), e)
                     })
                 })
@@ -647,7 +651,7 @@ impl LowLatencyBuffer {
             }
             // Ranks as processes: this process's own NIC for this rank.
             (false, _) if procs => {
-                let decision = transport_nic(rank)?;
+                let decision = transport_nic(rank, opts.nic)?;
                 let t = open_transport(&decision.kind, ctx, rank as u32, None).map_err(|e| {
                     transport_err(rank, &format!("opening the NIC ({})", decision.kind), e)
                 })?;
@@ -758,7 +762,9 @@ impl LowLatencyBuffer {
         let share = GpuShare::gather(ctx, &*group)?;
         // The emulated NIC's copies need SMs left free; a real NIC needs none.
         let reserved = match &nics {
-            Some(n) if n.nic() == NicKind::Emulated => EMULATED_NIC_SMS,
+            Some(n) if matches!(n.nic(), NicKind::Emulated | NicKind::EmulatedVerbs) => {
+                EMULATED_NIC_SMS
+            }
             _ => 0,
         };
         let budget = share.default_budget("a low-latency buffer", reserved)?;
@@ -840,7 +846,7 @@ impl LowLatencyBuffer {
                     peer_rank: r as u32,
                     ..Default::default()
                 };
-                // Two collectives; a rank that fails makes every rank fail at once.
+                // Three collectives; a rank that fails makes every rank fail at once.
                 let mesh =
                     connect_mesh(&*nics, &*group, &*arena, QPS_PER_PEER, cfg, |doing, e| {
                         transport_err(rank, doing, e)

@@ -3,9 +3,9 @@
 //!
 //! For every peer, a rank makes responder QPs on its NIC ([`RankTransport::respond`]) and sends
 //! their connection info; each rank then connects its QPs to the peers' responders
-//! ([`RankTransport::connect`]) and sends its QPs' info back, which the responders accept. Both
-//! exchanges carry a rank's failure instead of its infos, so every rank fails at once, naming
-//! the rank, rather than at a timeout.
+//! ([`RankTransport::connect`]) and sends its QPs' info back, which the responders accept; a
+//! last all-gather says every rank's responders are ready. Every exchange carries a rank's
+//! failure, so every rank fails at once, naming the rank, rather than at a timeout.
 //!
 //! An exchange's record, as the u64 words [`Exchange::all_gather`] moves: `[TAG, 1]`, then for
 //! every destination rank the number of infos and each info as its byte length and its bytes
@@ -224,8 +224,9 @@ fn exchange(
 /// This rank's QPs to every peer (see the module docs): per rank, this rank's QP set to it and
 /// the responders its set writes through (`None` for this rank). `cfg(r)` configures the QPs to
 /// rank `r`; `local` is this rank's registered memory, registered on `nic` before this is
-/// called (connection info may carry it). Two collectives of `group`; `err(doing, e)` turns a
-/// transport failure into the caller's error.
+/// called (connection info may carry it). Three collectives of `group`; on return every rank's
+/// responders have accepted, so any rank may post. `err(doing, e)` turns a transport failure
+/// into the caller's error.
 pub fn connect_mesh(
     nic: &dyn RankTransport,
     group: &dyn Exchange,
@@ -263,12 +264,25 @@ pub fn connect_mesh(
     });
     let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps)?;
 
-    // 3. The responders accept the peers' QPs.
-    for (r, p) in responders.iter().enumerate() {
-        if let Some(p) = p {
-            p.accept(&initiators[r])
-                .map_err(|e| err(&format!("accepting the QPs of rank {r}"), e))?;
-        }
+    // 3. The responders accept the peers' QPs; then every rank says whether it could, so no
+    // rank posts to a responder that is not ready yet (a real NIC would drop the packets and
+    // retry), and a failure fails every rank at once.
+    let accepted = responders
+        .iter()
+        .enumerate()
+        .try_for_each(|(r, p)| match p {
+            Some(p) => p
+                .accept(&initiators[r])
+                .map_err(|e| err(&format!("accepting the QPs of rank {r}"), e)),
+            None => Ok(()),
+        });
+    let all = group.all_gather(&[u64::from(accepted.is_ok())])?;
+    accepted?;
+    if let Some(r) = all.iter().position(|v| v.first() != Some(&1)) {
+        return Err(EpError::Rendezvous {
+            rank,
+            what: format!("rank {r} failed to accept this rank's QPs"),
+        });
     }
     Ok(Mesh { sets, responders })
 }

@@ -8,11 +8,12 @@ use core::str::FromStr;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
-use ibgda_emu::Fabric;
+use ibgda_emu::firmware::EmuSubnet;
 
 use super::backend::RankTransport;
 use super::emulated_transport::EmulatedTransport;
 use super::error::TransportError;
+use super::verbs_transport::VerbsTransport;
 
 /// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
 pub const NIC_ENV: &str = "EP_NIC";
@@ -25,6 +26,10 @@ pub enum NicChoice {
     Auto,
     /// The software mlx5 NIC (`ibgda-emu`), whatever hardware there is.
     Emulated,
+    /// The real-NIC code path (`ibgda-verbs` objects and PRM firmware commands) on the emulated
+    /// NIC's firmware: everything a ConnectX run does except the final ioctl. Ranks as threads
+    /// of one process only (the emulated firmware's devices share one subnet).
+    EmulatedVerbs,
     /// A real mlx5 NIC, or an error.
     Real,
 }
@@ -44,6 +49,7 @@ impl fmt::Display for NicChoice {
         f.write_str(match self {
             Self::Auto => "auto",
             Self::Emulated => "emulated",
+            Self::EmulatedVerbs => "emulated-verbs",
             Self::Real => "real",
         })
     }
@@ -56,9 +62,10 @@ impl FromStr for NicChoice {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(Self::Auto),
             "emulated" | "emu" => Ok(Self::Emulated),
+            "emulated-verbs" | "emulated_verbs" => Ok(Self::EmulatedVerbs),
             "real" | "mlx5" => Ok(Self::Real),
             other => Err(TransportError::Config(format!(
-                "{NIC_ENV}={other:?}: expected auto, emulated or real"
+                "{NIC_ENV}={other:?}: expected auto, emulated, emulated-verbs or real"
             ))),
         }
     }
@@ -69,6 +76,8 @@ impl FromStr for NicChoice {
 pub enum NicKind {
     /// The emulated NIC.
     Emulated,
+    /// The verbs path on the emulated NIC's firmware.
+    EmulatedVerbs,
     /// A real mlx5 device, by name.
     Real(String),
 }
@@ -77,6 +86,7 @@ impl fmt::Display for NicKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Emulated => f.write_str("emulated mlx5"),
+            Self::EmulatedVerbs => f.write_str("emulated mlx5 through the verbs path"),
             Self::Real(name) => write!(f, "mlx5 device {name}"),
         }
     }
@@ -111,6 +121,10 @@ pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
         NicChoice::Emulated => NicDecision {
             kind: NicKind::Emulated,
             why: format!("{NIC_ENV}=emulated or asked for"),
+        },
+        NicChoice::EmulatedVerbs => NicDecision {
+            kind: NicKind::EmulatedVerbs,
+            why: format!("{NIC_ENV}=emulated-verbs or asked for"),
         },
         NicChoice::Real => {
             let name = find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?;
@@ -169,19 +183,27 @@ impl RealNic {
 }
 
 /// Opens rank `rank`'s transport on the NIC `kind`, on `ctx`'s GPU. Ranks that are threads of
-/// this process pass the fabric every rank's emulated NIC shares (`threads`); ranks as processes
-/// pass `None`.
+/// this process pass the subnet every rank's emulated NIC shares (`threads`); ranks as
+/// processes pass `None`.
 pub fn open_transport(
     kind: &NicKind,
     ctx: &Arc<CudaContext>,
     rank: u32,
-    threads: Option<&Fabric>,
+    threads: Option<&EmuSubnet>,
 ) -> Result<Arc<dyn RankTransport>, TransportError> {
     match kind {
         NicKind::Emulated => Ok(Arc::new(match threads {
-            Some(fabric) => EmulatedTransport::threads(fabric, ctx, rank)?,
+            Some(subnet) => EmulatedTransport::threads(subnet.fabric(), ctx, rank)?,
             None => EmulatedTransport::process(ctx, rank)?,
         })),
+        NicKind::EmulatedVerbs => match threads {
+            Some(subnet) => Ok(Arc::new(VerbsTransport::emulated_cuda(subnet, ctx, rank)?)),
+            None => Err(TransportError::Config(format!(
+                "{NIC_ENV}=emulated-verbs reaches peers of this process only (the emulated \
+                 firmware's devices share one subnet): build the ranks as threads \
+                 (LowLatencyBuffer::create_group), or use {NIC_ENV}=emulated for processes"
+            ))),
+        },
         NicKind::Real(name) => Err(match RealNic::open(Some(name)) {
             Err(e) => e,
             Ok(nic) => TransportError::RealNicUnsupported {
@@ -203,6 +225,18 @@ mod tests {
             NicChoice::Emulated
         );
         assert_eq!("AUTO".parse::<NicChoice>().unwrap(), NicChoice::Auto);
+        assert_eq!(
+            "emulated-verbs".parse::<NicChoice>().unwrap(),
+            NicChoice::EmulatedVerbs
+        );
+        for c in [
+            NicChoice::Auto,
+            NicChoice::Emulated,
+            NicChoice::EmulatedVerbs,
+            NicChoice::Real,
+        ] {
+            assert_eq!(c.to_string().parse::<NicChoice>().unwrap(), c);
+        }
         assert!("fast".parse::<NicChoice>().is_err());
         assert_eq!(choose_nic(NicChoice::Emulated).unwrap(), NicKind::Emulated);
         let e = RealNic::open(None).unwrap_err().to_string();

@@ -354,7 +354,7 @@ impl Registration for VerbsRegistration {
 impl RankTransport for VerbsTransport {
     fn nic(&self) -> NicKind {
         if self.emulated {
-            NicKind::Emulated
+            NicKind::EmulatedVerbs
         } else {
             NicKind::Real(self.ctx.name().to_string())
         }
@@ -630,7 +630,7 @@ struct VerbsQpSet {
     qps: Vec<Qp<Rts>>,
     /// Umems of the rings and of the host block, after the QPs and CQs placed in them.
     _umems: Vec<Arc<Umem>>,
-    _gpu_uar: Option<Arc<GpuUarMapping>>,
+    _gpu_uars: Vec<GpuUarMapping>,
     host: Arc<HostBuffer>,
     layout: HostLayout,
     _rings: Block,
@@ -686,15 +686,11 @@ impl VerbsQpSet {
         let mode = cfg.handler;
         let plan = t.plan(mode);
         plan.check(&t.probe())?;
-        let gpu_uar = match (plan.uar_in_gpu, &t.gpu_uar) {
-            (true, Some(Ok(m))) => Some(m.clone()),
-            (true, Some(Err(why))) => {
-                return Err(TransportError::Config(format!(
-                    "mode gpu: the UAR cannot be mapped into the GPU: {why}"
-                )))
-            }
-            _ => None,
-        };
+        if let (true, Some(Err(why))) = (plan.uar_in_gpu, &t.gpu_uar) {
+            return Err(TransportError::Config(format!(
+                "mode gpu: the UAR cannot be mapped into the GPU: {why}"
+            )));
+        }
         let (nwqes, ncqes) = (cfg.nwqes, cfg.nwqes);
         let log = nwqes.trailing_zeros() as u8;
         let ring = RingLayout::new(nwqes, ncqes);
@@ -713,11 +709,18 @@ impl VerbsQpSet {
         let mut qps = Vec::with_capacity(n);
         let mut infos = Vec::with_capacity(n);
         let mut descs = Vec::with_capacity(n);
+        let mut gpu_uars = Vec::new();
         for (i, peer) in peers.iter().enumerate() {
             let base = i * ring.bytes;
+            // A UAR page per QP, as each QP's doorbells are independent stores; the QP and its
+            // CQ hold it.
+            let uar = Uar::alloc(&t.ctx).map_err(|source| TransportError::Verbs {
+                doing: "allocating a UAR",
+                source,
+            })?;
             write_block(&rings, base + ring.cq, &cq_image(ncqes))?;
             let cq = CqBuilder::new(
-                &t.uar,
+                &uar,
                 ring_umem.at((base + ring.cq) as u64),
                 ring_umem.at((base + ring.cq_dbr) as u64),
                 log,
@@ -738,7 +741,7 @@ impl VerbsQpSet {
             };
             let qp = QpBuilder::new(
                 &t.pd,
-                &t.uar,
+                &uar,
                 &cq,
                 &cq,
                 ring_umem.at((base + ring.sq) as u64),
@@ -757,11 +760,21 @@ impl VerbsQpSet {
                     .to_vec(),
             ));
             let qp = t.rtr_rts(t.init(qp)?, peer, psn)?;
-            let db_reg = match (&gpu_uar, plan.uar_in_gpu) {
-                (Some(m), _) => m.doorbell_device_ptr(),
+            let db_reg = match (&t.cuda, plan.uar_in_gpu) {
+                (Some(c), true) => {
+                    let m = uar
+                        .map_into_gpu(c)
+                        .map_err(|source| TransportError::Verbs {
+                            doing: "mapping the UAR into the GPU",
+                            source,
+                        })?;
+                    let reg = m.doorbell_device_ptr();
+                    gpu_uars.push(m);
+                    reg
+                }
                 // Host backend: the submitting thread stores to the page itself.
-                (None, true) => t.uar.register_ptr() as u64,
-                (None, false) => 0,
+                (None, true) => uar.register_ptr() as u64,
+                (_, false) => 0,
             };
             let d = QpDesc {
                 wq_base: rings.dev_addr() + (base + ring.sq) as u64,
@@ -805,7 +818,7 @@ impl VerbsQpSet {
             infos,
             qps,
             _umems: umems,
-            _gpu_uar: gpu_uar,
+            _gpu_uars: gpu_uars,
             host: host.clone(),
             layout,
             _rings: rings,
@@ -833,13 +846,13 @@ impl VerbsQpSet {
             let mut pqs = Vec::with_capacity(n);
             for (i, qp) in set.qps.iter().enumerate() {
                 let dbr = host.addr() + (layout.dbr + 64 * i) as u64;
-                // SAFETY: the doorbell record is in `host` and the register in the UAR page,
-                // both kept by the set (and the UAR by its QPs) until after the proxy stops;
+                // SAFETY: the doorbell record is in `host` and the register in the QP's UAR
+                // page, kept by the set and the QP until after the proxy stops;
                 // only the proxy rings this QP.
                 let doorbell = unsafe {
                     Mlx5UarDoorbell::new(
                         dbr as *mut DoorbellRecord,
-                        t.uar.register_ptr().cast::<u64>(),
+                        qp.uar().register_ptr().cast::<u64>(),
                         qp.qpn(),
                     )
                 }
