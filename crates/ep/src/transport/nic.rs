@@ -101,16 +101,10 @@ pub struct NicDecision {
     pub why: String,
 }
 
-/// The first mlx5 device, or why there is none usable.
+/// The first mlx5 device, or why there is none usable and the fix (the preflight's words:
+/// [`crate::preflight::real_nic`]).
 pub fn find_real_nic() -> Result<String, String> {
-    match ibgda_verbs::list_devices() {
-        Ok(list) => list
-            .into_iter()
-            .find(|d| d.mlx5)
-            .map(|d| d.name)
-            .ok_or_else(ibgda_verbs::no_device_hint),
-        Err(e) => Err(e.to_string()),
-    }
+    crate::preflight::real_nic().map_err(|m| m.to_string())
 }
 
 /// Decides real or emulated NIC for `choice`, without logging: the caller says it, with the
@@ -127,23 +121,22 @@ pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
             why: format!("{NIC_ENV}=emulated-verbs or asked for"),
         },
         NicChoice::Real => {
-            let name = find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?;
+            let name = crate::preflight::real_nic().map_err(|m| TransportError::NoRealNic {
+                hint: m.to_string(),
+            })?;
             NicDecision {
                 kind: NicKind::Real(name),
                 why: format!("{NIC_ENV}=real or asked for"),
             }
         }
-        NicChoice::Auto => match find_real_nic() {
+        NicChoice::Auto => match crate::preflight::real_nic() {
             Ok(name) => NicDecision {
                 kind: NicKind::Real(name),
                 why: "auto: a usable mlx5 device is present".into(),
             },
-            Err(why) => NicDecision {
+            Err(m) => NicDecision {
                 kind: NicKind::Emulated,
-                why: format!(
-                    "auto: no usable mlx5 device ({})",
-                    why.lines().next().unwrap_or("none found")
-                ),
+                why: format!("auto: no usable mlx5 device ({})", m.why),
             },
         },
     })
