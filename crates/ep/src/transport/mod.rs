@@ -37,7 +37,7 @@ mod emulated_transport;
 mod error;
 mod mesh;
 mod nic;
-mod verbs_transport;
+mod verbs;
 
 pub use backend::{ConnInfo, QpSet, RankTransport, Registration, Responder};
 pub use doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
@@ -53,4 +53,4 @@ pub use nic::{
     choose_nic, decide_nic, find_real_nic, open_transport, NicChoice, NicDecision, NicKind,
     RealNic, NIC_ENV,
 };
-pub use verbs_transport::VerbsTransport;
+pub use verbs::VerbsTransport;

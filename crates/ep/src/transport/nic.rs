@@ -13,7 +13,7 @@ use ibgda_emu::firmware::EmuSubnet;
 use super::backend::RankTransport;
 use super::emulated_transport::EmulatedTransport;
 use super::error::TransportError;
-use super::verbs_transport::VerbsTransport;
+use super::verbs::VerbsTransport;
 
 /// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
 pub const NIC_ENV: &str = "EP_NIC";
