@@ -112,3 +112,30 @@ fn verbs_path_on_the_emulated_firmware_matches_reference_in_gpu_and_cpu_host_mem
         }
     }
 }
+
+#[test]
+fn nic_real_without_an_mlx5_device_fails_before_any_collective_with_the_preflights_reason() {
+    let Some(ctxs) = rank_gpus(2) else { return };
+    let missing = match ep::preflight::real_nic() {
+        Ok(dev) => {
+            eprintln!("an mlx5 device is present ({dev}): nothing to refuse here");
+            return;
+        }
+        Err(m) => m,
+    };
+    let mut o = transport_options(2, HandlerChoice::Auto);
+    o.nic = NicChoice::Real;
+    let e = match LowLatencyBuffer::create_group(&ctxs, &o) {
+        Ok(_) => panic!("NicChoice::Real built buffers with no mlx5 device"),
+        Err(e) => e,
+    };
+    let text = format!(
+        "{e}: {}",
+        std::error::Error::source(&e).map_or(String::new(), |s| s.to_string())
+    );
+    assert!(
+        text.contains("no usable mlx5 NIC") && text.contains(&missing.why),
+        "{text}"
+    );
+    eprintln!("refused as expected: {text}");
+}
