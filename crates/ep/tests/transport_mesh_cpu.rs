@@ -161,3 +161,32 @@ fn auto_on_the_host_backend_picks_mode_gpu_and_says_why() {
     let e = nic.select(HandlerChoice::Cpu).unwrap_err().to_string();
     assert!(e.contains("cpu"), "{e}");
 }
+
+#[test]
+fn malformed_connection_info_and_counts_are_refused_by_name() {
+    let subnet = EmuSubnet::new();
+    let fabric = Fabric::new();
+    let nics: [Box<dyn RankTransport>; 2] = [
+        Box::new(VerbsTransport::emulated_host(&subnet, 0).unwrap()),
+        Box::new(EmulatedTransport::host(&fabric, 0).unwrap()),
+    ];
+    for nic in &nics {
+        let reg = nic.register(4096).unwrap();
+        let cfg = QpGroupConfig {
+            nqps: 1,
+            nwqes: 64,
+            peer_rank: 1,
+            ..Default::default()
+        };
+        let garbage = [ep::transport::ConnInfo(b"not a QP".to_vec())];
+        let e = nic.connect(&garbage, &*reg, &cfg).unwrap_err().to_string();
+        assert!(e.contains("info") || e.contains("QpInfo"), "{nic:?}: {e}");
+        let e = nic.connect(&[], &*reg, &cfg).unwrap_err().to_string();
+        assert!(e.contains("0 peer QP infos"), "{nic:?}: {e}");
+        let (infos, responder) = nic.respond(1, 2).unwrap();
+        assert_eq!(infos.len(), 2);
+        let e = responder.accept(&infos[..1]).unwrap_err().to_string();
+        assert!(e.contains("1 QP infos from rank 1 for 2"), "{nic:?}: {e}");
+        responder.close().unwrap();
+    }
+}
