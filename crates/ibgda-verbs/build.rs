@@ -1,30 +1,12 @@
-//! Generates Rust bindings for the part of `infiniband/mlx5dv.h` this crate uses and links
-//! `libmlx5`, where the mlx5dv/DEVX functions live (`libibverbs` is linked by rdma-sys).
+//! Generates Rust bindings for the types of `infiniband/mlx5dv.h` this crate uses. Nothing is
+//! linked: libibverbs and libmlx5 are loaded at run time (`src/rdma_core/loader.rs`), so a binary
+//! or wheel built here runs where rdma-core is not installed.
 //!
 //! The verbs types (`ibv_context`, `ibv_pd`, ...) are not regenerated: they are blocklisted here
 //! and taken from rdma-sys, so a pointer from one crate is the same type in the other.
 
 use std::env;
-use std::path::{Path, PathBuf};
-
-/// Functions of mlx5dv.h that the crate calls; nothing else is generated.
-const FUNCTIONS: &[&str] = &[
-    "mlx5dv_is_supported",
-    "mlx5dv_open_device",
-    "mlx5dv_query_device",
-    "mlx5dv_init_obj",
-    "mlx5dv_devx_general_cmd",
-    "mlx5dv_devx_obj_create",
-    "mlx5dv_devx_obj_query",
-    "mlx5dv_devx_obj_modify",
-    "mlx5dv_devx_obj_destroy",
-    "mlx5dv_devx_umem_reg",
-    "mlx5dv_devx_umem_reg_ex",
-    "mlx5dv_devx_umem_dereg",
-    "mlx5dv_devx_alloc_uar",
-    "mlx5dv_devx_free_uar",
-    "mlx5dv_devx_query_eqn",
-];
+use std::path::PathBuf;
 
 /// Types the crate reads or fills (their dependencies come along).
 const TYPES: &[&str] = &[
@@ -37,6 +19,7 @@ const TYPES: &[&str] = &[
     "mlx5dv_devx_uar",
     "mlx5dv_devx_umem",
     "mlx5dv_devx_umem_in",
+    "mlx5dv_devx_obj",
     // Enums whose constants the crate uses.
     "mlx5dv_context_attr_flags",
     "mlx5dv_context_flags",
@@ -81,9 +64,6 @@ fn main() {
         .generate_comments(false)
         .layout_tests(true)
         .size_t_is_usize(true);
-    for f in FUNCTIONS {
-        builder = builder.allowlist_function(f);
-    }
     for t in TYPES {
         builder = builder.allowlist_type(t);
     }
@@ -95,25 +75,4 @@ fn main() {
     bindings
         .write_to_file(out.join("mlx5dv.rs"))
         .expect("ibgda-verbs: could not write the mlx5dv bindings");
-
-    // mlx5dv_* live in libmlx5.so.1, not libibverbs.
-    link_mlx5(&include);
-}
-
-fn link_mlx5(include: &Path) {
-    // A library directory beside a non-default include directory (e.g. a private rdma-core build).
-    if let Some(prefix) = include.parent() {
-        for dir in [
-            "lib",
-            "lib64",
-            "lib/x86_64-linux-gnu",
-            "lib/aarch64-linux-gnu",
-        ] {
-            let d = prefix.join(dir);
-            if d.join("libmlx5.so").exists() && prefix != Path::new("/usr") {
-                println!("cargo:rustc-link-search=native={}", d.display());
-            }
-        }
-    }
-    println!("cargo:rustc-link-lib=dylib=mlx5");
 }

@@ -19,6 +19,7 @@ mod event;
 mod intranode;
 pub mod low_latency;
 mod mapped;
+pub mod preflight;
 pub mod reference;
 mod rendezvous;
 pub mod residency;
@@ -33,5 +34,6 @@ pub use intranode::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchLayout, DispatchOutput, DispatchX,
     Handle, RecvX, StreamOrder, TopK, FP8_BLOCK,
 };
+pub use preflight::preflight;
 pub use rendezvous::Exchange;
 pub use tensor::Tensor;

@@ -31,7 +31,11 @@ pub struct DeviceInfo {
 
 /// One line that explains an empty [`list_devices`](crate::list_devices) to a user.
 pub fn no_device_hint() -> String {
-    no_device_hint_for(Path::new(SYSFS_INFINIBAND))
+    let hint = no_device_hint_for(Path::new(SYSFS_INFINIBAND));
+    match crate::rdma_core::rdma_core_available() {
+        Ok(()) => hint,
+        Err(missing) => format!("{missing}; {hint}"),
+    }
 }
 
 fn no_device_hint_for(sysfs: &Path) -> String {

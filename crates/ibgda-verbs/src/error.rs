@@ -91,6 +91,34 @@ pub enum VerbsError {
     /// An argument breaks a rule of the API (alignment, size, power of two...).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// rdma-core (libibverbs, libmlx5) could not be loaded at run time.
+    #[error(transparent)]
+    RdmaCoreMissing(#[from] RdmaCoreMissing),
+}
+
+/// Why rdma-core's libraries could not be loaded (they are loaded at run time, never linked).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RdmaCoreMissing {
+    /// No name of the library could be opened.
+    #[error("rdma-core is not installed: could not load {} ({dlerror}); install {package}", tried.join(" or "))]
+    Library {
+        /// The names tried, in order.
+        tried: Vec<String>,
+        /// The loader's message for the last one.
+        dlerror: String,
+        /// The package that provides it.
+        package: &'static str,
+    },
+    /// The library is too old or not rdma-core's: a symbol this crate calls is missing.
+    #[error("{library} has no {symbol} ({dlerror}): rdma-core is too old (32 or newer needed)")]
+    Symbol {
+        /// The library.
+        library: &'static str,
+        /// The missing symbol.
+        symbol: &'static str,
+        /// The loader's message.
+        dlerror: String,
+    },
 }
 
 /// Result alias for this crate.

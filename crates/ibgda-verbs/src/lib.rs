@@ -71,7 +71,7 @@ pub use device::{
 pub use driver::{
     AhRoute, DmaBufRange, Driver, DriverMr, DriverObj, DriverPd, DriverUar, DriverUmem, MemRange,
 };
-pub use error::{Result, VerbsError, PEER_MAPPING_HINT};
+pub use error::{RdmaCoreMissing, Result, VerbsError, PEER_MAPPING_HINT};
 pub use mr::{Access, GpuPath, MemoryKind, MemoryRegion};
 pub use pd::ProtectionDomain;
 pub use qp::{

@@ -1,6 +1,8 @@
 //! `ibgda_info`: lists RDMA devices, their ports and GIDs, and the capabilities GPU-initiated
 //! RDMA depends on (DEVX, CQE version, BlueFlame register size, extended atomics, ...), plus the
-//! GPU side (CUDA driver, GDRCopy). With no RDMA device it says so, with a hint, and exits 0.
+//! GPU side (CUDA driver, GDRCopy), then the preflight (`ep::preflight`): which NIC-handler modes
+//! can run here on a real and on the emulated NIC, and for each that cannot, why and the fix.
+//! With no RDMA device it says so, with a hint, and exits 0.
 //!
 //! Usage: `ibgda_info [DEVICE]` (all devices when no name is given).
 
@@ -53,6 +55,8 @@ fn main() -> ExitCode {
     }
     println!();
     show_gpu_side();
+    println!();
+    print!("{}", ep::preflight());
     ExitCode::SUCCESS
 }
 

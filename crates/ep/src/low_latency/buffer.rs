@@ -11,8 +11,9 @@ use cudarc::driver::{
 use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::protocol::HandlerChoice;
+use ibgda_device::protocol::HANDLER_ENV;
 use ibgda_device::qp_desc::NicHandler;
-use ibgda_emu::Fabric;
+use ibgda_emu::firmware::EmuSubnet;
 
 use super::mask::RankMask;
 use super::plan::{msg_bytes, Dims, NetPlan, OutPlan};
@@ -24,7 +25,10 @@ use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
 use crate::residency::{gated, GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
-use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, TransportError};
+use crate::transport::{
+    connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicDecision, NicKind, QpGroupConfig,
+    RankTransport, Registration, TransportError, NIC_ENV,
+};
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
 const ERROR_OFFSET: usize = 0;
@@ -68,6 +72,9 @@ pub struct LowLatencyOptions {
     /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
     /// (GDRCopy; creation fails cleanly without it) or `Auto`.
     pub nic_handler: HandlerChoice,
+    /// Which NIC carries the transport when NVLink is disabled (`Auto`: a real mlx5 device when
+    /// one is usable, else the emulated NIC; `EP_NIC` overrides).
+    pub nic: NicChoice,
     /// Bound of every wait, on the GPU and on the host.
     pub timeout: Duration,
     /// Fill each output region with the byte 0xAB before every operation (tests).
@@ -100,6 +107,7 @@ impl LowLatencyOptions {
             num_experts,
             allow_nvlink: true,
             nic_handler: HandlerChoice::Auto,
+            nic: NicChoice::Auto,
             timeout: Duration::from_secs(10),
             poison_outputs: false,
             enable_shrink: false,
@@ -518,82 +526,62 @@ pub struct LowLatencyBuffer {
     windows: Vec<PeerBuffer>,
 }
 
-/// The emulated NICs of a group whose ranks are threads of this process (NVLink disabled).
+/// The NICs of a group whose ranks are threads of this process (NVLink disabled), opened
+/// together so that emulated NICs share one fabric.
 #[derive(Debug)]
 struct SharedNics {
-    ranks: Vec<EmuRank>,
-    _fabric: Fabric,
-}
-
-/// Where this rank's emulated NIC comes from (NVLink disabled).
-enum NetNics {
-    /// Ranks as threads: every rank's NIC, on one fabric.
-    Threads(Arc<SharedNics>),
-    /// Ranks as processes: this process's NIC for this rank, on
-    /// [`process_fabric`](super::remote::process_fabric); peers are reached through the memory
-    /// they export.
-    Process(EmuRank),
-}
-
-impl NetNics {
-    fn me(&self, rank: usize) -> &EmuRank {
-        match self {
-            NetNics::Threads(n) => &n.ranks[rank],
-            NetNics::Process(me) => me,
-        }
-    }
+    ranks: Vec<Arc<dyn RankTransport>>,
+    decision: NicDecision,
 }
 
 /// This rank's transport (NVLink disabled): QPs to every peer, the table the kernels read, and
 /// the registered net buffer. Fields drop in order: the NIC last, after every QP.
 struct LlNet {
-    /// Per rank: this rank's QPs to it (`None` for this rank).
-    groups: Vec<Option<QpGroup>>,
-    /// Ranks as processes, per rank: the passive QPs on this rank's NIC that rank's QPs are
-    /// connected to (`None` for this rank; empty for ranks as threads, whose groups own their
-    /// peers' passive QPs).
-    passive: Vec<Option<PassiveQps>>,
+    /// Per rank: this rank's QPs to it and the responders its QPs write through.
+    mesh: Mesh,
     /// [`k::LlTransport`] in device memory.
     table: DeviceBuffer,
     handler: NicHandler,
-    _arena: Arena,
+    _registration: Box<dyn Registration>,
     /// Kept until the QPs are gone (dropped last).
-    _nics: NetNics,
+    _nic: Arc<dyn RankTransport>,
 }
 
 impl LlNet {
-    /// The first failure any of this rank's QP groups recorded.
+    /// The first failure any of this rank's QP sets recorded.
     fn first_failure(&self, prefer: Option<usize>) -> Option<(usize, TransportError)> {
-        let check = |r: usize| {
-            self.groups
-                .get(r)
-                .and_then(|g| g.as_ref())
-                .and_then(|g| g.check().err())
-                .map(|e| (r, e))
-        };
-        prefer
-            .and_then(check)
-            .or_else(|| (0..self.groups.len()).find_map(check))
+        self.mesh.first_failure(prefer)
     }
 
-    /// Stops the proxies and destroys the QPs (this rank's, then the passive ones); then drops
+    /// Stops the proxies and destroys the QPs (this rank's, then the responders); then drops
     /// the NIC, whose progress thread stops before the peers' memory it opened is closed. The
     /// first error.
-    fn close(mut self) -> Result<(), (usize, TransportError)> {
-        let mut first = None;
-        for (r, g) in std::mem::take(&mut self.groups).into_iter().enumerate() {
-            if let Some(Err(e)) = g.map(QpGroup::shutdown) {
-                first.get_or_insert((r, e));
-            }
-        }
-        for (r, p) in std::mem::take(&mut self.passive).into_iter().enumerate() {
-            if let Some(Err(e)) = p.map(PassiveQps::close) {
-                first.get_or_insert((r, e));
-            }
-        }
-        drop(self);
-        first.map_or(Ok(()), Err)
+    fn close(self) -> Result<(), (usize, TransportError)> {
+        let LlNet {
+            mesh,
+            table,
+            handler: _,
+            _registration,
+            _nic,
+        } = self;
+        let closed = mesh.close();
+        drop(table);
+        drop(_registration);
+        drop(_nic);
+        closed
     }
+}
+
+/// The NIC the transport runs on: `asked` (the options'), unless `EP_NIC` overrides it.
+fn transport_nic(rank: usize, asked: NicChoice) -> Result<NicDecision, EpError> {
+    let choice = NicChoice::from_env_or(asked)
+        .map_err(|e| transport_err(rank, &format!("choosing the NIC ({NIC_ENV})"), e))?;
+    transport_nic_for(rank, choice)
+}
+
+fn transport_nic_for(rank: usize, choice: NicChoice) -> Result<NicDecision, EpError> {
+    decide_nic(choice)
+        .map_err(|e| transport_err(rank, &format!("choosing the NIC ({NIC_ENV}={choice})"), e))
 }
 
 impl std::fmt::Debug for LowLatencyBuffer {
@@ -613,24 +601,23 @@ impl LowLatencyBuffer {
         ctxs: &[Arc<CudaContext>],
         opts: &LowLatencyOptions,
     ) -> Result<Vec<LowLatencyBuffer>, EpError> {
-        // NVLink disabled: one emulated NIC per rank on one fabric, so every rank can connect QPs
-        // to every other.
+        // NVLink disabled: one NIC per rank, opened together (emulated NICs on one fabric), so
+        // every rank can connect QPs to every other.
         let nics = if opts.allow_nvlink {
             None
         } else {
-            let fabric = Fabric::new();
+            let decision = transport_nic(0, opts.nic)?;
+            let subnet = EmuSubnet::new();
             let ranks = ctxs
                 .iter()
                 .enumerate()
                 .map(|(r, ctx)| {
-                    EmuRank::cuda(&fabric, ctx, r as u32)
-                        .map_err(|e| transport_err(r, "starting the emulated NIC", e))
+                    open_transport(&decision.kind, ctx, r as u32, Some(&subnet)).map_err(|e| {
+                        transport_err(r, &format!("opening the NIC ({})", decision.kind), e)
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Some(Arc::new(SharedNics {
-                ranks,
-                _fabric: fabric,
-            }))
+            Some(Arc::new(SharedNics { ranks, decision }))
         };
         crate::rendezvous::build_as_threads(ctxs, opts.timeout, |ctx, comm| {
             let m: Arc<dyn Exchange> = Arc::new(comm);
@@ -677,15 +664,22 @@ impl LowLatencyBuffer {
         check_options(rank, ranks, opts)?;
         // Ranks as processes reach each other's net buffers through CUDA IPC mappings.
         let procs = !group.same_process();
-        // Before any collective, so every rank refuses the same way at once.
-        let nics = match (opts.allow_nvlink, nics) {
+        // The NIC (`EP_NIC`) and the handler mode (`IBGDA_NIC_HANDLER` overrides the options),
+        // before any collective, so every rank refuses the same way at once (no mlx5 device for
+        // `EP_NIC=real`; mode cpu without GDRCopy).
+        let nic: Option<(Arc<dyn RankTransport>, NicDecision)> = match (opts.allow_nvlink, nics) {
             (true, _) => None,
-            (false, Some(n)) if n.ranks.len() == ranks => Some(NetNics::Threads(n)),
+            (false, Some(n)) if n.ranks.len() == ranks => {
+                Some((n.ranks[rank].clone(), n.decision.clone()))
+            }
             // Ranks as processes: this process's own NIC for this rank.
-            (false, _) if procs => Some(NetNics::Process(
-                EmuRank::cuda(super::remote::process_fabric(), ctx, rank as u32)
-                    .map_err(|e| transport_err(rank, "starting the emulated NIC", e))?,
-            )),
+            (false, _) if procs => {
+                let decision = transport_nic(rank, opts.nic)?;
+                let t = open_transport(&decision.kind, ctx, rank as u32, None).map_err(|e| {
+                    transport_err(rank, &format!("opening the NIC ({})", decision.kind), e)
+                })?;
+                Some((t, decision))
+            }
             (false, _) => {
                 return Err(invalid(
                     rank,
@@ -695,23 +689,30 @@ impl LowLatencyBuffer {
                 ));
             }
         };
-        // Before any collective, so a mode this machine cannot run fails the same way on every
-        // rank (mode cpu without GDRCopy).
-        let handler = match &nics {
-            Some(n) => Some(n.me(rank).select(opts.nic_handler).map_err(|e| {
-                let need = if opts.nic_handler == HandlerChoice::Cpu {
-                    " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
-                } else {
-                    ""
-                };
-                transport_err(
-                    rank,
-                    &format!("NIC handler {}{need}", opts.nic_handler.name()),
-                    e,
-                )
-            })?),
+        let handler = match &nic {
+            Some((t, decision)) => {
+                let asked = HandlerChoice::from_env_or(opts.nic_handler)
+                    .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
+                let (mode, why) = t.select(asked).map_err(|e| {
+                    let need = if asked == HandlerChoice::Cpu {
+                        " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
+                    } else {
+                        ""
+                    };
+                    transport_err(rank, &format!("NIC handler {}{need}", asked.name()), e)
+                })?;
+                tracing::info!(
+                    target: "ep",
+                    "rank {rank}: NIC {} ({}); handler mode {} ({why})",
+                    decision.kind,
+                    decision.why,
+                    mode.name()
+                );
+                Some(mode)
+            }
             None => None,
         };
+        let nics = nic.map(|(t, _)| t);
         let dev = |source| EpError::Device { rank, source };
         let cuda = |call, source| EpError::Cuda { rank, call, source };
         let f = |name| {
@@ -744,11 +745,10 @@ impl LowLatencyBuffer {
             }
             Some(n) => {
                 let a = n
-                    .me(rank)
-                    .arena(net_plan.bytes)
+                    .register(net_plan.bytes)
                     .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
                 let net = a.device().cloned().ok_or_else(|| {
-                    transport_setup(rank, "the emulated NIC gave a host arena on a GPU rank")
+                    transport_setup(rank, "the NIC registered host memory on a GPU rank")
                 })?;
                 (net, Some(a))
             }
@@ -769,7 +769,7 @@ impl LowLatencyBuffer {
         let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
         let errors = Arc::new(ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?);
 
-        let rkey = arena.as_ref().map_or(0, |a| u64::from(a.mr().rkey));
+        let rkey = arena.as_ref().map_or(0, |a| u64::from(a.rkey()));
         // What every rank must agree on: the net buffer's layout follows from the options, and
         // peers write into it at offsets computed from their own.
         let agree = [
@@ -788,7 +788,13 @@ impl LowLatencyBuffer {
         // Who shares this GPU, so that ranks of this process on it are given grids that fit on
         // it together (the kernels wait in every block).
         let share = GpuShare::gather(ctx, &*group)?;
-        let reserved = if nics.is_some() { EMULATED_NIC_SMS } else { 0 };
+        // The emulated NIC's copies need SMs left free; a real NIC needs none.
+        let reserved = match &nics {
+            Some(n) if matches!(n.nic(), NicKind::Emulated | NicKind::EmulatedVerbs) => {
+                EMULATED_NIC_SMS
+            }
+            _ => 0,
+        };
         let budget = share.default_budget("a low-latency buffer", reserved)?;
         let all = group.all_gather(&mine)?;
         for (r, v) in all.iter().enumerate() {
@@ -868,34 +874,15 @@ impl LowLatencyBuffer {
                     peer_rank: r as u32,
                     ..Default::default()
                 };
-                let (groups, passive) = match &nics {
-                    NetNics::Threads(n) => {
-                        let me = &n.ranks[rank];
-                        let mut groups = Vec::with_capacity(ranks);
-                        for (r, peer) in n.ranks.iter().enumerate() {
-                            if r == rank {
-                                groups.push(None);
-                                continue;
-                            }
-                            let g = me.connect(peer, &arena, &cfg(r)).map_err(|e| {
-                                transport_err(rank, &format!("connecting QPs to rank {r}"), e)
-                            })?;
-                            groups.push(Some(g));
-                        }
-                        (groups, Vec::new())
-                    }
-                    // Two collectives; a rank that fails makes every rank fail at once.
-                    NetNics::Process(me) => {
-                        super::remote::connect_peers(me, &*group, &arena, QPS_PER_PEER, cfg)?
-                    }
-                };
-                for (r, g) in groups.iter().enumerate() {
+                // Three collectives; a rank that fails makes every rank fail at once.
+                let mesh =
+                    connect_mesh(&*nics, &*group, &*arena, QPS_PER_PEER, cfg, |doing, e| {
+                        transport_err(rank, doing, e)
+                    })?;
+                for (r, g) in mesh.sets.iter().enumerate() {
                     if let Some(g) = g {
                         table.descs[r] = g.descs().ok_or_else(|| {
-                            transport_setup(
-                                rank,
-                                "the emulated NIC gave host descriptors on a GPU rank",
-                            )
+                            transport_setup(rank, "the NIC gave host descriptors on a GPU rank")
                         })?;
                     }
                 }
@@ -905,17 +892,17 @@ impl LowLatencyBuffer {
                 let table = DeviceBuffer::from_slice(ctx, &table.to_words()).map_err(dev)?;
                 tracing::info!(
                     target: "ep",
-                    "rank {rank}: low-latency buffer over the emulated NIC, NVLink disabled, mode {}, {QPS_PER_PEER} QPs per peer, ranks as {}",
+                    "rank {rank}: low-latency buffer over the {} NIC, NVLink disabled, mode {}, {QPS_PER_PEER} QPs per peer, ranks as {}",
+                    nics.nic(),
                     handler.name(),
                     if procs { "processes" } else { "threads" }
                 );
                 Some(LlNet {
-                    groups,
-                    passive,
+                    mesh,
                     table,
                     handler,
-                    _arena: arena,
-                    _nics: nics,
+                    _registration: arena,
+                    _nic: nics,
                 })
             }
             _ => None,
@@ -1953,6 +1940,34 @@ pub(crate) fn check_options(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_transport_takes_the_nic_asked_for_and_real_without_a_device_names_why() {
+        let d = transport_nic_for(0, NicChoice::Emulated).unwrap();
+        assert_eq!(d.kind, NicKind::Emulated);
+        if crate::transport::find_real_nic().is_err() {
+            let e = transport_nic_for(3, NicChoice::Real).unwrap_err();
+            let text = format!(
+                "{e}: {}",
+                std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            );
+            assert!(
+                matches!(e, EpError::Transport { rank: 3, .. })
+                    && text.contains("EP_NIC=real")
+                    && text.contains("no usable mlx5 NIC"),
+                "{text}"
+            );
+            let auto = transport_nic_for(0, NicChoice::Auto).unwrap();
+            assert_eq!(auto.kind, NicKind::Emulated);
+            assert!(
+                auto.why.starts_with("auto: no usable mlx5 device"),
+                "{}",
+                auto.why
+            );
+        }
+    }
     use ep_kernels::intranode::ErrorWord;
 
     const CTX: DeviceErrorContext = DeviceErrorContext {

@@ -56,7 +56,6 @@ pub mod logfmt;
 mod mask;
 mod plan;
 pub mod reference;
-mod remote;
 
 pub use buffer::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,

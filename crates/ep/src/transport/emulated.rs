@@ -41,6 +41,7 @@ use ibgda_emu::{
     QpConfig, QpInfo,
 };
 
+use super::backend::Registration;
 use super::doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 use super::error::TransportError;
 
@@ -305,7 +306,7 @@ impl EmuRank {
     }
 
     /// `nqps` passive QPs on this NIC for rank `peer_rank`'s QPs, not yet connected.
-    fn passive(&self, peer_rank: u32, nqps: u32) -> Result<PassiveQps, TransportError> {
+    pub(super) fn passive(&self, peer_rank: u32, nqps: u32) -> Result<PassiveQps, TransportError> {
         if nqps == 0 {
             return Err(TransportError::Config(
                 "a QP group needs at least one QP".into(),
@@ -378,7 +379,7 @@ impl PassiveQps {
 
     /// What the peer connects its QPs to, in order (`ipc`: with this NIC's registrations
     /// exported, for a peer in another process).
-    fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
+    pub(super) fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
         let qpns: Vec<u32> = self.qps.iter().map(|q| q.qpn()).collect();
         qp_infos(&self.nic, &qpns, ipc)
     }
@@ -546,10 +547,10 @@ impl QpGroup {
     /// This rank's side of a group: `cfg.nqps` QPs on `me`'s NIC, QP `i` connected to the
     /// peer's QP `remote[i]` (in this process or, with exported registrations, in another),
     /// the descriptors and, in the CPU modes, the proxy. The peer's side is a [`PassiveQps`].
-    fn build(
+    pub(super) fn build(
         me: &EmuRank,
         remote: &[QpInfo],
-        local: &Arena,
+        local: &dyn Registration,
         cfg: &QpGroupConfig,
     ) -> Result<Self, TransportError> {
         let n = cfg.nqps as usize;
@@ -689,7 +690,7 @@ impl QpGroup {
                 nwqes,
                 qpn: handle.qpn,
                 handler_mode: mode as u32,
-                lkey: local.mr.lkey,
+                lkey: local.lkey(),
                 cq_base: cq_dev,
                 cq_dbr: 0,
                 ncqes,
@@ -790,7 +791,7 @@ impl QpGroup {
 
     /// What the peer's passive QPs connect to, in QP order (`ipc`: with this NIC's registrations
     /// exported).
-    fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
+    pub(super) fn infos(&self, ipc: bool) -> Result<Vec<QpInfo>, TransportError> {
         qp_infos(&self.nic, &self.qpns, ipc)
     }
 

@@ -18,6 +18,16 @@ pub enum TransportError {
     /// The handler mode asked for cannot run here (the message says what is missing).
     #[error(transparent)]
     Handler(#[from] HandlerUnavailable),
+    /// An `ibgda-verbs` call failed (its message names the verbs call or firmware command, with
+    /// errno or firmware status and syndrome).
+    #[error("{doing}: {source}")]
+    Verbs {
+        /// What was being done.
+        doing: &'static str,
+        /// The verbs error.
+        #[source]
+        source: ibgda_verbs::VerbsError,
+    },
     /// The emulated NIC refused a call.
     #[error("emulated NIC: {0}")]
     Emu(#[from] ibgda_emu::EmuError),

@@ -1,9 +1,13 @@
-//! The transport layer of one rank: choosing a real or emulated NIC ([`choose_nic`], one log
-//! line), choosing the NIC-handler mode ([`EmuRank::select`], one log line), and building RC QPs
-//! whose protocol memory sits where the mode needs it, with the device descriptors filled and the
-//! CPU proxy running in the CPU modes ([`EmuRank::connect`] → [`QpGroup`]; a peer in another
-//! process: [`EmuRank::passive_for`] and [`EmuRank::connect_remote`], the [`QpInfo`]s sent as
-//! bytes).
+//! The transport layer of one rank: choosing a real or emulated NIC ([`decide_nic`], `EP_NIC`),
+//! opening it behind the one interface every multi-node path uses ([`RankTransport`], opened by
+//! [`open_transport`]), and connecting RC QPs to every peer through the bootstrap
+//! ([`connect_mesh`]) in a handler mode, with the device descriptors filled and the CPU proxy
+//! running in the CPU modes.
+//!
+//! Implementations of [`RankTransport`]: [`EmulatedTransport`] (the software NIC's QP groups,
+//! [`EmuRank`] → [`QpGroup`], built directly) and [`VerbsTransport`] (QPs composed from
+//! `ibgda-verbs` objects on a verbs driver: the emulated firmware here, rdma-core on a
+//! ConnectX).
 //!
 //! Device code uses the group through its descriptor array ([`QpGroup::descs`]) and the functions
 //! of `ibgda/protocol.cuh`; the host waits for kernels with a bound ([`QpGroup::wait`]) and turns
@@ -26,16 +30,27 @@
 //! # Ok(()) }
 //! ```
 
+mod backend;
 mod doorbell;
 mod emulated;
+mod emulated_transport;
 mod error;
+mod mesh;
 mod nic;
+mod verbs;
 
+pub use backend::{ConnInfo, QpSet, RankTransport, Registration, Responder};
 pub use doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 pub use emulated::{
     wait_stream, Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, RingPlacement,
     ARENA_SCRATCH_BYTES,
 };
+pub use emulated_transport::EmulatedTransport;
 pub use error::TransportError;
 pub use ibgda_emu::QpInfo;
-pub use nic::{choose_nic, find_real_nic, NicChoice, NicKind, RealNic, NIC_ENV};
+pub use mesh::{connect_mesh, Mesh};
+pub use nic::{
+    choose_nic, decide_nic, find_real_nic, open_transport, NicChoice, NicDecision, NicKind,
+    RealNic, NIC_ENV,
+};
+pub use verbs::VerbsTransport;

@@ -5,7 +5,15 @@
 use core::fmt;
 use core::str::FromStr;
 
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use ibgda_emu::firmware::EmuSubnet;
+
+use super::backend::RankTransport;
+use super::emulated_transport::EmulatedTransport;
 use super::error::TransportError;
+use super::verbs::VerbsTransport;
 
 /// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
 pub const NIC_ENV: &str = "EP_NIC";
@@ -18,6 +26,10 @@ pub enum NicChoice {
     Auto,
     /// The software mlx5 NIC (`ibgda-emu`), whatever hardware there is.
     Emulated,
+    /// The real-NIC code path (`ibgda-verbs` objects and PRM firmware commands) on the emulated
+    /// NIC's firmware: everything a ConnectX run does except the final ioctl. Ranks as threads
+    /// of one process only (the emulated firmware's devices share one subnet).
+    EmulatedVerbs,
     /// A real mlx5 NIC, or an error.
     Real,
 }
@@ -37,6 +49,7 @@ impl fmt::Display for NicChoice {
         f.write_str(match self {
             Self::Auto => "auto",
             Self::Emulated => "emulated",
+            Self::EmulatedVerbs => "emulated-verbs",
             Self::Real => "real",
         })
     }
@@ -49,9 +62,10 @@ impl FromStr for NicChoice {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(Self::Auto),
             "emulated" | "emu" => Ok(Self::Emulated),
+            "emulated-verbs" | "emulated_verbs" => Ok(Self::EmulatedVerbs),
             "real" | "mlx5" => Ok(Self::Real),
             other => Err(TransportError::Config(format!(
-                "{NIC_ENV}={other:?}: expected auto, emulated or real"
+                "{NIC_ENV}={other:?}: expected auto, emulated, emulated-verbs or real"
             ))),
         }
     }
@@ -62,47 +76,77 @@ impl FromStr for NicChoice {
 pub enum NicKind {
     /// The emulated NIC.
     Emulated,
+    /// The verbs path on the emulated NIC's firmware.
+    EmulatedVerbs,
     /// A real mlx5 device, by name.
     Real(String),
 }
 
-/// The first mlx5 device, or why there is none usable.
-pub fn find_real_nic() -> Result<String, String> {
-    match ibgda_verbs::list_devices() {
-        Ok(list) => list
-            .into_iter()
-            .next()
-            .map(|d| d.name)
-            .ok_or_else(ibgda_verbs::no_device_hint),
-        Err(e) => Err(e.to_string()),
+impl fmt::Display for NicKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Emulated => f.write_str("emulated mlx5"),
+            Self::EmulatedVerbs => f.write_str("emulated mlx5 through the verbs path"),
+            Self::Real(name) => write!(f, "mlx5 device {name}"),
+        }
     }
+}
+
+/// The NIC chosen and why, in words for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NicDecision {
+    /// The NIC.
+    pub kind: NicKind,
+    /// Why it was chosen.
+    pub why: String,
+}
+
+/// The first mlx5 device, or why there is none usable and the fix (the preflight's words:
+/// [`crate::preflight::real_nic`]).
+pub fn find_real_nic() -> Result<String, String> {
+    crate::preflight::real_nic().map_err(|m| m.to_string())
+}
+
+/// Decides real or emulated NIC for `choice`, without logging: the caller says it, with the
+/// handler mode, in one line. `real` with no usable mlx5 device is
+/// [`TransportError::NoRealNic`] with the reason.
+pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
+    Ok(match choice {
+        NicChoice::Emulated => NicDecision {
+            kind: NicKind::Emulated,
+            why: format!("{NIC_ENV}=emulated or asked for"),
+        },
+        NicChoice::EmulatedVerbs => NicDecision {
+            kind: NicKind::EmulatedVerbs,
+            why: format!("{NIC_ENV}=emulated-verbs or asked for"),
+        },
+        NicChoice::Real => {
+            let name = crate::preflight::real_nic().map_err(|m| TransportError::NoRealNic {
+                hint: m.to_string(),
+            })?;
+            NicDecision {
+                kind: NicKind::Real(name),
+                why: format!("{NIC_ENV}=real or asked for"),
+            }
+        }
+        NicChoice::Auto => match crate::preflight::real_nic() {
+            Ok(name) => NicDecision {
+                kind: NicKind::Real(name),
+                why: "auto: a usable mlx5 device is present".into(),
+            },
+            Err(m) => NicDecision {
+                kind: NicKind::Emulated,
+                why: format!("auto: no usable mlx5 device ({})", m.why),
+            },
+        },
+    })
 }
 
 /// Decides real or emulated NIC and logs the decision in one line.
 pub fn choose_nic(choice: NicChoice) -> Result<NicKind, TransportError> {
-    let kind = match choice {
-        NicChoice::Emulated => {
-            tracing::info!(target: "ep", "NIC: emulated mlx5 (asked for)");
-            NicKind::Emulated
-        }
-        NicChoice::Real => {
-            let name = find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?;
-            tracing::info!(target: "ep", "NIC: real mlx5 device {name} (asked for)");
-            NicKind::Real(name)
-        }
-        NicChoice::Auto => match find_real_nic() {
-            Ok(name) => {
-                tracing::info!(target: "ep", "NIC: real mlx5 device {name}");
-                NicKind::Real(name)
-            }
-            Err(why) => {
-                let why = why.lines().next().unwrap_or("no device").to_string();
-                tracing::info!(target: "ep", "NIC: emulated mlx5 (no usable RDMA device: {why})");
-                NicKind::Emulated
-            }
-        },
-    };
-    Ok(kind)
+    let d = decide_nic(choice)?;
+    tracing::info!(target: "ep", "NIC: {} ({})", d.kind, d.why);
+    Ok(d.kind)
 }
 
 /// The real-hardware path: an mlx5 device opened for IBGDA QPs.
@@ -131,6 +175,38 @@ impl RealNic {
     }
 }
 
+/// Opens rank `rank`'s transport on the NIC `kind`, on `ctx`'s GPU. Ranks that are threads of
+/// this process pass the subnet every rank's emulated NIC shares (`threads`); ranks as
+/// processes pass `None`.
+pub fn open_transport(
+    kind: &NicKind,
+    ctx: &Arc<CudaContext>,
+    rank: u32,
+    threads: Option<&EmuSubnet>,
+) -> Result<Arc<dyn RankTransport>, TransportError> {
+    match kind {
+        NicKind::Emulated => Ok(Arc::new(match threads {
+            Some(subnet) => EmulatedTransport::threads(subnet.fabric(), ctx, rank)?,
+            None => EmulatedTransport::process(ctx, rank)?,
+        })),
+        NicKind::EmulatedVerbs => match threads {
+            Some(subnet) => Ok(Arc::new(VerbsTransport::emulated_cuda(subnet, ctx, rank)?)),
+            None => Err(TransportError::Config(format!(
+                "{NIC_ENV}=emulated-verbs reaches peers of this process only (the emulated \
+                 firmware's devices share one subnet): build the ranks as threads \
+                 (LowLatencyBuffer::create_group), or use {NIC_ENV}=emulated for processes"
+            ))),
+        },
+        NicKind::Real(name) => Err(match RealNic::open(Some(name)) {
+            Err(e) => e,
+            Ok(nic) => TransportError::RealNicUnsupported {
+                device: nic.device,
+                what: "building IBGDA QPs on real hardware",
+            },
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +218,18 @@ mod tests {
             NicChoice::Emulated
         );
         assert_eq!("AUTO".parse::<NicChoice>().unwrap(), NicChoice::Auto);
+        assert_eq!(
+            "emulated-verbs".parse::<NicChoice>().unwrap(),
+            NicChoice::EmulatedVerbs
+        );
+        for c in [
+            NicChoice::Auto,
+            NicChoice::Emulated,
+            NicChoice::EmulatedVerbs,
+            NicChoice::Real,
+        ] {
+            assert_eq!(c.to_string().parse::<NicChoice>().unwrap(), c);
+        }
         assert!("fast".parse::<NicChoice>().is_err());
         assert_eq!(choose_nic(NicChoice::Emulated).unwrap(), NicKind::Emulated);
         let e = RealNic::open(None).unwrap_err().to_string();

@@ -124,6 +124,17 @@ pub fn select(
     choice: HandlerChoice,
     probe: &HandlerProbe,
 ) -> Result<NicHandler, HandlerUnavailable> {
+    let (mode, why) = select_why(choice, probe)?;
+    tracing::info!(target: "ibgda", "NIC handler mode {} ({why})", mode.name());
+    Ok(mode)
+}
+
+/// [`select`] without the log line: the mode and why it was chosen, for a caller that says it
+/// together with other decisions (the NIC) in one line.
+pub fn select_why(
+    choice: HandlerChoice,
+    probe: &HandlerProbe,
+) -> Result<(NicHandler, String), HandlerUnavailable> {
     let need = |mode: HandlerChoice, cap: &Result<(), String>| {
         cap.clone()
             .map_err(|missing| HandlerUnavailable { mode, missing })
@@ -153,8 +164,7 @@ pub fn select(
             ),
         },
     };
-    tracing::info!(target: "ibgda", "NIC handler mode {} ({why})", mode.name());
-    Ok(mode)
+    Ok((mode, why))
 }
 
 #[cfg(test)]

@@ -25,7 +25,8 @@ mod status;
 mod model_tests;
 
 pub use handler::{
-    select, HandlerChoice, HandlerProbe, HandlerUnavailable, UnknownHandler, HANDLER_ENV,
+    select, select_why, HandlerChoice, HandlerProbe, HandlerUnavailable, UnknownHandler,
+    HANDLER_ENV,
 };
 pub use host::{HostQp, Step, Ticket};
 pub use plan::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};

@@ -4,6 +4,7 @@ use std::ffi::CStr;
 use std::ptr::NonNull;
 
 use super::handles::{RcDevxObj, RcMr, RcPd, RcUar, RcUmem};
+use super::loader::Api;
 use crate::device::{
     AtomicCap, DeviceAttrs, DeviceInfo, DvAttrs, GidEntry, GidType, LinkLayer, PortInfo, PortState,
 };
@@ -21,6 +22,7 @@ const PGSZ_BITMAP: u64 = !0xfff;
 /// A device opened through libibverbs (with DEVX when it is mlx5 and the kernel allows it).
 #[derive(Debug)]
 pub struct RdmaCoreDevice {
+    api: &'static Api,
     ctx: NonNull<ffi::ibv_context>,
     info: DeviceInfo,
     /// `None` when opened through `mlx5dv_open_device` with DEVX, else why not.
@@ -35,7 +37,11 @@ unsafe impl Send for RdmaCoreDevice {}
 unsafe impl Sync for RdmaCoreDevice {}
 
 impl RdmaCoreDevice {
-    pub(super) fn open(dev: *mut ffi::ibv_device, info: DeviceInfo) -> Result<Self> {
+    pub(super) fn open(
+        api: &'static Api,
+        dev: *mut ffi::ibv_device,
+        info: DeviceInfo,
+    ) -> Result<Self> {
         let mut devx_unavailable = Some(String::from("not an mlx5 device"));
         let mut ctx = std::ptr::null_mut();
         if info.mlx5 {
@@ -44,7 +50,7 @@ impl RdmaCoreDevice {
                 comp_mask: 0,
             };
             // SAFETY: `dev` is a live list entry and `attr` a valid attribute struct.
-            ctx = unsafe { ffi::mlx5dv_open_device(dev, &mut attr) };
+            ctx = unsafe { (api.mlx5_open_device)(dev, &mut attr) };
             if ctx.is_null() {
                 let e = VerbsError::last_os("mlx5dv_open_device(DEVX)");
                 tracing::warn!(device = %info.name, "DEVX unavailable: {e}");
@@ -55,10 +61,11 @@ impl RdmaCoreDevice {
         }
         if ctx.is_null() {
             // SAFETY: `dev` is a live list entry.
-            ctx = unsafe { ffi::ibv_open_device(dev) };
+            ctx = unsafe { (api.open_device)(dev) };
         }
         let ctx = NonNull::new(ctx).ok_or_else(|| VerbsError::last_os("ibv_open_device"))?;
         Ok(Self {
+            api,
             ctx,
             info,
             devx_unavailable,
@@ -79,7 +86,7 @@ impl RdmaCoreDevice {
         // SAFETY: ibv_gid is plain data.
         let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `gid` a valid out-pointer.
-        let rc = unsafe { ffi::ibv_query_gid(self.raw(), port, index as i32, &mut gid) };
+        let rc = unsafe { (self.api.query_gid)(self.raw(), port, index as i32, &mut gid) };
         if rc != 0 {
             return None;
         }
@@ -96,7 +103,7 @@ impl RdmaCoreDevice {
 impl Drop for RdmaCoreDevice {
     fn drop(&mut self) {
         // SAFETY: every handle made from this context is gone (see the Send comment).
-        let rc = unsafe { ffi::ibv_close_device(self.ctx.as_ptr()) };
+        let rc = unsafe { (self.api.close_device)(self.ctx.as_ptr()) };
         if rc != 0 {
             tracing::error!(device = %self.info.name, "{}", rc_error("ibv_close_device", rc));
         }
@@ -120,7 +127,7 @@ impl Driver for RdmaCoreDevice {
         // SAFETY: ibv_device_attr is plain data; zero is a valid bit pattern.
         let mut a: ffi::ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the context is open and `a` is a valid out-pointer.
-        let rc = unsafe { ffi::ibv_query_device(self.raw(), &mut a) };
+        let rc = unsafe { (self.api.query_device)(self.raw(), &mut a) };
         if rc != 0 {
             return Err(rc_error("ibv_query_device", rc));
         }
@@ -152,7 +159,7 @@ impl Driver for RdmaCoreDevice {
         let mut dv = ffi::mlx5dv_context::default();
         // SAFETY: the caller checked the context is mlx5; `dv` is a valid out-pointer with
         // comp_mask 0.
-        let rc = unsafe { ffi::mlx5dv_query_device(self.raw(), &mut dv) };
+        let rc = unsafe { (self.api.mlx5_query_device)(self.raw(), &mut dv) };
         if rc != 0 {
             return Err(rc_error("mlx5dv_query_device", rc));
         }
@@ -165,8 +172,9 @@ impl Driver for RdmaCoreDevice {
     fn query_port(&self, port: u8) -> Result<PortInfo> {
         // SAFETY: ibv_port_attr is plain data; zero is a valid bit pattern.
         let mut a: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
-        // SAFETY: the context is open and `a` is a valid out-pointer of the size passed.
-        let rc = unsafe { ffi::___ibv_query_port(self.raw(), port, &mut a) };
+        // SAFETY: the context is open and `a` is a valid out-pointer to a whole `ibv_port_attr`
+        // (the provider fills it entirely; the legacy entry point takes the same pointer).
+        let rc = unsafe { (self.api.query_port)(self.raw(), port, &mut a) };
         if rc != 0 {
             return Err(rc_error("ibv_query_port", rc));
         }
@@ -188,9 +196,9 @@ impl Driver for RdmaCoreDevice {
 
     fn query_gids(&self, port: u8, table_len: u32) -> Result<Vec<GidEntry>> {
         let mut out = Vec::new();
-        let mut typed = true;
+        let mut typed = self.api.query_gid_ex;
         for index in 0..table_len {
-            if typed {
+            if let Some(query_gid_ex) = typed {
                 let mut e = ffi::ibv_gid_entry {
                     // SAFETY: ibv_gid is a plain 16-byte union; zero is valid.
                     gid: unsafe { std::mem::zeroed() },
@@ -201,7 +209,7 @@ impl Driver for RdmaCoreDevice {
                 };
                 // SAFETY: the context is open; `e` is a valid out-pointer of the size passed.
                 let rc = unsafe {
-                    ffi::_ibv_query_gid_ex(
+                    query_gid_ex(
                         self.raw(),
                         u32::from(port),
                         index,
@@ -226,7 +234,7 @@ impl Driver for RdmaCoreDevice {
                     // ENODATA / EINVAL: an empty or unusable slot.
                     61 | 22 => continue,
                     // Older kernels or libraries: fall back to the untyped query.
-                    _ => typed = false,
+                    _ => typed = None,
                 }
             }
             out.extend(self.untyped_gid(port, index));
@@ -237,7 +245,7 @@ impl Driver for RdmaCoreDevice {
     fn query_eqn(&self, vector: u32) -> Result<u32> {
         let mut eqn = 0u32;
         // SAFETY: DEVX context (the caller checked), valid out-pointer.
-        let rc = unsafe { ffi::mlx5dv_devx_query_eqn(self.raw(), vector, &mut eqn) };
+        let rc = unsafe { (self.api.devx_query_eqn)(self.raw(), vector, &mut eqn) };
         if rc != 0 {
             return Err(rc_error("mlx5dv_devx_query_eqn", rc));
         }
@@ -245,7 +253,7 @@ impl Driver for RdmaCoreDevice {
     }
 
     fn alloc_pd(&self) -> Result<Box<dyn DriverPd>> {
-        Ok(Box::new(RcPd::alloc(self.raw(), self.info.mlx5)?))
+        Ok(Box::new(RcPd::alloc(self.api, self.raw(), self.info.mlx5)?))
     }
 
     unsafe fn reg_mr(
@@ -257,10 +265,11 @@ impl Driver for RdmaCoreDevice {
         let pd = self.own_pd(pd)?;
         // SAFETY: the caller guarantees the range is live for the handle's lifetime; for GPU
         // memory the kernel (nvidia-peermem) validates and pins it.
-        let mr =
-            unsafe { ffi::ibv_reg_mr(pd.raw(), mem.addr as *mut _, mem.len, access.bits() as i32) };
+        let mr = unsafe {
+            (self.api.reg_mr)(pd.raw(), mem.addr as *mut _, mem.len, access.bits() as i32)
+        };
         let mr = NonNull::new(mr).ok_or_else(|| VerbsError::last_os("ibv_reg_mr"))?;
-        Ok(Box::new(RcMr::new(mr)))
+        Ok(Box::new(RcMr::new(self.api, mr)))
     }
 
     unsafe fn reg_dmabuf_mr(
@@ -271,10 +280,14 @@ impl Driver for RdmaCoreDevice {
     ) -> Result<Box<dyn DriverMr>> {
         use std::os::fd::AsRawFd;
         let pd = self.own_pd(pd)?;
+        let reg_dmabuf_mr = self
+            .api
+            .reg_dmabuf_mr
+            .ok_or_else(|| VerbsError::from_errno("ibv_reg_dmabuf_mr", 95))?;
         // SAFETY: `buf.fd` is a live dma-buf and the range lies inside it; iova = the GPU
         // virtual address so that work requests address the region by it.
         let mr = unsafe {
-            ffi::ibv_reg_dmabuf_mr(
+            reg_dmabuf_mr(
                 pd.raw(),
                 buf.offset,
                 buf.len,
@@ -284,16 +297,16 @@ impl Driver for RdmaCoreDevice {
             )
         };
         let mr = NonNull::new(mr).ok_or_else(|| VerbsError::last_os("ibv_reg_dmabuf_mr"))?;
-        Ok(Box::new(RcMr::new(mr)))
+        Ok(Box::new(RcMr::new(self.api, mr)))
     }
 
     unsafe fn reg_umem(&self, mem: MemRange, access: Access) -> Result<Box<dyn DriverUmem>> {
         // SAFETY: DEVX context; the caller guarantees the range.
         let umem = unsafe {
-            ffi::mlx5dv_devx_umem_reg(self.raw(), mem.addr as *mut _, mem.len, access.bits())
+            (self.api.devx_umem_reg)(self.raw(), mem.addr as *mut _, mem.len, access.bits())
         };
         let umem = NonNull::new(umem).ok_or_else(|| VerbsError::last_os("mlx5dv_devx_umem_reg"))?;
-        Ok(Box::new(RcUmem::new(umem)))
+        Ok(Box::new(RcUmem::new(self.api, umem)))
     }
 
     unsafe fn reg_dmabuf_umem(
@@ -302,6 +315,10 @@ impl Driver for RdmaCoreDevice {
         access: Access,
     ) -> Result<Box<dyn DriverUmem>> {
         use std::os::fd::AsRawFd;
+        let umem_reg_ex = self
+            .api
+            .devx_umem_reg_ex
+            .ok_or_else(|| VerbsError::from_errno("mlx5dv_devx_umem_reg_ex", 95))?;
         // With a dma-buf the kernel reads `addr` as the offset into the buffer.
         let mut input = ffi::mlx5dv_devx_umem_in {
             addr: buf.offset as *mut _,
@@ -312,10 +329,10 @@ impl Driver for RdmaCoreDevice {
             dmabuf_fd: buf.fd.as_raw_fd(),
         };
         // SAFETY: DEVX context; `input` names a live dma-buf and a range inside it.
-        let umem = unsafe { ffi::mlx5dv_devx_umem_reg_ex(self.raw(), &mut input) };
+        let umem = unsafe { umem_reg_ex(self.raw(), &mut input) };
         let umem = NonNull::new(umem)
             .ok_or_else(|| VerbsError::last_os("mlx5dv_devx_umem_reg_ex(dma-buf)"))?;
-        Ok(Box::new(RcUmem::new(umem)))
+        Ok(Box::new(RcUmem::new(self.api, umem)))
     }
 
     fn alloc_uar(&self, kind: UarKind) -> Result<Box<dyn DriverUar>> {
@@ -325,15 +342,15 @@ impl Driver for RdmaCoreDevice {
             UarKind::Bf => ffi::MLX5DV_UAR_ALLOC_TYPE_BF,
         };
         // SAFETY: DEVX context; the flag is one of the documented allocation types.
-        let uar = unsafe { ffi::mlx5dv_devx_alloc_uar(self.raw(), flag) };
+        let uar = unsafe { (self.api.devx_alloc_uar)(self.raw(), flag) };
         let uar = NonNull::new(uar).ok_or_else(|| VerbsError::last_os("mlx5dv_devx_alloc_uar"))?;
-        Ok(Box::new(RcUar::new(uar)))
+        Ok(Box::new(RcUar::new(self.api, uar)))
     }
 
     fn devx_general_cmd(&self, input: &[u8], out: &mut [u8]) -> Result<()> {
         // SAFETY: DEVX context; `input` and `out` are valid buffers of the lengths passed.
         let rc = unsafe {
-            ffi::mlx5dv_devx_general_cmd(
+            (self.api.devx_general_cmd)(
                 self.raw(),
                 input.as_ptr().cast(),
                 input.len(),
@@ -350,7 +367,7 @@ impl Driver for RdmaCoreDevice {
     fn devx_obj_create(&self, input: &[u8], out: &mut [u8]) -> Result<Box<dyn DriverObj>> {
         // SAFETY: DEVX context; `input` and `out` are valid buffers of the lengths passed.
         let obj = unsafe {
-            ffi::mlx5dv_devx_obj_create(
+            (self.api.devx_obj_create)(
                 self.raw(),
                 input.as_ptr().cast(),
                 input.len(),
@@ -359,7 +376,7 @@ impl Driver for RdmaCoreDevice {
             )
         };
         let obj = NonNull::new(obj).ok_or_else(|| VerbsError::last_os("mlx5dv_devx_obj_create"))?;
-        Ok(Box::new(RcDevxObj::new(obj)))
+        Ok(Box::new(RcDevxObj::new(self.api, obj)))
     }
 
     fn roce_next_hop_mac(&self, pd: &dyn DriverPd, route: &AhRoute) -> Result<[u8; 6]> {
@@ -380,22 +397,22 @@ impl Driver for RdmaCoreDevice {
             port_num: route.port,
         };
         // SAFETY: live PD; `attr` is a fully initialised ibv_ah_attr.
-        let ah = unsafe { ffi::ibv_create_ah(pd.raw(), &mut attr) };
+        let ah = unsafe { (self.api.create_ah)(pd.raw(), &mut attr) };
         let ah = NonNull::new(ah).ok_or_else(|| VerbsError::last_os("ibv_create_ah"))?;
-        struct Ah(NonNull<ffi::ibv_ah>);
+        struct Ah(&'static Api, NonNull<ffi::ibv_ah>);
         impl Drop for Ah {
             fn drop(&mut self) {
                 // SAFETY: created above, destroyed once.
-                unsafe { ffi::ibv_destroy_ah(self.0.as_ptr()) };
+                unsafe { (self.0.destroy_ah)(self.1.as_ptr()) };
             }
         }
-        let ah = Ah(ah);
+        let ah = Ah(self.api, ah);
         let mut dv_ah = ffi::mlx5dv_ah::default();
         let mut obj = ffi::mlx5dv_obj::default();
-        obj.ah.in_ = ah.0.as_ptr();
+        obj.ah.in_ = ah.1.as_ptr();
         obj.ah.out = &mut dv_ah;
         // SAFETY: `obj` names a live AH of an mlx5 context and a valid output struct.
-        let rc = unsafe { ffi::mlx5dv_init_obj(&mut obj, u64::from(ffi::MLX5DV_OBJ_AH)) };
+        let rc = unsafe { (self.api.mlx5_init_obj)(&mut obj, u64::from(ffi::MLX5DV_OBJ_AH)) };
         if rc != 0 {
             return Err(rc_error("mlx5dv_init_obj(AH)", rc));
         }

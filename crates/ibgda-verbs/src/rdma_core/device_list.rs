@@ -4,24 +4,27 @@ use std::ffi::CStr;
 use std::ptr::NonNull;
 
 use super::device::RdmaCoreDevice;
+use super::loader::{api, Api};
 use crate::device::DeviceInfo;
 use crate::error::{Result, VerbsError};
 use crate::ffi;
 
 /// The list from `ibv_get_device_list`, freed on drop.
 struct DeviceList {
+    api: &'static Api,
     list: NonNull<*mut ffi::ibv_device>,
     len: usize,
 }
 
 impl DeviceList {
     /// The current device list. No kernel support or no devices gives `None`.
-    fn get() -> Result<Option<Self>> {
+    fn get(api: &'static Api) -> Result<Option<Self>> {
         let mut n: std::ffi::c_int = 0;
         // SAFETY: `n` is a valid out-pointer; the returned array is owned until freed in Drop.
-        let list = unsafe { ffi::ibv_get_device_list(&mut n) };
+        let list = unsafe { (api.get_device_list)(&mut n) };
         match NonNull::new(list) {
             Some(list) => Ok(Some(Self {
+                api,
                 list,
                 len: n.max(0) as usize,
             })),
@@ -48,13 +51,13 @@ impl Drop for DeviceList {
     fn drop(&mut self) {
         // SAFETY: the list came from ibv_get_device_list and is freed once; contexts opened from
         // its entries stay valid (libibverbs reference-counts devices).
-        unsafe { ffi::ibv_free_device_list(self.list.as_ptr()) }
+        unsafe { (self.api.free_device_list)(self.list.as_ptr()) }
     }
 }
 
-fn device_name(dev: *mut ffi::ibv_device) -> String {
+fn device_name(api: &Api, dev: *mut ffi::ibv_device) -> String {
     // SAFETY: `dev` is a live entry of a device list; the name is a NUL-terminated array.
-    let name = unsafe { ffi::ibv_get_device_name(dev) };
+    let name = unsafe { (api.get_device_name)(dev) };
     if name.is_null() {
         return String::from("?");
     }
@@ -64,18 +67,18 @@ fn device_name(dev: *mut ffi::ibv_device) -> String {
         .into_owned()
 }
 
-fn device_info(dev: *mut ffi::ibv_device) -> DeviceInfo {
+fn device_info(api: &Api, dev: *mut ffi::ibv_device) -> DeviceInfo {
     // SAFETY: `dev` is a live entry of a device list (for all three calls and the field reads).
     let (guid, mlx5, node_type, transport) = unsafe {
         (
-            u64::from_be(ffi::ibv_get_device_guid(dev)),
-            ffi::mlx5dv_is_supported(dev),
+            u64::from_be((api.get_device_guid)(dev)),
+            (api.mlx5_is_supported)(dev),
             (*dev).node_type,
             (*dev).transport_type,
         )
     };
     DeviceInfo {
-        name: device_name(dev),
+        name: device_name(api, dev),
         guid,
         node_type,
         transport,
@@ -83,19 +86,28 @@ fn device_info(dev: *mut ffi::ibv_device) -> DeviceInfo {
     }
 }
 
-/// Every RDMA device on this machine. No RDMA support at all (no kernel module, no
-/// `/sys/class/infiniband`) gives an empty list, not an error;
+/// Every RDMA device on this machine. No RDMA support at all (rdma-core not installed, no
+/// kernel module, no `/sys/class/infiniband`) gives an empty list, not an error;
 /// [`no_device_hint`](crate::no_device_hint) says why.
 pub fn list_devices() -> Result<Vec<DeviceInfo>> {
-    Ok(match DeviceList::get()? {
-        Some(list) => list.devices().map(device_info).collect(),
+    let api = match api() {
+        Ok(api) => api,
+        Err(VerbsError::RdmaCoreMissing(why)) => {
+            tracing::debug!("no RDMA devices: {why}");
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(match DeviceList::get(api)? {
+        Some(list) => list.devices().map(|d| device_info(api, d)).collect(),
         None => Vec::new(),
     })
 }
 
 /// Opens device `name`.
 pub(crate) fn open_by_name(name: &str) -> Result<RdmaCoreDevice> {
-    let list = DeviceList::get()?;
+    let api = api()?;
+    let list = DeviceList::get(api)?;
     let devices: Vec<_> = list
         .as_ref()
         .map(|l| l.devices().collect())
@@ -103,17 +115,18 @@ pub(crate) fn open_by_name(name: &str) -> Result<RdmaCoreDevice> {
     let dev = devices
         .iter()
         .copied()
-        .find(|&d| device_name(d) == name)
+        .find(|&d| device_name(api, d) == name)
         .ok_or_else(|| VerbsError::NoSuchDevice {
             name: name.to_string(),
-            found: devices.iter().map(|&d| device_name(d)).collect(),
+            found: devices.iter().map(|&d| device_name(api, d)).collect(),
         })?;
-    RdmaCoreDevice::open(dev, device_info(dev))
+    RdmaCoreDevice::open(api, dev, device_info(api, dev))
 }
 
 /// Opens the first mlx5 device, or the first device of any kind if none is mlx5.
 pub(crate) fn open_first() -> Result<RdmaCoreDevice> {
-    let list = DeviceList::get()?;
+    let api = api()?;
+    let list = DeviceList::get(api)?;
     let devices: Vec<_> = list
         .as_ref()
         .map(|l| l.devices().collect())
@@ -121,11 +134,11 @@ pub(crate) fn open_first() -> Result<RdmaCoreDevice> {
     let dev = devices
         .iter()
         .copied()
-        .find(|&d| device_info(d).mlx5)
+        .find(|&d| device_info(api, d).mlx5)
         .or_else(|| devices.first().copied())
         .ok_or_else(|| VerbsError::NoSuchDevice {
             name: "<any>".into(),
             found: Vec::new(),
         })?;
-    RdmaCoreDevice::open(dev, device_info(dev))
+    RdmaCoreDevice::open(api, dev, device_info(api, dev))
 }

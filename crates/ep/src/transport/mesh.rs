@@ -1,44 +1,70 @@
-//! The transport of a low-latency buffer whose ranks are processes (NVLink disabled): each
-//! process runs its own emulated NIC, on [`process_fabric`], and the two sides of every QP group
-//! meet through the group's all-gather.
+//! Connecting a rank's QPs to every peer through the bootstrap ([`connect_mesh`]), whatever the
+//! NIC ([`RankTransport`]) and whether the ranks are threads of one process or processes.
 //!
-//! For every peer, a rank makes passive QPs on its NIC ([`EmuRank::passive_for`]: their infos
-//! export the rank's registered net buffer as CUDA IPC handles) and sends their infos; each rank
-//! then connects its QPs to the peers' passive QPs ([`EmuRank::connect_remote`]: the peers'
-//! buffers are opened here, so this NIC writes into them directly) and sends its QPs' infos back,
-//! which the passive QPs accept. Both exchanges carry a rank's failure instead of its infos, so
-//! every rank fails at once, naming the rank, rather than at a timeout.
+//! For every peer, a rank makes responder QPs on its NIC ([`RankTransport::respond`]) and sends
+//! their connection info; each rank then connects its QPs to the peers' responders
+//! ([`RankTransport::connect`]) and sends its QPs' info back, which the responders accept; a
+//! last all-gather says every rank's responders are ready. Every exchange carries a rank's
+//! failure, so every rank fails at once, naming the rank, rather than at a timeout.
 //!
 //! An exchange's record, as the u64 words [`Exchange::all_gather`] moves: `[TAG, 1]`, then for
 //! every destination rank the number of infos and each info as its byte length and its bytes
 //! (little-endian, zero-padded to whole words); or `[TAG, 0, length, text]` for a failure.
 
-use std::sync::OnceLock;
-
-use ibgda_emu::Fabric;
-
-use super::buffer::transport_err;
+use super::backend::{ConnInfo, QpSet, RankTransport, Registration, Responder};
+use super::emulated::QpGroupConfig;
+use super::error::TransportError;
 use crate::error::EpError;
 use crate::rendezvous::Exchange;
-use crate::transport::{Arena, EmuRank, PassiveQps, QpGroup, QpGroupConfig, QpInfo};
 
 /// First word of every record ("LLQPINF1").
 const TAG: u64 = u64::from_le_bytes(*b"LLQPINF1");
 
-/// The fabric of this process's emulated NICs for ranks as processes. One per process, so NIC
-/// ids stay unique when several ranks share a process over TCP (such peers are then found
-/// through the fabric, those in other processes through the memory they export).
-pub(super) fn process_fabric() -> &'static Fabric {
-    static FABRIC: OnceLock<Fabric> = OnceLock::new();
-    FABRIC.get_or_init(Fabric::new)
-}
-
 /// Per destination rank, the byte records a rank sends it.
 type Posted = Vec<Vec<Vec<u8>>>;
 
-/// Per rank, this rank's QP group to it and the passive QPs answering that rank's group (`None`
-/// for this rank).
-pub(super) type Connected = (Vec<Option<QpGroup>>, Vec<Option<PassiveQps>>);
+/// A rank's QPs to every peer: per rank, this rank's QP set to it and the responders answering
+/// that rank's set (`None` for this rank).
+#[derive(Debug)]
+pub struct Mesh {
+    /// Per rank, this rank's QPs to it.
+    pub sets: Vec<Option<Box<dyn QpSet>>>,
+    /// Per rank, the responder QPs on this rank's NIC that its QPs are connected to.
+    pub responders: Vec<Option<Box<dyn Responder>>>,
+}
+
+impl Mesh {
+    /// The first failure device code recorded on this rank's QPs (rank `prefer`'s first).
+    pub fn first_failure(&self, prefer: Option<usize>) -> Option<(usize, TransportError)> {
+        let check = |r: usize| {
+            self.sets
+                .get(r)
+                .and_then(|g| g.as_ref())
+                .and_then(|g| g.check().err())
+                .map(|e| (r, e))
+        };
+        prefer
+            .and_then(check)
+            .or_else(|| (0..self.sets.len()).find_map(check))
+    }
+
+    /// Stops the proxies and destroys this rank's QPs, then the responders; the first error,
+    /// with the rank its QPs led to.
+    pub fn close(self) -> Result<(), (usize, TransportError)> {
+        let mut first = None;
+        for (r, g) in self.sets.into_iter().enumerate() {
+            if let Some(Err(e)) = g.map(|g| g.shutdown()) {
+                first.get_or_insert((r, e));
+            }
+        }
+        for (r, p) in self.responders.into_iter().enumerate() {
+            if let Some(Err(e)) = p.map(|p| p.close()) {
+                first.get_or_insert((r, e));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
 
 fn push_bytes(w: &mut Vec<u64>, b: &[u8]) {
     w.push(b.len() as u64);
@@ -158,7 +184,7 @@ fn exchange(
     step: &str,
     posted: Result<Posted, EpError>,
     nqps: u32,
-) -> Result<Vec<Vec<QpInfo>>, EpError> {
+) -> Result<Vec<Vec<ConnInfo>>, EpError> {
     let (rank, ranks) = (group.rank(), group.ranks());
     let sent: Result<Posted, String> = posted.as_ref().cloned().map_err(ToString::to_string);
     let all = group.all_gather(&encode(&sent))?;
@@ -189,69 +215,76 @@ fn exchange(
                 mine.len()
             )));
         }
-        let infos = mine
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                QpInfo::from_bytes(b)
-                    .map_err(|e| bad(format!("{step}: rank {r}'s QP info {i}: {e}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let infos = mine.iter().cloned().map(ConnInfo).collect();
         from.push(infos);
     }
     Ok(from)
 }
 
-/// This rank's QPs to every peer, in other processes (see the module docs): per rank, this
-/// rank's group to it and the passive QPs its group writes through (`None` for this rank).
-/// `cfg(r)` configures the group to rank `r`; `local` is this rank's registered net buffer,
-/// registered on `me` before this is called.
-pub(super) fn connect_peers(
-    me: &EmuRank,
+/// This rank's QPs to every peer (see the module docs): per rank, this rank's QP set to it and
+/// the responders its set writes through (`None` for this rank). `cfg(r)` configures the QPs to
+/// rank `r`; `local` is this rank's registered memory, registered on `nic` before this is
+/// called (connection info may carry it). Three collectives of `group`; on return every rank's
+/// responders have accepted, so any rank may post. `err(doing, e)` turns a transport failure
+/// into the caller's error.
+pub fn connect_mesh(
+    nic: &dyn RankTransport,
     group: &dyn Exchange,
-    local: &Arena,
+    local: &dyn Registration,
     nqps: u32,
     cfg: impl Fn(usize) -> QpGroupConfig,
-) -> Result<Connected, EpError> {
+    err: impl Fn(&str, TransportError) -> EpError,
+) -> Result<Mesh, EpError> {
     let (rank, ranks) = (group.rank(), group.ranks());
-    // 1. Passive QPs for every peer; their infos to that peer.
-    let mut passive: Vec<Option<PassiveQps>> = (0..ranks).map(|_| None).collect();
+    // 1. Responder QPs for every peer; their infos to that peer.
+    let mut responders: Vec<Option<Box<dyn Responder>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
     let made = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
-        let (infos, p) = me
-            .passive_for(r as u32, nqps)
-            .map_err(|e| transport_err(rank, &format!("passive QPs for rank {r}"), e))?;
-        posted[r] = infos.iter().map(QpInfo::to_bytes).collect();
-        passive[r] = Some(p);
+        let (infos, p) = nic
+            .respond(r as u32, nqps)
+            .map_err(|e| err(&format!("responder QPs for rank {r}"), e))?;
+        posted[r] = infos.into_iter().map(|c| c.0).collect();
+        responders[r] = Some(p);
         Ok(())
     });
-    let remote = exchange(group, "passive QP infos", made.map(|()| posted), nqps)?;
+    let remote = exchange(group, "responder QP infos", made.map(|()| posted), nqps)?;
 
-    // 2. This rank's groups, connected to the peers' passive QPs; their infos back.
-    let mut groups: Vec<Option<QpGroup>> = (0..ranks).map(|_| None).collect();
+    // 2. This rank's QPs, connected to the peers' responders; their infos back.
+    let mut sets: Vec<Option<Box<dyn QpSet>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
     let built = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
         let doing = format!("connecting QPs to rank {r}");
-        let g = me
-            .connect_remote(&remote[r], local, &cfg(r))
-            .map_err(|e| transport_err(rank, &doing, e))?;
-        let infos = g
-            .infos_for_ipc()
-            .map_err(|e| transport_err(rank, &doing, e))?;
-        posted[r] = infos.iter().map(QpInfo::to_bytes).collect();
-        groups[r] = Some(g);
+        let g = nic
+            .connect(&remote[r], local, &cfg(r))
+            .map_err(|e| err(&doing, e))?;
+        let infos = g.conn_infos().map_err(|e| err(&doing, e))?;
+        posted[r] = infos.into_iter().map(|c| c.0).collect();
+        sets[r] = Some(g);
         Ok(())
     });
     let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps)?;
 
-    // 3. The passive QPs accept the peers' QPs.
-    for (r, p) in passive.iter().enumerate() {
-        if let Some(p) = p {
-            p.accept(&initiators[r])
-                .map_err(|e| transport_err(rank, &format!("accepting the QPs of rank {r}"), e))?;
-        }
+    // 3. The responders accept the peers' QPs; then every rank says whether it could, so no
+    // rank posts to a responder that is not ready yet (a real NIC would drop the packets and
+    // retry), and a failure fails every rank at once.
+    let accepted = responders
+        .iter()
+        .enumerate()
+        .try_for_each(|(r, p)| match p {
+            Some(p) => p
+                .accept(&initiators[r])
+                .map_err(|e| err(&format!("accepting the QPs of rank {r}"), e)),
+            None => Ok(()),
+        });
+    let all = group.all_gather(&[u64::from(accepted.is_ok())])?;
+    accepted?;
+    if let Some(r) = all.iter().position(|v| v.first() != Some(&1)) {
+        return Err(EpError::Rendezvous {
+            rank,
+            what: format!("rank {r} failed to accept this rank's QPs"),
+        });
     }
-    Ok((groups, passive))
+    Ok(Mesh { sets, responders })
 }
 
 #[cfg(test)]
