@@ -306,6 +306,7 @@ impl QpEngine {
         self.fetched >= self.announced
             && self.pending.is_empty()
             && self.pipeline.as_ref().is_none_or(Pipeline::is_empty)
+            && !self.lane.busy()
     }
 
     /// One round: doorbells, WQEs, completions. Returns whether anything happened.
@@ -314,11 +315,17 @@ impl QpEngine {
         if !cx.plan.lost_cqes.is_empty() || !self.lost_cqes.is_empty() {
             self.lost_cqes = cx.plan.lost_cqes_of(self.qpn);
         }
+        did |= self.lane.poll()?;
         if matches!(self.state, QpState::Rts | QpState::Error) {
             did |= self.poll_doorbells(cx)?;
             did |= self.run_wqes(cx)?;
         }
-        did |= self.drain_pending()?;
+        // What the round gathered goes to the hardware once, then the completions it owes.
+        self.lane.flush()?;
+        if !self.pending.is_empty() {
+            did |= self.drain_pending()?;
+            self.lane.flush()?;
+        }
         Ok(did)
     }
 
@@ -568,6 +575,10 @@ impl QpEngine {
             }
             self.fetched += nbb;
             did = true;
+            if self.pipeline.is_none() {
+                // In order: this WQE's writes land before the next one's.
+                self.lane.order_point()?;
+            }
         }
         Ok(did)
     }

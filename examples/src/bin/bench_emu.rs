@@ -23,7 +23,10 @@
 //! Exits with status 2 and a message when no GPU (or fewer than `--gpus`) is visible.
 //!
 //! Setup: the NICs in one fabric; send rings, CQs and doorbell records in pinned host memory
-//! (written here, as a CPU proxy would); sources in `a`'s GPU memory, destinations in `b`'s.
+//! (written here, as a CPU proxy would); sources in `a`'s GPU memory, destinations in `b`'s,
+//! consecutive WQEs of a QP to consecutive slots of its own 16 MiB slice (as kernels write
+//! distinct token slots; writes to one slot would depend on each other and could not share a
+//! submission).
 //! Rates: each QP posts a batch (only the last WQE signalled), all QPs ring, and the time runs
 //! from the first doorbell to the last CQE; the best of several repetitions counts.
 
@@ -120,6 +123,14 @@ struct Mem {
 }
 
 impl Lane {
+    /// Where the write of `bytes` at producer index `pi` lands in this lane's slice: consecutive
+    /// WQEs write consecutive slots (as kernels write distinct token slots), wrapping in the
+    /// slice.
+    fn dst(&self, m: &Mem, bytes: usize) -> u64 {
+        let slots = (MAX_BYTES / bytes.max(1)) as u64;
+        m.dst.addr + self.dst_off + (self.pi % slots) * bytes as u64
+    }
+
     fn post(&mut self, n: usize, op: Op, m: &Mem) {
         let q = self.qp.qpn();
         for k in 0..n {
@@ -130,7 +141,7 @@ impl Lane {
                     q,
                     i,
                     RemoteAddr {
-                        addr: m.dst.addr + self.dst_off,
+                        addr: self.dst(m, bytes),
                         rkey: m.dst.rkey,
                     },
                     Sge {
@@ -145,7 +156,7 @@ impl Lane {
                     q,
                     i,
                     RemoteAddr {
-                        addr: m.dst.addr + self.dst_off,
+                        addr: self.dst(m, bytes.next_multiple_of(8)),
                         rkey: m.dst.rkey,
                     },
                     &[0x5a; 28][..bytes],

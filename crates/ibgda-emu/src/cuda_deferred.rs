@@ -1,0 +1,581 @@
+//! Atomics on GPU memory that never make the NIC thread wait: a **group** of consecutive atomics
+//! of one QP is enqueued on the QP's stream at once, and the host computes it when the GPU has
+//! read the words.
+//!
+//! On the QP's stream, behind everything the QP enqueued before (so after its earlier writes):
+//! 1. for each word's stripe last written back by another stream, a wait for that write-back
+//!    (`cuStreamWaitEvent`), so the read below sees it;
+//! 2. a copy of every distinct target word into pinned host memory, then an event (`read`);
+//! 3. a stream wait (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, GEQ) on a pinned host word, the lane's
+//!    release counter;
+//! 4. copies of the new values from pinned memory to the words, and of the replies to their
+//!    result buffers (sources read in stream order, so after step 3), then the lane's write-back
+//!    event (step 1 of the next group on these words from another stream waits for it) and an
+//!    event (`done`) after which the pinned slots may be reused.
+//!
+//! The NIC thread, in a later round ([`Deferred::poll`]), sees `read` complete, applies the
+//! group's operations in order on the host (a word that several atomics of the group touch is
+//! read once and chained), writes the new values and replies into the pinned slots (replies to
+//! host memory directly), and stores the group's number into the release counter (release
+//! order). The stream then finishes the group; work enqueued after it (later writes, the CQEs)
+//! follows in stream order. No SM, no host wait on the data path; one round trip per group, not
+//! per atomic.
+//!
+//! Atomicity is that of [`crate::cuda_atomic`]: the stripes order every emulator atomic on a
+//! word in this process, across QPs and NICs, because a group holds the locks of its words'
+//! stripes from step 1 to step 4 (enqueueing only: microseconds) and steps only ever wait for
+//! groups enqueued before them, so no cycle can form. Every word is written back, changed or
+//! not (a compare-swap that fails writes the old value back).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext};
+
+use crate::backend::{AtomicOp, Loc};
+use crate::cuda_atomic::{stripe_index, LastWrite, WriteBackEvent, STRIPES};
+use crate::cuda_batch::copy_many;
+use crate::error::EmuError;
+use crate::exec::{fetch_reply, FetchOrder};
+use crate::host::HostBuffer;
+
+/// Atomics in one group at most.
+pub(crate) const GROUP_ATOMICS: usize = 128;
+
+/// Groups of one lane enqueued and not yet finished at most (each has its pinned slots).
+const GROUPS_IN_FLIGHT: usize = 4;
+
+/// Bytes of one group's pinned slots: the words as read, as written back, and the replies, one
+/// 8-byte slot each.
+const GROUP_BYTES: usize = 3 * 8 * GROUP_ATOMICS;
+
+/// Offset of the release counter in the arena (its own cache line, after the slots).
+const FLAG_OFFSET: usize = GROUPS_IN_FLIGHT * GROUP_BYTES;
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
+    r.result().map_err(EmuError::cuda(call))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Word {
+    addr: u64,
+    width: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Atom {
+    word: usize,
+    op: AtomicOp,
+    result: Loc,
+    order: FetchOrder,
+}
+
+#[derive(Debug)]
+struct Open {
+    slot: usize,
+    words: Vec<Word>,
+    atoms: Vec<Atom>,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    seq: u32,
+    slot: usize,
+    read: sys::CUevent,
+    done: sys::CUevent,
+    words: Vec<Word>,
+    atoms: Vec<Atom>,
+    computed: bool,
+}
+
+/// What adding an atomic to the open group came to.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Added {
+    /// It joined the group.
+    Joined,
+    /// The group is full, or the word overlaps a word of the group at another width: close the
+    /// group and try again.
+    CloseFirst,
+}
+
+/// One lane's deferred atomics (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Deferred {
+    ctx: Arc<CudaContext>,
+    arena: HostBuffer,
+    arena_dev: u64,
+    /// The last group number handed out (the release counter reaches it when it is computed).
+    seq: u32,
+    open: Option<Open>,
+    inflight: VecDeque<Inflight>,
+    free_slots: Vec<usize>,
+    events: Vec<sys::CUevent>,
+}
+
+// SAFETY: the raw events are used only by the lane that owns this, from the thread that holds
+// the lane (with its context current); the arena is pinned memory owned here.
+unsafe impl Send for Deferred {}
+
+impl Deferred {
+    /// Pinned slots and a release counter in `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
+        let arena = HostBuffer::pinned(ctx, FLAG_OFFSET + 64)?;
+        let arena_dev = arena
+            .device_addr()
+            .ok_or_else(|| EmuError::BadConfig("pinned arena without a device address".into()))?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            arena,
+            arena_dev,
+            seq: 0,
+            open: None,
+            inflight: VecDeque::new(),
+            free_slots: (0..GROUPS_IN_FLIGHT).rev().collect(),
+            events: Vec::new(),
+        })
+    }
+
+    /// Whether a group is open (atomics gathered, nothing enqueued yet).
+    pub fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// Whether the host still owes work (an open group, or groups enqueued and not finished).
+    pub fn busy(&self) -> bool {
+        self.open.is_some() || !self.inflight.is_empty()
+    }
+
+    fn old_at(slot: usize, i: usize) -> usize {
+        slot * GROUP_BYTES + 8 * i
+    }
+
+    fn new_at(slot: usize, i: usize) -> usize {
+        slot * GROUP_BYTES + 8 * (GROUP_ATOMICS + i)
+    }
+
+    fn reply_at(slot: usize, i: usize) -> usize {
+        slot * GROUP_BYTES + 8 * (2 * GROUP_ATOMICS + i)
+    }
+
+    /// Adds `op` on the device word at `target` to the open group (opening one, which may wait,
+    /// bounded, for a slot), its reply to go to `result` as `order` formats it.
+    pub fn add(
+        &mut self,
+        target: u64,
+        op: AtomicOp,
+        result: Loc,
+        order: FetchOrder,
+        timeout: Duration,
+    ) -> Result<Added, EmuError> {
+        if self.open.is_none() {
+            let slot = self.free_slot(timeout)?;
+            self.open = Some(Open {
+                slot,
+                words: Vec::new(),
+                atoms: Vec::new(),
+            });
+        }
+        let g = self.open.as_mut().expect("opened above");
+        let width = op.width();
+        if g.atoms.len() >= GROUP_ATOMICS {
+            return Ok(Added::CloseFirst);
+        }
+        let word = match g
+            .words
+            .iter()
+            .position(|w| w.addr == target && w.width == width)
+        {
+            Some(i) => i,
+            None => {
+                if g.words
+                    .iter()
+                    .any(|w| target < w.addr + w.width as u64 && w.addr < target + width as u64)
+                {
+                    return Ok(Added::CloseFirst);
+                }
+                g.words.push(Word {
+                    addr: target,
+                    width,
+                });
+                g.words.len() - 1
+            }
+        };
+        g.atoms.push(Atom {
+            word,
+            op,
+            result,
+            order,
+        });
+        Ok(Added::Joined)
+    }
+
+    fn free_slot(&mut self, timeout: Duration) -> Result<usize, EmuError> {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.free_slots.pop() {
+                return Ok(s);
+            }
+            self.poll()?;
+            if start.elapsed() > timeout {
+                return Err(EmuError::BackendTimeout {
+                    backend: "cuda",
+                    what: "a slot for deferred atomics",
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn event(&mut self) -> Result<sys::CUevent, EmuError> {
+        if let Some(e) = self.events.pop() {
+            return Ok(e);
+        }
+        let mut raw: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: valid out-pointer; the lane's context is current on this thread.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut raw, flags)
+        })?;
+        Ok(raw)
+    }
+
+    /// Enqueues the open group on `stream` (module docs, steps 1–4). `wb` is the lane's
+    /// write-back event. When the stream wait is refused, the group is computed at once (a
+    /// bounded host wait for the read) and `Ok(false)` says to stop deferring.
+    ///
+    /// # Safety
+    /// Every word and device result of the group must be valid device memory until the stream
+    /// has executed the group (the engine checked them against live registrations, which it
+    /// holds); `stream` is a live stream of a context current on this thread.
+    pub unsafe fn close(
+        &mut self,
+        stream: sys::CUstream,
+        wb: &Arc<WriteBackEvent>,
+        batch_copies: &mut bool,
+        timeout: Duration,
+    ) -> Result<bool, EmuError> {
+        let Some(g) = self.open.take() else {
+            return Ok(true);
+        };
+        let mut stripes: Vec<usize> = g.words.iter().map(|w| stripe_index(w.addr)).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let mut guards: Vec<MutexGuard<'static, Option<LastWrite>>> = stripes
+            .iter()
+            .map(|&i| STRIPES[i].lock().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        for l in guards.iter().filter_map(|g| g.as_ref()) {
+            if l.stream != stream as usize {
+                // SAFETY: a live event (the stripe holds it) and a live stream.
+                check("cuStreamWaitEvent", unsafe {
+                    sys::cuStreamWaitEvent(stream, l.event.raw, 0)
+                })?;
+            }
+        }
+        let device = self.ctx.ordinal() as i32;
+        let slot = g.slot;
+        // 2. The reads.
+        let mut dsts: Vec<u64> = (0..g.words.len())
+            .map(|i| self.arena_dev + Self::old_at(slot, i) as u64)
+            .collect();
+        let mut srcs: Vec<u64> = g.words.iter().map(|w| w.addr).collect();
+        let mut sizes: Vec<usize> = g.words.iter().map(|w| w.width).collect();
+        // SAFETY: the words are valid device memory (the caller's promise); the slots are pinned
+        // and this group's until `done`.
+        unsafe {
+            copy_many(
+                stream,
+                device,
+                &mut dsts,
+                &mut srcs,
+                &mut sizes,
+                batch_copies,
+            )?
+        };
+        let read = self.event()?;
+        // SAFETY: a live event and stream of this context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(read, stream) })?;
+        // 3. The wait for the host.
+        let seq = self.seq.wrapping_add(1);
+        self.seq = seq;
+        let mut inflight = Inflight {
+            seq,
+            slot,
+            read,
+            done: std::ptr::null_mut(),
+            words: g.words,
+            atoms: g.atoms,
+            computed: false,
+        };
+        // SAFETY: the counter is a 4-aligned word of the pinned arena, mapped for the device.
+        let deferred = match unsafe { wait_geq(stream, self.arena_dev + FLAG_OFFSET as u64, seq) } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("stream waits unavailable, atomics are computed in place: {e}");
+                wait_event(read, timeout)?;
+                // SAFETY: the registrations the engine checked are live.
+                unsafe { self.compute(&mut inflight) };
+                false
+            }
+        };
+        // 4. Write-backs and replies (a device result that several atomics of the group name
+        // receives the last one's reply: copies in one batch are unordered).
+        let mut dsts: Vec<u64> = inflight.words.iter().map(|w| w.addr).collect();
+        let mut srcs: Vec<u64> = (0..inflight.words.len())
+            .map(|i| self.arena_dev + Self::new_at(slot, i) as u64)
+            .collect();
+        let mut sizes: Vec<usize> = inflight.words.iter().map(|w| w.width).collect();
+        for (k, a) in inflight.atoms.iter().enumerate() {
+            if let Loc::Device(r) = a.result {
+                let src = self.arena_dev + Self::reply_at(slot, k) as u64;
+                let len = a.op.width();
+                match dsts[inflight.words.len()..].iter().position(|&d| d == r) {
+                    Some(j) => {
+                        let j = inflight.words.len() + j;
+                        (srcs[j], sizes[j]) = (src, len);
+                    }
+                    None => {
+                        dsts.push(r);
+                        srcs.push(src);
+                        sizes.push(len);
+                    }
+                }
+            }
+        }
+        // SAFETY: as for the reads; the sources are this group's pinned slots.
+        unsafe {
+            copy_many(
+                stream,
+                device,
+                &mut dsts,
+                &mut srcs,
+                &mut sizes,
+                batch_copies,
+            )?
+        };
+        // SAFETY: live events of this context and a live stream.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(wb.raw, stream)
+        })?;
+        for guard in guards.iter_mut() {
+            **guard = Some(LastWrite {
+                event: wb.clone(),
+                stream: stream as usize,
+            });
+        }
+        drop(guards);
+        let done = self.event()?;
+        // SAFETY: as above.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(done, stream) })?;
+        inflight.done = done;
+        self.inflight.push_back(inflight);
+        Ok(deferred)
+    }
+
+    /// Applies the group's atomics on the host from the words as read, fills the slots and
+    /// releases the stream.
+    ///
+    /// # Safety
+    /// The group's `read` event has completed; host result buffers are live (registrations the
+    /// engine checked).
+    unsafe fn compute(&mut self, g: &mut Inflight) {
+        let mut cur: Vec<u64> = g
+            .words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let at = Self::old_at(g.slot, i);
+                if w.width == 8 {
+                    self.arena.load_u64(at)
+                } else {
+                    self.arena.load_u32(at) as u64
+                }
+            })
+            .collect();
+        for (k, a) in g.atoms.iter().enumerate() {
+            let old = cur[a.word];
+            let mut new = a.op.apply(old);
+            if a.op.width() == 4 {
+                new &= 0xffff_ffff;
+            }
+            cur[a.word] = new;
+            let reply = fetch_reply(&a.op, old, a.order);
+            match a.result {
+                Loc::Device(_) => self.arena.write(Self::reply_at(g.slot, k), &reply),
+                Loc::Host(h) => {
+                    // SAFETY: the result range was checked against a live registration with
+                    // LOCAL_WRITE; the stream writes nothing there before the release below.
+                    unsafe { std::ptr::copy(reply.as_ptr(), h as *mut u8, reply.len()) }
+                }
+            }
+        }
+        for (i, w) in g.words.iter().enumerate() {
+            let bytes = cur[i].to_ne_bytes();
+            self.arena.write(Self::new_at(g.slot, i), &bytes[..w.width]);
+        }
+        // Release: the slots written above are visible before the stream sees the counter.
+        self.arena.store_u32(FLAG_OFFSET, g.seq);
+        g.computed = true;
+    }
+
+    /// Computes every group whose words have been read, in order, and frees the slots of groups
+    /// the stream has finished. Returns whether the host still owes work or did some.
+    pub fn poll(&mut self) -> Result<bool, EmuError> {
+        let mut did = false;
+        let mut q = std::mem::take(&mut self.inflight);
+        let mut r = Ok(());
+        for g in q.iter_mut() {
+            if g.computed {
+                continue;
+            }
+            match query(g.read) {
+                Ok(true) => {
+                    // SAFETY: the read completed; the group's registrations are held by the
+                    // engine until its CQE, which the stream writes after the release.
+                    unsafe { self.compute(g) };
+                    did = true;
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        while let Some(front) = q.front() {
+            if !front.computed {
+                break;
+            }
+            match query(front.done) {
+                Ok(true) => {
+                    let g = q.pop_front().expect("front exists");
+                    self.free_slots.push(g.slot);
+                    self.events.extend([g.read, g.done]);
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        self.inflight = q;
+        r?;
+        Ok(did || !self.inflight.is_empty())
+    }
+
+    /// Computes every group enqueued so far (bounded wait for their reads).
+    pub fn settle(&mut self, timeout: Duration) -> Result<(), EmuError> {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        while self.inflight.iter().any(|g| !g.computed) {
+            self.poll()?;
+            if start.elapsed() > timeout {
+                return Err(EmuError::BackendTimeout {
+                    backend: "cuda",
+                    what: "the reads of deferred atomics",
+                    waited: start.elapsed(),
+                });
+            }
+            polls += 1;
+            if polls < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets the stream past every group still waiting for the host, computed or not (teardown
+    /// after [`settle`](Self::settle) failed: a group never computed writes back whatever its
+    /// slots hold).
+    pub fn release_all(&mut self) {
+        if self.inflight.iter().any(|g| !g.computed) {
+            tracing::error!("deferred atomics released uncomputed at teardown");
+        }
+        self.arena.store_u32(FLAG_OFFSET, self.seq);
+    }
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            let all = self
+                .inflight
+                .drain(..)
+                .flat_map(|g| [g.read, g.done])
+                .chain(self.events.drain(..));
+            for e in all {
+                // SAFETY: each event was created here and is destroyed once; the driver defers
+                // the release of one still pending.
+                let _ = unsafe { sys::cuEventDestroy_v2(e) };
+            }
+        }
+    }
+}
+
+/// Enqueues a wait until the 32-bit word at device address `addr` reaches `value` (GEQ, wrapping
+/// comparison).
+///
+/// # Safety
+/// `addr` is a 4-aligned word of pinned, mapped memory that outlives the wait; `stream` is live.
+unsafe fn wait_geq(stream: sys::CUstream, addr: u64, value: u32) -> Result<(), EmuError> {
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as WaitValue;
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as Value;
+    let mut op = sys::CUstreamBatchMemOpParams {
+        waitValue: WaitValue {
+            operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
+            address: addr,
+            __bindgen_anon_1: Value { value },
+            flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            alias: 0,
+        },
+    };
+    // SAFETY: one wait on a word the caller vouched for, on a live stream.
+    check("cuStreamBatchMemOp", unsafe {
+        sys::cuStreamBatchMemOp_v2(stream, 1, &mut op, 0)
+    })
+}
+
+fn query(e: sys::CUevent) -> Result<bool, EmuError> {
+    // SAFETY: a live, recorded event.
+    match unsafe { sys::cuEventQuery(e) } {
+        sys::cudaError_enum::CUDA_SUCCESS => Ok(true),
+        sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(EmuError::Cuda {
+            call: "cuEventQuery",
+            source: cudarc::driver::DriverError(e),
+        }),
+    }
+}
+
+fn wait_event(e: sys::CUevent, timeout: Duration) -> Result<(), EmuError> {
+    let start = Instant::now();
+    while !query(e)? {
+        if start.elapsed() > timeout {
+            return Err(EmuError::BackendTimeout {
+                backend: "cuda",
+                what: "the read of an atomic",
+                waited: start.elapsed(),
+            });
+        }
+        std::thread::yield_now();
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_do_not_overlap_and_the_counter_has_its_own_line() {
+        let last = Deferred::reply_at(GROUPS_IN_FLIGHT - 1, GROUP_ATOMICS - 1) + 8;
+        assert_eq!(last, FLAG_OFFSET);
+        assert!(Deferred::new_at(0, 0) == Deferred::old_at(0, GROUP_ATOMICS));
+        assert_eq!(FLAG_OFFSET % 64, 0);
+    }
+}
