@@ -189,8 +189,9 @@ impl Batch {
 }
 
 /// Enqueues the copies `srcs[i] -> dsts[i]` of `sizes[i]` bytes, in no particular order among
-/// themselves, behind everything earlier on `stream`: one `cuMemcpyBatchAsync` when there are
-/// several and it works, else one `cuMemcpyAsync` each.
+/// themselves, behind everything earlier on `stream`: one `cuMemcpyBatchAsync` when it works
+/// (also for one copy: it says explicitly that a pinned source is read in stream order, which
+/// deferred atomics rely on), else one `cuMemcpyAsync` each.
 ///
 /// # Safety
 /// As [`Batch::submit`].
@@ -203,7 +204,7 @@ pub(crate) unsafe fn copy_many(
     batch_copies: &mut bool,
 ) -> Result<(), EmuError> {
     let n = sizes.len();
-    if n > 1 && *batch_copies {
+    if n > 0 && *batch_copies {
         let loc = sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: device,

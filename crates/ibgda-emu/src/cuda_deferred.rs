@@ -21,6 +21,11 @@
 //! follows in stream order. No SM, no host wait on the data path; one round trip per group, not
 //! per atomic.
 //!
+//! A group's read may wait for another QP's group, and QPs of one NIC share one thread: a thread
+//! that must wait for its own groups (a slot to reuse, a fence) therefore computes every ready
+//! group of every lane in the process while it waits ([`help_all`]), so no group waits for a
+//! thread that is waiting for it.
+//!
 //! Atomicity is that of [`crate::cuda_atomic`]: the stripes order every emulator atomic on a
 //! word in this process, across QPs and NICs, because a group holds the locks of its words'
 //! stripes from step 1 to step 4 (enqueueing only: microseconds) and steps only ever wait for
@@ -28,7 +33,7 @@
 //! not (a compare-swap that fails writes the old value back).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext};
@@ -44,7 +49,7 @@ use crate::host::HostBuffer;
 pub(crate) const GROUP_ATOMICS: usize = 128;
 
 /// Groups of one lane enqueued and not yet finished at most (each has its pinned slots).
-const GROUPS_IN_FLIGHT: usize = 4;
+const GROUPS_IN_FLIGHT: usize = 8;
 
 /// Bytes of one group's pinned slots: the words as read, as written back, and the replies, one
 /// 8-byte slot each.
@@ -79,7 +84,7 @@ struct Open {
 }
 
 #[derive(Debug)]
-struct Inflight {
+pub(crate) struct Inflight {
     seq: u32,
     slot: usize,
     read: sys::CUevent,
@@ -87,6 +92,118 @@ struct Inflight {
     words: Vec<Word>,
     atoms: Vec<Atom>,
     computed: bool,
+}
+
+// SAFETY: the raw events are only queried (any thread may, with a context of their device
+// current: every thread that reaches them has bound a NIC's context) and destroyed by the lane
+// that created them.
+unsafe impl Send for Inflight {}
+
+/// A lane's pinned slots and its groups enqueued and not yet finished: what any thread may
+/// compute ([`help_all`]).
+#[derive(Debug)]
+pub(crate) struct Groups {
+    arena: HostBuffer,
+    q: Mutex<VecDeque<Inflight>>,
+}
+
+/// Every lane's [`Groups`] in the process, for threads that help while they wait.
+static ALL_GROUPS: Mutex<Vec<Weak<Groups>>> = Mutex::new(Vec::new());
+
+/// Computes every group of every lane in the process whose words have been read (lanes another
+/// thread is working on right now are skipped). Returns whether it computed any.
+pub(crate) fn help_all() -> bool {
+    let all: Vec<Arc<Groups>> = ALL_GROUPS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    let mut did = false;
+    for g in all {
+        if let Ok(mut q) = g.q.try_lock() {
+            // An error here is the owner's to see when it polls.
+            did |= compute_ready(&g.arena, &mut q).unwrap_or(false);
+        }
+    }
+    did
+}
+
+/// Computes the groups of `q` whose reads have completed, in order. Returns whether it computed
+/// any.
+fn compute_ready(arena: &HostBuffer, q: &mut VecDeque<Inflight>) -> Result<bool, EmuError> {
+    let mut did = false;
+    for g in q.iter_mut() {
+        if g.computed {
+            continue;
+        }
+        if !query(g.read)? {
+            break;
+        }
+        // SAFETY: the read completed; the registrations the group names stay valid while its
+        // QP has work in flight.
+        unsafe { compute(arena, g) };
+        did = true;
+    }
+    Ok(did)
+}
+
+fn old_at(slot: usize, i: usize) -> usize {
+    slot * GROUP_BYTES + 8 * i
+}
+
+fn new_at(slot: usize, i: usize) -> usize {
+    slot * GROUP_BYTES + 8 * (GROUP_ATOMICS + i)
+}
+
+fn reply_at(slot: usize, i: usize) -> usize {
+    slot * GROUP_BYTES + 8 * (2 * GROUP_ATOMICS + i)
+}
+
+/// Applies the group's atomics on the host from the words as read, fills the slots and releases
+/// the stream (stores the group's number into the release counter).
+///
+/// # Safety
+/// The group's `read` event has completed; its host result buffers are live.
+unsafe fn compute(arena: &HostBuffer, g: &mut Inflight) {
+    let mut cur: Vec<u64> = g
+        .words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let at = old_at(g.slot, i);
+            if w.width == 8 {
+                arena.load_u64(at)
+            } else {
+                arena.load_u32(at) as u64
+            }
+        })
+        .collect();
+    for (k, a) in g.atoms.iter().enumerate() {
+        let old = cur[a.word];
+        let mut new = a.op.apply(old);
+        if a.op.width() == 4 {
+            new &= 0xffff_ffff;
+        }
+        cur[a.word] = new;
+        let reply = fetch_reply(&a.op, old, a.order);
+        match a.result {
+            Loc::Device(_) => arena.write(reply_at(g.slot, k), &reply),
+            Loc::Host(h) => {
+                // SAFETY: the result range was checked against a live registration with
+                // LOCAL_WRITE; the stream writes nothing there before the release below.
+                unsafe { std::ptr::copy(reply.as_ptr(), h as *mut u8, reply.len()) }
+            }
+        }
+    }
+    for (i, w) in g.words.iter().enumerate() {
+        let bytes = cur[i].to_ne_bytes();
+        arena.write(new_at(g.slot, i), &bytes[..w.width]);
+    }
+    // Release (and monotonic: a group is computed only after every earlier group of its lane,
+    // whose release its read waits behind): the slots above are visible before the counter.
+    arena.store_u32(FLAG_OFFSET, g.seq);
+    g.computed = true;
 }
 
 /// What adding an atomic to the open group came to.
@@ -103,12 +220,11 @@ pub(crate) enum Added {
 #[derive(Debug)]
 pub(crate) struct Deferred {
     ctx: Arc<CudaContext>,
-    arena: HostBuffer,
+    groups: Arc<Groups>,
     arena_dev: u64,
     /// The last group number handed out (the release counter reaches it when it is computed).
     seq: u32,
     open: Option<Open>,
-    inflight: VecDeque<Inflight>,
     free_slots: Vec<usize>,
     events: Vec<sys::CUevent>,
 }
@@ -124,16 +240,28 @@ impl Deferred {
         let arena_dev = arena
             .device_addr()
             .ok_or_else(|| EmuError::BadConfig("pinned arena without a device address".into()))?;
+        let groups = Arc::new(Groups {
+            arena,
+            q: Mutex::new(VecDeque::new()),
+        });
+        {
+            let mut all = ALL_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(&groups));
+        }
         Ok(Self {
             ctx: ctx.clone(),
-            arena,
+            groups,
             arena_dev,
             seq: 0,
             open: None,
-            inflight: VecDeque::new(),
             free_slots: (0..GROUPS_IN_FLIGHT).rev().collect(),
             events: Vec::new(),
         })
+    }
+
+    fn queue(&self) -> MutexGuard<'_, VecDeque<Inflight>> {
+        self.groups.q.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether a group is open (atomics gathered, nothing enqueued yet).
@@ -143,19 +271,7 @@ impl Deferred {
 
     /// Whether the host still owes work (an open group, or groups enqueued and not finished).
     pub fn busy(&self) -> bool {
-        self.open.is_some() || !self.inflight.is_empty()
-    }
-
-    fn old_at(slot: usize, i: usize) -> usize {
-        slot * GROUP_BYTES + 8 * i
-    }
-
-    fn new_at(slot: usize, i: usize) -> usize {
-        slot * GROUP_BYTES + 8 * (GROUP_ATOMICS + i)
-    }
-
-    fn reply_at(slot: usize, i: usize) -> usize {
-        slot * GROUP_BYTES + 8 * (2 * GROUP_ATOMICS + i)
+        self.open.is_some() || !self.queue().is_empty()
     }
 
     /// Adds `op` on the device word at `target` to the open group (opening one, which may wait,
@@ -217,6 +333,7 @@ impl Deferred {
                 return Ok(s);
             }
             self.poll()?;
+            help_all();
             if start.elapsed() > timeout {
                 return Err(EmuError::BackendTimeout {
                     backend: "cuda",
@@ -278,7 +395,7 @@ impl Deferred {
         let slot = g.slot;
         // 2. The reads.
         let mut dsts: Vec<u64> = (0..g.words.len())
-            .map(|i| self.arena_dev + Self::old_at(slot, i) as u64)
+            .map(|i| self.arena_dev + old_at(slot, i) as u64)
             .collect();
         let mut srcs: Vec<u64> = g.words.iter().map(|w| w.addr).collect();
         let mut sizes: Vec<usize> = g.words.iter().map(|w| w.width).collect();
@@ -315,8 +432,8 @@ impl Deferred {
             Err(e) => {
                 tracing::warn!("stream waits unavailable, atomics are computed in place: {e}");
                 wait_event(read, timeout)?;
-                // SAFETY: the registrations the engine checked are live.
-                unsafe { self.compute(&mut inflight) };
+                // SAFETY: the read completed; the registrations the engine checked are live.
+                unsafe { compute(&self.groups.arena, &mut inflight) };
                 false
             }
         };
@@ -324,12 +441,12 @@ impl Deferred {
         // receives the last one's reply: copies in one batch are unordered).
         let mut dsts: Vec<u64> = inflight.words.iter().map(|w| w.addr).collect();
         let mut srcs: Vec<u64> = (0..inflight.words.len())
-            .map(|i| self.arena_dev + Self::new_at(slot, i) as u64)
+            .map(|i| self.arena_dev + new_at(slot, i) as u64)
             .collect();
         let mut sizes: Vec<usize> = inflight.words.iter().map(|w| w.width).collect();
         for (k, a) in inflight.atoms.iter().enumerate() {
             if let Loc::Device(r) = a.result {
-                let src = self.arena_dev + Self::reply_at(slot, k) as u64;
+                let src = self.arena_dev + reply_at(slot, k) as u64;
                 let len = a.op.width();
                 match dsts[inflight.words.len()..].iter().position(|&d| d == r) {
                     Some(j) => {
@@ -370,108 +487,34 @@ impl Deferred {
         // SAFETY: as above.
         check("cuEventRecord", unsafe { sys::cuEventRecord(done, stream) })?;
         inflight.done = done;
-        self.inflight.push_back(inflight);
+        self.queue().push_back(inflight);
         Ok(deferred)
-    }
-
-    /// Applies the group's atomics on the host from the words as read, fills the slots and
-    /// releases the stream.
-    ///
-    /// # Safety
-    /// The group's `read` event has completed; host result buffers are live (registrations the
-    /// engine checked).
-    unsafe fn compute(&mut self, g: &mut Inflight) {
-        let mut cur: Vec<u64> = g
-            .words
-            .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let at = Self::old_at(g.slot, i);
-                if w.width == 8 {
-                    self.arena.load_u64(at)
-                } else {
-                    self.arena.load_u32(at) as u64
-                }
-            })
-            .collect();
-        for (k, a) in g.atoms.iter().enumerate() {
-            let old = cur[a.word];
-            let mut new = a.op.apply(old);
-            if a.op.width() == 4 {
-                new &= 0xffff_ffff;
-            }
-            cur[a.word] = new;
-            let reply = fetch_reply(&a.op, old, a.order);
-            match a.result {
-                Loc::Device(_) => self.arena.write(Self::reply_at(g.slot, k), &reply),
-                Loc::Host(h) => {
-                    // SAFETY: the result range was checked against a live registration with
-                    // LOCAL_WRITE; the stream writes nothing there before the release below.
-                    unsafe { std::ptr::copy(reply.as_ptr(), h as *mut u8, reply.len()) }
-                }
-            }
-        }
-        for (i, w) in g.words.iter().enumerate() {
-            let bytes = cur[i].to_ne_bytes();
-            self.arena.write(Self::new_at(g.slot, i), &bytes[..w.width]);
-        }
-        // Release: the slots written above are visible before the stream sees the counter.
-        self.arena.store_u32(FLAG_OFFSET, g.seq);
-        g.computed = true;
     }
 
     /// Computes every group whose words have been read, in order, and frees the slots of groups
     /// the stream has finished. Returns whether the host still owes work or did some.
     pub fn poll(&mut self) -> Result<bool, EmuError> {
-        let mut did = false;
-        let mut q = std::mem::take(&mut self.inflight);
-        let mut r = Ok(());
-        for g in q.iter_mut() {
-            if g.computed {
-                continue;
-            }
-            match query(g.read) {
-                Ok(true) => {
-                    // SAFETY: the read completed; the group's registrations are held by the
-                    // engine until its CQE, which the stream writes after the release.
-                    unsafe { self.compute(g) };
-                    did = true;
-                }
-                Ok(false) => break,
-                Err(e) => {
-                    r = Err(e);
-                    break;
-                }
-            }
-        }
+        let groups = self.groups.clone();
+        let mut q = groups.q.lock().unwrap_or_else(|p| p.into_inner());
+        let did = compute_ready(&groups.arena, &mut q)?;
         while let Some(front) = q.front() {
-            if !front.computed {
+            if !front.computed || !query(front.done)? {
                 break;
             }
-            match query(front.done) {
-                Ok(true) => {
-                    let g = q.pop_front().expect("front exists");
-                    self.free_slots.push(g.slot);
-                    self.events.extend([g.read, g.done]);
-                }
-                Ok(false) => break,
-                Err(e) => {
-                    r = Err(e);
-                    break;
-                }
-            }
+            let g = q.pop_front().expect("front exists");
+            self.free_slots.push(g.slot);
+            self.events.extend([g.read, g.done]);
         }
-        self.inflight = q;
-        r?;
-        Ok(did || !self.inflight.is_empty())
+        Ok(did || !q.is_empty())
     }
 
     /// Computes every group enqueued so far (bounded wait for their reads).
     pub fn settle(&mut self, timeout: Duration) -> Result<(), EmuError> {
         let start = Instant::now();
         let mut polls = 0u32;
-        while self.inflight.iter().any(|g| !g.computed) {
+        while self.queue().iter().any(|g| !g.computed) {
             self.poll()?;
+            help_all();
             if start.elapsed() > timeout {
                 return Err(EmuError::BackendTimeout {
                     backend: "cuda",
@@ -493,19 +536,19 @@ impl Deferred {
     /// after [`settle`](Self::settle) failed: a group never computed writes back whatever its
     /// slots hold).
     pub fn release_all(&mut self) {
-        if self.inflight.iter().any(|g| !g.computed) {
+        if self.queue().iter().any(|g| !g.computed) {
             tracing::error!("deferred atomics released uncomputed at teardown");
         }
-        self.arena.store_u32(FLAG_OFFSET, self.seq);
+        self.groups.arena.store_u32(FLAG_OFFSET, self.seq);
     }
 }
 
 impl Drop for Deferred {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            let all = self
-                .inflight
-                .drain(..)
+            let left: Vec<Inflight> = self.queue().drain(..).collect();
+            let all = left
+                .into_iter()
                 .flat_map(|g| [g.read, g.done])
                 .chain(self.events.drain(..));
             for e in all {
@@ -573,9 +616,9 @@ mod tests {
 
     #[test]
     fn slots_do_not_overlap_and_the_counter_has_its_own_line() {
-        let last = Deferred::reply_at(GROUPS_IN_FLIGHT - 1, GROUP_ATOMICS - 1) + 8;
+        let last = reply_at(GROUPS_IN_FLIGHT - 1, GROUP_ATOMICS - 1) + 8;
         assert_eq!(last, FLAG_OFFSET);
-        assert!(Deferred::new_at(0, 0) == Deferred::old_at(0, GROUP_ATOMICS));
+        assert_eq!(new_at(0, 0), old_at(0, GROUP_ATOMICS));
         assert_eq!(FLAG_OFFSET % 64, 0);
     }
 }
