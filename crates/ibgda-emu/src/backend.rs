@@ -247,6 +247,16 @@ pub trait Lane: Send + fmt::Debug {
         Ok(())
     }
 
+    /// Everything gathered so far, atomics included, lands before anything enqueued after (the
+    /// engine calls it before a fenced WQE).
+    fn barrier(&mut self) -> Result<(), EmuError> {
+        Ok(())
+    }
+
+    /// Whether writes may land before an earlier atomic of the QP that has not been performed
+    /// yet (strict mode's relaxed ordering; the engine sets it once, at QP creation).
+    fn set_relaxed(&mut self, _relaxed: bool) {}
+
     /// Host-side work the lane owes (deferred atomics to compute); returns whether it did some
     /// or still owes some, so that the progress thread keeps coming back.
     fn poll(&mut self) -> Result<bool, EmuError> {

@@ -207,6 +207,7 @@ impl MemoryBackend for CudaMemory {
             batch_copies: true,
             batch: Batch::default(),
             defer: deferred.is_some(),
+            relaxed: false,
             deferred,
             device: self.ctx.ordinal() as i32,
             timeout: self.timeout,
@@ -294,6 +295,10 @@ struct CudaLane {
     deferred: Option<Deferred>,
     /// Whether new atomics may be deferred (cleared when the driver refuses stream waits).
     defer: bool,
+    /// Strict mode's relaxed ordering: a write after an atomic may land before it (unless the
+    /// engine puts a [`barrier`](Lane::barrier) between them for a fence), so writes do not
+    /// close the open group of deferred atomics.
+    relaxed: bool,
     device: i32,
     timeout: Duration,
 }
@@ -330,14 +335,7 @@ impl CudaLane {
         };
         // SAFETY: the group's words and results were checked against live registrations; the
         // stream is live and its context current.
-        let ok = unsafe {
-            d.close(
-                self.stream.raw,
-                &self.wb,
-                &mut self.batch_copies,
-                self.timeout,
-            )?
-        };
+        let ok = unsafe { d.close(self.stream.raw, &mut self.batch_copies, self.timeout)? };
         if !ok {
             self.defer = false;
         }
@@ -424,8 +422,11 @@ impl Lane for CudaLane {
                 Ok(())
             }
             (Loc::Device(d), Loc::Device(sa)) => {
-                // A write after an atomic lands after it; a dependent copy closes the batch.
-                self.close_group()?;
+                // In order, a write after an atomic lands after it; a dependent copy closes the
+                // batch either way.
+                if !self.relaxed {
+                    self.close_group()?;
+                }
                 if !self.batch.admits_copy(d, sa, len) {
                     self.submit_batch()?;
                 }
@@ -461,7 +462,9 @@ impl Lane for CudaLane {
                 Ok(())
             }
             Loc::Device(d) => {
-                self.close_group()?;
+                if !self.relaxed {
+                    self.close_group()?;
+                }
                 let len = bytes.len() as u64;
                 if self.memops {
                     // Inline data and atomic replies: stream stores, no staging, gathered.
@@ -473,6 +476,7 @@ impl Lane for CudaLane {
                         return Ok(());
                     }
                 }
+                self.close_group()?;
                 self.submit_batch()?;
                 // SAFETY: the caller guarantees the range. From pageable memory the driver
                 // stages the bytes before returning, so `bytes` need not outlive the call.
@@ -631,6 +635,15 @@ impl Lane for CudaLane {
 
     fn order_point(&mut self) -> Result<(), EmuError> {
         self.submit_batch()
+    }
+
+    fn barrier(&mut self) -> Result<(), EmuError> {
+        self.close_group()?;
+        self.submit_batch()
+    }
+
+    fn set_relaxed(&mut self, relaxed: bool) {
+        self.relaxed = relaxed;
     }
 
     fn poll(&mut self) -> Result<bool, EmuError> {

@@ -150,6 +150,7 @@ impl Batch {
         batch_copies: &mut bool,
         memops: &mut bool,
     ) -> Result<(), EmuError> {
+        // SAFETY: forwarded from the caller.
         let r = unsafe { self.submit_inner(stream, device, batch_copies, memops) };
         self.dsts.clear();
         self.srcs.clear();

@@ -5,15 +5,19 @@
 //! On the QP's stream, behind everything the QP enqueued before (so after its earlier writes):
 //! 1. for each word's stripe last written back by another stream, a wait for that write-back
 //!    (`cuStreamWaitEvent`), so the read below sees it;
-//! 2. a copy of every distinct target word into pinned host memory, then an event (`read`);
-//! 3. a stream wait (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, GEQ) on a pinned host word, the lane's
-//!    release counter;
+//! 2. a copy of every distinct target word into pinned host memory (one batched call);
+//! 3. in one `cuStreamBatchMemOp`: a store of the group's number into a pinned host word (the
+//!    lane's read counter: the words are in host memory once the host sees it), and a wait
+//!    (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, GEQ) until the lane's release counter, another pinned
+//!    word, reaches the group's number;
 //! 4. copies of the new values from pinned memory to the words, and of the replies to their
-//!    result buffers (sources read in stream order, so after step 3), then the lane's write-back
-//!    event (step 1 of the next group on these words from another stream waits for it) and an
-//!    event (`done`) after which the pinned slots may be reused.
+//!    result buffers (one batched call; sources read in stream order, so after step 3), then the
+//!    slot's event (`done`: the pinned slots may be reused; step 1 of the next group on these
+//!    words from another stream waits for it).
 //!
-//! The NIC thread, in a later round ([`Deferred::poll`]), sees `read` complete, applies the
+//! Four driver calls per group, whatever its size, and the host learns of the read with a load.
+//!
+//! The NIC thread, in a later round ([`Deferred::poll`]), sees the read counter, applies the
 //! group's operations in order on the host (a word that several atomics of the group touch is
 //! read once and chained), writes the new values and replies into the pinned slots (replies to
 //! host memory directly), and stores the group's number into the release counter (release
@@ -58,6 +62,14 @@ const GROUP_BYTES: usize = 3 * 8 * GROUP_ATOMICS;
 /// Offset of the release counter in the arena (its own cache line, after the slots).
 const FLAG_OFFSET: usize = GROUPS_IN_FLIGHT * GROUP_BYTES;
 
+/// Offset of the read counter (the stream stores a group's number once its words are read).
+const READ_OFFSET: usize = FLAG_OFFSET + 64;
+
+/// Whether counter value `have` has reached `want` (wrapping, as the stream wait compares).
+fn reached(have: u32, want: u32) -> bool {
+    (have.wrapping_sub(want) as i32) >= 0
+}
+
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
 }
@@ -87,17 +99,10 @@ struct Open {
 pub(crate) struct Inflight {
     seq: u32,
     slot: usize,
-    read: sys::CUevent,
-    done: sys::CUevent,
     words: Vec<Word>,
     atoms: Vec<Atom>,
     computed: bool,
 }
-
-// SAFETY: the raw events are only queried (any thread may, with a context of their device
-// current: every thread that reaches them has bound a NIC's context) and destroyed by the lane
-// that created them.
-unsafe impl Send for Inflight {}
 
 /// A lane's pinned slots and its groups enqueued and not yet finished: what any thread may
 /// compute ([`help_all`]).
@@ -137,7 +142,7 @@ fn compute_ready(arena: &HostBuffer, q: &mut VecDeque<Inflight>) -> Result<bool,
         if g.computed {
             continue;
         }
-        if !query(g.read)? {
+        if !reached(arena.load_u32(READ_OFFSET), g.seq) {
             break;
         }
         // SAFETY: the read completed; the registrations the group names stay valid while its
@@ -164,7 +169,7 @@ fn reply_at(slot: usize, i: usize) -> usize {
 /// the stream (stores the group's number into the release counter).
 ///
 /// # Safety
-/// The group's `read` event has completed; its host result buffers are live.
+/// The read counter has reached the group's number; its host result buffers are live.
 unsafe fn compute(arena: &HostBuffer, g: &mut Inflight) {
     let mut cur: Vec<u64> = g
         .words
@@ -226,17 +231,18 @@ pub(crate) struct Deferred {
     seq: u32,
     open: Option<Open>,
     free_slots: Vec<usize>,
-    events: Vec<sys::CUevent>,
+    /// One per slot, recorded after the slot's group: when it may be reused, and what a later
+    /// group on the same words from another stream waits for.
+    done: Vec<Arc<WriteBackEvent>>,
 }
-
-// SAFETY: the raw events are used only by the lane that owns this, from the thread that holds
-// the lane (with its context current); the arena is pinned memory owned here.
-unsafe impl Send for Deferred {}
 
 impl Deferred {
     /// Pinned slots and a release counter in `ctx`.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
-        let arena = HostBuffer::pinned(ctx, FLAG_OFFSET + 64)?;
+        let arena = HostBuffer::pinned(ctx, READ_OFFSET + 64)?;
+        let done = (0..GROUPS_IN_FLIGHT)
+            .map(|_| WriteBackEvent::new(ctx))
+            .collect::<Result<Vec<_>, _>>()?;
         let arena_dev = arena
             .device_addr()
             .ok_or_else(|| EmuError::BadConfig("pinned arena without a device address".into()))?;
@@ -256,7 +262,7 @@ impl Deferred {
             seq: 0,
             open: None,
             free_slots: (0..GROUPS_IN_FLIGHT).rev().collect(),
-            events: Vec::new(),
+            done,
         })
     }
 
@@ -345,22 +351,9 @@ impl Deferred {
         }
     }
 
-    fn event(&mut self) -> Result<sys::CUevent, EmuError> {
-        if let Some(e) = self.events.pop() {
-            return Ok(e);
-        }
-        let mut raw: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: valid out-pointer; the lane's context is current on this thread.
-        check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut raw, flags)
-        })?;
-        Ok(raw)
-    }
-
-    /// Enqueues the open group on `stream` (module docs, steps 1–4). `wb` is the lane's
-    /// write-back event. When the stream wait is refused, the group is computed at once (a
-    /// bounded host wait for the read) and `Ok(false)` says to stop deferring.
+    /// Enqueues the open group on `stream` (module docs, steps 1–4). When the stream wait is
+    /// refused, the group is computed at once (a bounded host wait for the read) and
+    /// `Ok(false)` says to stop deferring.
     ///
     /// # Safety
     /// Every word and device result of the group must be valid device memory until the stream
@@ -369,7 +362,6 @@ impl Deferred {
     pub unsafe fn close(
         &mut self,
         stream: sys::CUstream,
-        wb: &Arc<WriteBackEvent>,
         batch_copies: &mut bool,
         timeout: Duration,
     ) -> Result<bool, EmuError> {
@@ -411,28 +403,44 @@ impl Deferred {
                 batch_copies,
             )?
         };
-        let read = self.event()?;
-        // SAFETY: a live event and stream of this context.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(read, stream) })?;
-        // 3. The wait for the host.
+        // 3. The read counter and the wait for the host, in one call.
         let seq = self.seq.wrapping_add(1);
         self.seq = seq;
         let mut inflight = Inflight {
             seq,
             slot,
-            read,
-            done: std::ptr::null_mut(),
             words: g.words,
             atoms: g.atoms,
             computed: false,
         };
-        // SAFETY: the counter is a 4-aligned word of the pinned arena, mapped for the device.
-        let deferred = match unsafe { wait_geq(stream, self.arena_dev + FLAG_OFFSET as u64, seq) } {
+        // SAFETY: both counters are 4-aligned words of the pinned arena, mapped for the device.
+        let deferred = match unsafe {
+            read_then_wait(
+                stream,
+                self.arena_dev + READ_OFFSET as u64,
+                self.arena_dev + FLAG_OFFSET as u64,
+                seq,
+            )
+        } {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!("stream waits unavailable, atomics are computed in place: {e}");
-                wait_event(read, timeout)?;
-                // SAFETY: the read completed; the registrations the engine checked are live.
+                // Nothing in the stream waits for the host: draining it waits for the reads.
+                let start = Instant::now();
+                // SAFETY: a live stream of the current context.
+                while unsafe { sys::cuStreamQuery(stream) }
+                    == sys::cudaError_enum::CUDA_ERROR_NOT_READY
+                {
+                    if start.elapsed() > timeout {
+                        return Err(EmuError::BackendTimeout {
+                            backend: "cuda",
+                            what: "the read of an atomic",
+                            waited: start.elapsed(),
+                        });
+                    }
+                    std::thread::yield_now();
+                }
+                // SAFETY: the reads completed; the registrations the engine checked are live.
                 unsafe { compute(&self.groups.arena, &mut inflight) };
                 false
             }
@@ -472,21 +480,18 @@ impl Deferred {
                 batch_copies,
             )?
         };
-        // SAFETY: live events of this context and a live stream.
+        let done = &self.done[slot];
+        // SAFETY: a live event of this context and a live stream.
         check("cuEventRecord", unsafe {
-            sys::cuEventRecord(wb.raw, stream)
+            sys::cuEventRecord(done.raw, stream)
         })?;
         for guard in guards.iter_mut() {
             **guard = Some(LastWrite {
-                event: wb.clone(),
+                event: done.clone(),
                 stream: stream as usize,
             });
         }
         drop(guards);
-        let done = self.event()?;
-        // SAFETY: as above.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(done, stream) })?;
-        inflight.done = done;
         self.queue().push_back(inflight);
         Ok(deferred)
     }
@@ -498,12 +503,11 @@ impl Deferred {
         let mut q = groups.q.lock().unwrap_or_else(|p| p.into_inner());
         let did = compute_ready(&groups.arena, &mut q)?;
         while let Some(front) = q.front() {
-            if !front.computed || !query(front.done)? {
+            if !front.computed || !query(self.done[front.slot].raw)? {
                 break;
             }
             let g = q.pop_front().expect("front exists");
             self.free_slots.push(g.slot);
-            self.events.extend([g.read, g.done]);
         }
         Ok(did || !q.is_empty())
     }
@@ -543,43 +547,47 @@ impl Deferred {
     }
 }
 
-impl Drop for Deferred {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            let left: Vec<Inflight> = self.queue().drain(..).collect();
-            let all = left
-                .into_iter()
-                .flat_map(|g| [g.read, g.done])
-                .chain(self.events.drain(..));
-            for e in all {
-                // SAFETY: each event was created here and is destroyed once; the driver defers
-                // the release of one still pending.
-                let _ = unsafe { sys::cuEventDestroy_v2(e) };
-            }
-        }
-    }
-}
-
-/// Enqueues a wait until the 32-bit word at device address `addr` reaches `value` (GEQ, wrapping
-/// comparison).
+/// Enqueues, in one call, a store of `seq` into the 32-bit word at device address `read` and a
+/// wait until the word at `release` reaches `seq` (GEQ, wrapping comparison).
 ///
 /// # Safety
-/// `addr` is a 4-aligned word of pinned, mapped memory that outlives the wait; `stream` is live.
-unsafe fn wait_geq(stream: sys::CUstream, addr: u64, value: u32) -> Result<(), EmuError> {
+/// Both are 4-aligned words of pinned, mapped memory that outlives the stream's use; `stream`
+/// is live.
+unsafe fn read_then_wait(
+    stream: sys::CUstream,
+    read: u64,
+    release: u64,
+    seq: u32,
+) -> Result<(), EmuError> {
     use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as WaitValue;
-    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as Value;
-    let mut op = sys::CUstreamBatchMemOpParams {
-        waitValue: WaitValue {
-            operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
-            address: addr,
-            __bindgen_anon_1: Value { value },
-            flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            alias: 0,
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as WaitV;
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as WriteValue;
+    use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as WriteV;
+    let mut ops = [
+        sys::CUstreamBatchMemOpParams {
+            // Default flags: a memory barrier first, so the words read are visible in host
+            // memory before the counter says so.
+            writeValue: WriteValue {
+                operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_32,
+                address: read,
+                __bindgen_anon_1: WriteV { value: seq },
+                flags: 0,
+                alias: 0,
+            },
         },
-    };
-    // SAFETY: one wait on a word the caller vouched for, on a live stream.
+        sys::CUstreamBatchMemOpParams {
+            waitValue: WaitValue {
+                operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
+                address: release,
+                __bindgen_anon_1: WaitV { value: seq },
+                flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                alias: 0,
+            },
+        },
+    ];
+    // SAFETY: a store and a wait on words the caller vouched for, on a live stream.
     check("cuStreamBatchMemOp", unsafe {
-        sys::cuStreamBatchMemOp_v2(stream, 1, &mut op, 0)
+        sys::cuStreamBatchMemOp_v2(stream, 2, ops.as_mut_ptr(), 0)
     })
 }
 
@@ -595,21 +603,6 @@ fn query(e: sys::CUevent) -> Result<bool, EmuError> {
     }
 }
 
-fn wait_event(e: sys::CUevent, timeout: Duration) -> Result<(), EmuError> {
-    let start = Instant::now();
-    while !query(e)? {
-        if start.elapsed() > timeout {
-            return Err(EmuError::BackendTimeout {
-                backend: "cuda",
-                what: "the read of an atomic",
-                waited: start.elapsed(),
-            });
-        }
-        std::thread::yield_now();
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,5 +613,12 @@ mod tests {
         assert_eq!(last, FLAG_OFFSET);
         assert_eq!(new_at(0, 0), old_at(0, GROUP_ATOMICS));
         assert_eq!(FLAG_OFFSET % 64, 0);
+        assert_eq!(READ_OFFSET - FLAG_OFFSET, 64);
+    }
+
+    #[test]
+    fn counters_compare_across_the_wrap() {
+        assert!(reached(5, 5) && reached(6, 5) && !reached(4, 5));
+        assert!(reached(2, u32::MAX) && !reached(u32::MAX, 2));
     }
 }

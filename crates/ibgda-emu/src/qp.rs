@@ -220,6 +220,8 @@ impl QpEngine {
         strict: &StrictMode,
         device: bool,
     ) -> Self {
+        let mut lane = lane;
+        lane.set_relaxed(strict.reorder.is_some());
         Self {
             qpn,
             state: QpState::Reset,
@@ -471,6 +473,10 @@ impl QpEngine {
                     if !self.admits(kind, fenced) {
                         break;
                     }
+                }
+                if fenced {
+                    // Everything earlier has been performed: it lands before this WQE's effects.
+                    self.lane.barrier()?;
                 }
             }
             let mut due = None;
