@@ -187,15 +187,23 @@ impl MemoryBackend for CudaMemory {
     }
 
     fn new_lane(&self) -> Result<Box<dyn Lane>, EmuError> {
-        let deferred = match Deferred::new(&self.ctx) {
+        let mut deferred = match Deferred::new(&self.ctx) {
             Ok(d) => Some(d),
             Err(e) => {
                 tracing::warn!("deferred atomics unavailable, each waits for its read: {e}");
                 None
             }
         };
+        let stream = Stream::new(&self.ctx)?;
+        let mut batch_copies = true;
+        let defer = match deferred.as_mut() {
+            // SAFETY: a live stream of this context, current on this thread (`Stream::new`).
+            Some(d) => unsafe { d.probe(stream.raw, &mut batch_copies) },
+            None => false,
+        };
+        stream.wait(self.timeout, "the probes of a new lane")?;
         Ok(Box::new(CudaLane {
-            stream: Stream::new(&self.ctx)?,
+            stream,
             events: VecDeque::new(),
             free: Vec::new(),
             next_mark: 0,
@@ -204,9 +212,9 @@ impl MemoryBackend for CudaMemory {
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
             wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
-            batch_copies: true,
+            batch_copies,
             batch: Batch::default(),
-            defer: deferred.is_some(),
+            defer,
             relaxed: false,
             deferred,
             device: self.ctx.ordinal() as i32,

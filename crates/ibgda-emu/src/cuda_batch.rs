@@ -178,6 +178,7 @@ impl Batch {
                     &mut self.srcs,
                     &mut self.sizes,
                     batch_copies,
+                    true,
                 )?
             };
         }
@@ -190,9 +191,10 @@ impl Batch {
 }
 
 /// Enqueues the copies `srcs[i] -> dsts[i]` of `sizes[i]` bytes, in no particular order among
-/// themselves, behind everything earlier on `stream`: one `cuMemcpyBatchAsync` when it works
-/// (also for one copy: it says explicitly that a pinned source is read in stream order, which
-/// deferred atomics rely on), else one `cuMemcpyAsync` each.
+/// themselves, behind everything earlier on `stream`: one `cuMemcpyBatchAsync` when it works,
+/// else one `cuMemcpyAsync` each. A single copy goes through `cuMemcpyAsync` when `plain_one`;
+/// deferred atomics pass `false`: the batch call says explicitly that a pinned source is read
+/// in stream order, which they rely on.
 ///
 /// # Safety
 /// As [`Batch::submit`].
@@ -203,9 +205,10 @@ pub(crate) unsafe fn copy_many(
     srcs: &mut [u64],
     sizes: &mut [usize],
     batch_copies: &mut bool,
+    plain_one: bool,
 ) -> Result<(), EmuError> {
     let n = sizes.len();
-    if n > 0 && *batch_copies {
+    if n > usize::from(plain_one) && *batch_copies {
         let loc = sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: device,

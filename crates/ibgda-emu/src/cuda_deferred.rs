@@ -266,6 +266,44 @@ impl Deferred {
         })
     }
 
+    /// Enqueues, once at lane creation, a batched copy and the read-counter store and stream
+    /// wait of a group (already satisfied: group 0), so that the driver sets up whatever these
+    /// calls need while the GPU is idle, never while kernels that wait for the NIC fill it.
+    /// Returns whether stream waits work; clears `batch_copies` when batched copies do not.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of `ctx`, current on this thread.
+    pub unsafe fn probe(&mut self, stream: sys::CUstream, batch_copies: &mut bool) -> bool {
+        let device = self.ctx.ordinal() as i32;
+        let (mut d, mut s, mut n) = (
+            [self.arena_dev + new_at(0, 0) as u64],
+            [self.arena_dev + old_at(0, 0) as u64],
+            [8usize],
+        );
+        // SAFETY: two 8-byte slots of the pinned arena; the caller vouches for the stream.
+        let copied =
+            unsafe { copy_many(stream, device, &mut d, &mut s, &mut n, batch_copies, false) };
+        if let Err(e) = copied {
+            tracing::warn!("copies refused at lane creation: {e}");
+        }
+        // SAFETY: both counters are words of the pinned arena; the release counter is 0, so
+        // the wait for 0 is satisfied at once.
+        match unsafe {
+            read_then_wait(
+                stream,
+                self.arena_dev + READ_OFFSET as u64,
+                self.arena_dev + FLAG_OFFSET as u64,
+                0,
+            )
+        } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("stream waits unavailable, atomics wait for their reads: {e}");
+                false
+            }
+        }
+    }
+
     fn queue(&self) -> MutexGuard<'_, VecDeque<Inflight>> {
         self.groups.q.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -401,6 +439,7 @@ impl Deferred {
                 &mut srcs,
                 &mut sizes,
                 batch_copies,
+                false,
             )?
         };
         // 3. The read counter and the wait for the host, in one call.
@@ -478,6 +517,7 @@ impl Deferred {
                 &mut srcs,
                 &mut sizes,
                 batch_copies,
+                false,
             )?
         };
         let done = &self.done[slot];
