@@ -29,8 +29,10 @@
 //! [`MAX_BATCH_COPIES`](crate::cuda_batch::MAX_BATCH_COPIES)), all its word stores and device
 //! CQEs in one `cuStreamBatchMemOp` per 248 stores, one `cuEventRecord` for all the round's
 //! host-CQ completions (marks are lazy); consecutive atomics on GPU memory form a group (up to
-//! [`GROUP_ATOMICS`](crate::cuda_deferred::GROUP_ATOMICS)) that costs two batched copy calls, a
-//! stream wait and three event records, and **no wait** on the thread: the host computes the
+//! [`GROUP_ATOMICS`](crate::cuda_deferred::GROUP_ATOMICS); under strict mode's relaxed ordering
+//! also across the writes between them, which may land first, and across fenced atomics) that
+//! costs four driver calls (two batched copies, one store-and-wait, one event record), and **no
+//! wait** on the thread: the host computes the
 //! group in a later round, once the GPU has read its words, and releases the stream. A round of
 //! 64 small WQEs thus costs about three driver calls instead of 64–128, and an atomic costs the
 //! thread nothing but its share of a group's calls; its latency (read, host turn, write-back,
@@ -336,11 +338,15 @@ impl CudaLane {
         }
     }
 
-    /// Enqueues the open group of deferred atomics, if any.
+    /// Enqueues the open group of deferred atomics, if any, behind the gathered writes: those
+    /// that came before its atomics must land first, and those that came after them (relaxed
+    /// ordering only; in order a write closes the group before it joins) may.
     fn close_group(&mut self) -> Result<(), EmuError> {
-        let Some(d) = self.deferred.as_mut().filter(|d| d.is_open()) else {
+        if !self.deferred.as_ref().is_some_and(Deferred::is_open) {
             return Ok(());
-        };
+        }
+        self.submit_batch()?;
+        let d = self.deferred.as_mut().expect("open above");
         // SAFETY: the group's words and results were checked against live registrations; the
         // stream is live and its context current.
         let ok = unsafe { d.close(self.stream.raw, &mut self.batch_copies, self.timeout)? };
@@ -562,8 +568,8 @@ impl Lane for CudaLane {
             // SAFETY: forwarded from the caller.
             return unsafe { self.put(result, &reply) };
         }
-        // After the QP's earlier writes: submitted before the group's reads.
-        self.submit_batch()?;
+        // The QP's earlier writes are submitted before the group (`close_group`), so a round's
+        // atomics share one group even with writes between them (relaxed ordering).
         loop {
             let d = self.deferred.as_mut().expect("checked above");
             match d.add(a, op, result, order, timeout)? {

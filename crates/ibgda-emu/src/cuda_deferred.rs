@@ -1,6 +1,7 @@
 //! Atomics on GPU memory that never make the NIC thread wait: a **group** of consecutive atomics
-//! of one QP is enqueued on the QP's stream at once, and the host computes it when the GPU has
-//! read the words.
+//! of one QP (under strict mode's relaxed ordering, a round's atomics of the QP, the writes
+//! between them going first) is enqueued on the QP's stream at once, and the host computes it
+//! when the GPU has read the words.
 //!
 //! On the QP's stream, behind everything the QP enqueued before (so after its earlier writes):
 //! 1. for each word's stripe last written back by another stream, a wait for that write-back

@@ -474,8 +474,10 @@ impl QpEngine {
                         break;
                     }
                 }
-                if fenced {
+                if fenced && kind != Kind::Atomic {
                     // Everything earlier has been performed: it lands before this WQE's effects.
+                    // (An atomic is performed after every earlier write has landed and after the
+                    // earlier atomics of its group, in order, whether fenced or not.)
                     self.lane.barrier()?;
                 }
             }

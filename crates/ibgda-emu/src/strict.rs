@@ -416,7 +416,20 @@ impl Pipeline {
             .iter()
             .position(|e| matches!(e.work, Work::Atomic(..)))
         {
-            self.advance(a, apply)?;
+            if self.advance(a, apply)? {
+                // The atomics queued behind the one just performed go with it, up to the first
+                // write still landing: held one at a time, only one atomic a round would pass.
+                for i in a + 1..self.q.len() {
+                    match &self.q[i].work {
+                        Work::Write(_) => break,
+                        Work::Done => {}
+                        Work::Atomic(e, _) => {
+                            apply(e)?;
+                            self.q[i].work = Work::Done;
+                        }
+                    }
+                }
+            }
         }
         Ok(true)
     }

@@ -13,7 +13,7 @@ use ibgda_device::wire::{
 };
 use ibgda_emu::{
     vendor_syndrome, Access, CqConfig, CqMode, DoorbellConfig, EmuError, FaultPlan, HostBuffer,
-    Loc, Mr, NicConfig, QpConfig, QpInfo, QpState,
+    Loc, Mr, NicConfig, QpConfig, QpInfo, QpState, StrictMode,
 };
 
 fn ra(m: &Mr, off: u64) -> RemoteAddr {
@@ -926,4 +926,64 @@ fn a_direct_doorbell_wakes_a_sleeping_progress_thread() {
     let Pair { a, .. } = p;
     drop(a);
     db.ring(10); // the NIC is gone: nothing happens, nothing breaks
+}
+
+/// The engine's own cost per WQE (decode, checks, strict pipeline, CQE), with the host backend's
+/// memory operations (a `memcpy`): what is left for the driver calls of a CUDA NIC. Run it in
+/// release: `cargo test --release -p ibgda-emu --test host_emu -- --ignored --nocapture
+/// engine_cost`.
+#[test]
+#[ignore = "a measurement: run it in release"]
+fn engine_cost_per_wqe() {
+    for strict in [StrictMode::off(), StrictMode::full(1)] {
+        let mut p = Pair::with_strict(true, 1024, CqMode::Ring, 1024, strict);
+        let q = p.qpn();
+        let lm = p.local(0, 4096, Access::ALL);
+        let rm = p.remote(0, 4096, Access::ALL);
+        for (name, n) in [
+            ("rdma write 64 B", 512u64),
+            ("inline 8 B", 512),
+            ("fetch-add", 512),
+        ] {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let base = p.pi;
+                for k in 0..n {
+                    let i = (base + k) as u16;
+                    let last = k + 1 == n;
+                    let w = match name {
+                        "rdma write 64 B" => {
+                            RdmaWrite::new(q, i, ra(&rm, 64 * (k % 32)), sge(&lm, 2048, 64))
+                                .cqe(last)
+                                .build()
+                        }
+                        "inline 8 B" => InlineWrite::new(q, i, ra(&rm, 8 * (k % 256)), &[1u8; 8])
+                            .cqe(last)
+                            .build(),
+                        _ => FetchAdd64::new(
+                            q,
+                            i,
+                            ra(&rm, 8 * (k % 64)),
+                            LocalAddr {
+                                addr: lm.addr + 8 * (k % 64),
+                                lkey: lm.lkey,
+                            },
+                            1,
+                        )
+                        .cqe(last)
+                        .build(),
+                    };
+                    p.post(w);
+                }
+                let t0 = Instant::now();
+                p.run();
+                best = best.min(t0.elapsed().as_secs_f64() / n as f64);
+            }
+            eprintln!(
+                "engine, strict {}: {name}: {:.0} ns per WQE",
+                strict.reorder.is_some(),
+                best * 1e9
+            );
+        }
+    }
 }
