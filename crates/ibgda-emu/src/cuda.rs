@@ -197,10 +197,9 @@ impl MemoryBackend for CudaMemory {
             }
         };
         let stream = Stream::new(&self.ctx)?;
-        let mut batch_copies = true;
         let defer = match deferred.as_mut() {
             // SAFETY: a live stream of this context, current on this thread (`Stream::new`).
-            Some(d) => unsafe { d.probe(stream.raw, &mut batch_copies) },
+            Some(d) => unsafe { d.probe(stream.raw) },
             None => false,
         };
         stream.wait(self.timeout, "the probes of a new lane")?;
@@ -214,7 +213,7 @@ impl MemoryBackend for CudaMemory {
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
             wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
-            batch_copies,
+            batch_copies: true,
             batch: Batch::default(),
             defer,
             relaxed: false,

@@ -270,11 +270,13 @@ impl Deferred {
     /// Enqueues, once at lane creation, a batched copy and the read-counter store and stream
     /// wait of a group (already satisfied: group 0), so that the driver sets up whatever these
     /// calls need while the GPU is idle, never while kernels that wait for the NIC fill it.
-    /// Returns whether stream waits work; clears `batch_copies` when batched copies do not.
+    /// Returns whether stream waits work. (A refused copy here, pinned to pinned, says nothing
+    /// about device copies: their first use decides for them.)
     ///
     /// # Safety
     /// `stream` is a live stream of `ctx`, current on this thread.
-    pub unsafe fn probe(&mut self, stream: sys::CUstream, batch_copies: &mut bool) -> bool {
+    pub unsafe fn probe(&mut self, stream: sys::CUstream) -> bool {
+        let mut batch_copies = true;
         let device = self.ctx.ordinal() as i32;
         let (mut d, mut s, mut n) = (
             [self.arena_dev + new_at(0, 0) as u64],
@@ -282,8 +284,17 @@ impl Deferred {
             [8usize],
         );
         // SAFETY: two 8-byte slots of the pinned arena; the caller vouches for the stream.
-        let copied =
-            unsafe { copy_many(stream, device, &mut d, &mut s, &mut n, batch_copies, false) };
+        let copied = unsafe {
+            copy_many(
+                stream,
+                device,
+                &mut d,
+                &mut s,
+                &mut n,
+                &mut batch_copies,
+                false,
+            )
+        };
         if let Err(e) = copied {
             tracing::warn!("copies refused at lane creation: {e}");
         }
