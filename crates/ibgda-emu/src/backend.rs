@@ -9,6 +9,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::error::EmuError;
+use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::HostBuffer;
 
 /// Where a byte range lives, as the emulator's thread reaches it.
@@ -209,6 +210,63 @@ pub trait Lane: Send + fmt::Debug {
         op: AtomicOp,
         timeout: Duration,
     ) -> Result<u64, EmuError>;
+
+    /// Performs `op` on the word at `target` after everything enqueued before it has landed,
+    /// and writes its old value, as `order` formats it, to `result`; everything enqueued after
+    /// lands after both. May return before either has happened (the CUDA lane defers atomics on
+    /// GPU memory: [`poll`](Lane::poll) and [`fence`](Lane::fence) finish them).
+    ///
+    /// # Safety
+    /// As [`atomic`](Lane::atomic) for `target`, and `result` must be valid and writable for
+    /// `op.width()` bytes until the atomic has completed.
+    unsafe fn atomic_into(
+        &mut self,
+        target: Loc,
+        op: AtomicOp,
+        result: Loc,
+        order: FetchOrder,
+        timeout: Duration,
+    ) -> Result<(), EmuError> {
+        // SAFETY: forwarded from the caller.
+        let old = unsafe { self.atomic(target, op, timeout)? };
+        let reply = fetch_reply(&op, old, order);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.put(result, &reply) }
+    }
+
+    /// Hands everything gathered so far to the hardware (the engine calls it at the end of every
+    /// round). Lanes that act at once have nothing to do.
+    fn flush(&mut self) -> Result<(), EmuError> {
+        Ok(())
+    }
+
+    /// A point between two WQEs whose writes must land in WQE order (the engine calls it after
+    /// every WQE unless strict mode reorders): writes gathered before it land before any
+    /// enqueued after it.
+    fn order_point(&mut self) -> Result<(), EmuError> {
+        Ok(())
+    }
+
+    /// Everything gathered so far, atomics included, lands before anything enqueued after (the
+    /// engine calls it before a fenced WQE).
+    fn barrier(&mut self) -> Result<(), EmuError> {
+        Ok(())
+    }
+
+    /// Whether writes may land before an earlier atomic of the QP that has not been performed
+    /// yet (strict mode's relaxed ordering; the engine sets it once, at QP creation).
+    fn set_relaxed(&mut self, _relaxed: bool) {}
+
+    /// Host-side work the lane owes (deferred atomics to compute); returns whether it did some
+    /// or still owes some, so that the progress thread keeps coming back.
+    fn poll(&mut self) -> Result<bool, EmuError> {
+        Ok(false)
+    }
+
+    /// Whether the lane still owes host-side work ([`poll`](Lane::poll)).
+    fn busy(&self) -> bool {
+        false
+    }
 
     /// Enqueues writing a 64-byte CQE at `dst` (a device CQ), ordered after everything enqueued
     /// before, with its last 8 bytes (the owner byte) landing last.

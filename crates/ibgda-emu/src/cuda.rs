@@ -1,10 +1,54 @@
 //! The CUDA backend: data moved by copy engines (peer copies between GPUs of a host) on one
-//! non-blocking stream per QP, CQEs written by stream memory operations behind the data, and no
-//! kernel launches anywhere, so the emulator progresses even when kernels fill every SM.
+//! non-blocking stream per QP, words and CQEs written by stream memory operations behind the
+//! data, atomics computed by the host between stream operations, and no kernel launches
+//! anywhere, so the emulator progresses even when kernels fill every SM.
 //!
-//! Atomics on GPU memory are a read (device to pinned host), a compute on the host and a write
-//! back, on the QP's stream after its earlier writes ([`crate::cuda_atomic`]: no process-wide
-//! lock, and only the read is waited for). See the crate docs for the atomicity this gives.
+//! # Where the time goes (per WQE, on the NIC's one progress thread)
+//!
+//! A driver call costs the thread 1–3 µs (an RDMA write of 4 KiB measured 2.7 µs per WQE with
+//! one QP busy, 1.8 µs with eight: 2× H200, 2026-11-29), so what matters is how many calls a WQE
+//! costs and whether the thread waits. Before issue 18:
+//!
+//! | step | cost |
+//! |---|---|
+//! | doorbell poll | host doorbell record / UAR word: a load; GPU-resident record: a copy and a wait every `device_poll_interval` |
+//! | ring read | host ring: a `memcpy`; GPU ring: a copy and a wait per 256 WQEBBs |
+//! | decode, key and range checks | ~0.1–0.3 µs (a read lock and a hash lookup per key) |
+//! | RDMA write (gather) | one `cuMemcpyAsync` per WQE |
+//! | inline write | one `cuStreamBatchMemOp` (aligned 4/8 B) or a staged copy per WQE |
+//! | CQE, GPU CQ | one `cuStreamBatchMemOp` of 8 stores |
+//! | CQE, host CQ | one `cuEventRecord`, then `cuEventQuery` each round until the data landed |
+//! | atomic on GPU memory | copy to host, then **the thread waits** for the QP's stream to drain (every earlier write of the QP, then the read: 10–50 µs), then a store back; every other QP of the NIC waits too |
+//!
+//! The atomic was the cliff: low-latency dispatch at EP2 sends 144 fenced signal atomics per
+//! rank behind its token writes and took 6–14 ms.
+//!
+//! Now ([`crate::cuda_batch`], [`crate::cuda_deferred`]): a QP's operations of one progress
+//! round are gathered and submitted once at the end of the round (or when a dependency asks):
+//! all its device-to-device copies in one `cuMemcpyBatchAsync` (at most
+//! [`MAX_BATCH_COPIES`](crate::cuda_batch::MAX_BATCH_COPIES)), all its word stores and device
+//! CQEs in one `cuStreamBatchMemOp` per 248 stores, one `cuEventRecord` for all the round's
+//! host-CQ completions (marks are lazy); consecutive atomics on GPU memory form a group (up to
+//! [`GROUP_ATOMICS`](crate::cuda_deferred::GROUP_ATOMICS); under strict mode's relaxed ordering
+//! also across the writes between them, which may land first, and across fenced atomics) that
+//! costs four driver calls (two batched copies, one store-and-wait, one event record), and **no
+//! wait** on the thread: the host computes the
+//! group in a later round, once the GPU has read its words, and releases the stream. A round of
+//! 64 small WQEs thus costs about three driver calls instead of 64–128, and an atomic costs the
+//! thread nothing but its share of a group's calls; its latency (read, host turn, write-back,
+//! about 10 µs) overlaps every other QP's work.
+//!
+//! Host copies (`Loc::Host` on either side) are rare (registrations of host memory) and stay one
+//! ordered call each; the synchronous atomic of [`crate::cuda_atomic`] remains the fallback for
+//! atomics on host memory and where the driver refuses stream waits.
+//!
+//! # Why not a persistent agent kernel
+//!
+//! A kernel started with the NIC that executes atomics from a command ring would make atomics
+//! native GPU atomics. But while any kernel runs in a context, many driver calls of that context
+//! wait for it (device and pinned allocations, frees, module loads: see `ep::residency`), and an
+//! agent never ends: every allocation or free in the process would hang for the life of the
+//! NIC. Copy engines and stream memory operations need neither an SM nor an idle context.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -14,8 +58,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, DriverError};
 
 use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
-use crate::cuda_atomic::{atomic_on_device, is_word, store_word, WriteBackEvent};
+use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
+use crate::cuda_batch::{cqe_words, words_of, Batch};
+use crate::cuda_deferred::{Added, Deferred};
 use crate::error::EmuError;
+use crate::exec::FetchOrder;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
@@ -142,16 +189,36 @@ impl MemoryBackend for CudaMemory {
     }
 
     fn new_lane(&self) -> Result<Box<dyn Lane>, EmuError> {
+        let mut deferred = match Deferred::new(&self.ctx) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!("deferred atomics unavailable, each waits for its read: {e}");
+                None
+            }
+        };
+        let stream = Stream::new(&self.ctx)?;
+        let defer = match deferred.as_mut() {
+            // SAFETY: a live stream of this context, current on this thread (`Stream::new`).
+            Some(d) => unsafe { d.probe(stream.raw) },
+            None => false,
+        };
+        stream.wait(self.timeout, "the probes of a new lane")?;
         Ok(Box::new(CudaLane {
-            stream: Stream::new(&self.ctx)?,
+            stream,
             events: VecDeque::new(),
             free: Vec::new(),
             next_mark: 0,
+            recorded_upto: 0,
             landed_upto: 0,
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
             wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
-            memop_stores: true,
+            batch_copies: true,
+            batch: Batch::default(),
+            defer,
+            relaxed: false,
+            deferred,
+            device: self.ctx.ordinal() as i32,
             timeout: self.timeout,
         }))
     }
@@ -208,64 +275,141 @@ struct Event(sys::CUevent);
 // SAFETY: CUevent handles may be recorded and queried from any thread with the context current.
 unsafe impl Send for Event {}
 
-/// One QP's stream.
+/// One QP's stream, and what the QP has asked of it since the last submission.
 #[derive(Debug)]
 struct CudaLane {
     stream: Stream,
+    /// Recorded events, each with the highest mark it covers.
     events: VecDeque<(u64, Event)>,
     free: Vec<Event>,
+    /// The last mark handed out. Marks are lazy: one event, recorded at the next submission,
+    /// covers every mark handed out before it.
     next_mark: u64,
+    /// The highest mark an event has been recorded for.
+    recorded_upto: u64,
     landed_upto: u64,
-    /// Pinned bytes for atomics: [0, 8) the old value.
+    /// Pinned bytes for the synchronous atomic path: [0, 8) the old value.
     scratch: HostBuffer,
     /// Recorded after each atomic's write-back (see [`crate::cuda_atomic`]).
     wb: Arc<WriteBackEvent>,
-    /// Whether stream batch memory operations work here (cleared after the first failure).
+    /// Whether stream memory operations (word stores) work here (cleared after the first
+    /// failure: words are then copied).
     memops: bool,
-    /// Whether single-word stream stores work here, for words and write-backs (cleared after the
-    /// first failure).
-    memop_stores: bool,
+    /// Whether `cuMemcpyBatchAsync` works here (cleared after the first failure).
+    batch_copies: bool,
+    /// Copies and word stores not yet submitted ([`crate::cuda_batch`]).
+    batch: Batch,
+    /// Atomics on GPU memory gathered into groups the host computes later
+    /// ([`crate::cuda_deferred`]); `None` when its pinned memory could not be had.
+    deferred: Option<Deferred>,
+    /// Whether new atomics may be deferred (cleared when the driver refuses stream waits).
+    defer: bool,
+    /// Strict mode's relaxed ordering: a write after an atomic may land before it (unless the
+    /// engine puts a [`barrier`](Lane::barrier) between them for a fence), so writes do not
+    /// close the open group of deferred atomics.
+    relaxed: bool,
+    device: i32,
     timeout: Duration,
 }
 
 impl CudaLane {
     fn recycle_all(&mut self) {
-        self.landed_upto = self.next_mark;
+        self.landed_upto = self.recorded_upto;
         while let Some((_, e)) = self.events.pop_front() {
             self.free.push(e);
         }
     }
 
-    /// Writes a CQE with 8 stream writes of 8 bytes, in order: the owner byte's word last.
-    ///
-    /// # Safety
-    /// `a` must be a valid, 8-byte aligned, 64-byte device slot.
-    unsafe fn cqe_memops(&mut self, a: u64, cqe: &[u8; 64]) -> Result<(), EmuError> {
-        // The parameter blocks are built from literals: `mem::zeroed` is not valid for them
-        // (their `operation` enum has no zero variant).
-        let mut params = [sys::CUstreamBatchMemOpParams { pad: [0; 6] }; 8];
-        for (i, p) in params.iter_mut().enumerate() {
-            let word = u64::from_ne_bytes(cqe[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-            p.writeValue = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
-                operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
-                address: a + 8 * i as u64,
-                __bindgen_anon_1:
-                    sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                        value64: word,
-                    },
-                flags: 0,
-                alias: 0,
-            };
+    /// Submits the gathered copies and word stores.
+    fn submit_batch(&mut self) -> Result<(), EmuError> {
+        if self.batch.is_empty() {
+            return Ok(());
         }
-        // SAFETY: the parameters describe 8 aligned writes inside the slot the caller vouched for.
-        let r = unsafe { sys::cuStreamBatchMemOp_v2(self.stream.raw, 8, params.as_mut_ptr(), 0) };
-        check("cuStreamBatchMemOp", r)
+        // SAFETY: every range in the batch was checked by the engine against live registrations
+        // (or is a CQ slot validated at QP creation); the stream is live and its context current.
+        unsafe {
+            self.batch.submit(
+                self.stream.raw,
+                self.device,
+                &mut self.batch_copies,
+                &mut self.memops,
+            )
+        }
+    }
+
+    /// Enqueues the open group of deferred atomics, if any, behind the gathered writes: those
+    /// that came before its atomics must land first, and those that came after them (relaxed
+    /// ordering only; in order a write closes the group before it joins) may.
+    fn close_group(&mut self) -> Result<(), EmuError> {
+        if !self.deferred.as_ref().is_some_and(Deferred::is_open) {
+            return Ok(());
+        }
+        self.submit_batch()?;
+        let d = self.deferred.as_mut().expect("open above");
+        // SAFETY: the group's words and results were checked against live registrations; the
+        // stream is live and its context current.
+        let ok = unsafe { d.close(self.stream.raw, &mut self.batch_copies, self.timeout)? };
+        if !ok {
+            self.defer = false;
+        }
+        Ok(())
+    }
+
+    /// Everything gathered enqueued, and an event recorded for the marks handed out.
+    fn submit_all(&mut self) -> Result<(), EmuError> {
+        self.close_group()?;
+        self.submit_batch()?;
+        if self.next_mark > self.recorded_upto {
+            self.record(self.next_mark)?;
+        }
+        Ok(())
+    }
+
+    /// Records an event covering marks up to `seq`.
+    fn record(&mut self, seq: u64) -> Result<(), EmuError> {
+        let ev = match self.free.pop() {
+            Some(e) => e,
+            None => {
+                let mut raw: sys::CUevent = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: valid out-pointer; the context is current on this thread.
+                check("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut raw, flags)
+                })?;
+                Event(raw)
+            }
+        };
+        // SAFETY: a live event and a live stream of the same context.
+        if let Err(e) = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(ev.0, self.stream.raw)
+        }) {
+            self.free.push(ev);
+            return Err(e);
+        }
+        self.recorded_upto = seq;
+        self.events.push_back((seq, ev));
+        Ok(())
+    }
+
+    /// Everything enqueued and every deferred atomic computed (bounded), so that a wait on the
+    /// stream cannot wait for this thread.
+    fn settle(&mut self, timeout: Duration) -> Result<(), EmuError> {
+        self.submit_all()?;
+        if let Some(d) = self.deferred.as_mut() {
+            d.settle(timeout)?;
+        }
+        Ok(())
     }
 }
 
 impl Drop for CudaLane {
     fn drop(&mut self) {
         if self.stream.ctx.bind_to_thread().is_ok() {
+            if self.settle(Duration::from_secs(5)).is_err() {
+                if let Some(d) = self.deferred.as_mut() {
+                    d.release_all();
+                }
+            }
             let _ = self.stream.wait(Duration::from_secs(5), "lane teardown");
             for (_, e) in self
                 .events
@@ -290,18 +434,34 @@ impl Lane for CudaLane {
                 unsafe { std::ptr::copy(sa as *const u8, d as *mut u8, n) };
                 Ok(())
             }
-            // SAFETY: the caller guarantees both ranges until the copy lands.
-            (Loc::Device(d), Loc::Host(sa)) => check("cuMemcpyHtoDAsync", unsafe {
-                sys::cuMemcpyHtoDAsync_v2(d, sa as *const c_void, n, s)
-            }),
-            // SAFETY: as above.
-            (Loc::Host(d), Loc::Device(sa)) => check("cuMemcpyDtoHAsync", unsafe {
-                sys::cuMemcpyDtoHAsync_v2(d as *mut c_void, sa, n, s)
-            }),
             (Loc::Device(d), Loc::Device(sa)) => {
-                // SAFETY: as above; unified addressing routes peer copies over NVLink.
-                let r = unsafe { sys::cuMemcpyAsync(d, sa, n, s) };
-                check("cuMemcpyAsync", r)
+                // In order, a write after an atomic lands after it; a dependent copy closes the
+                // batch either way.
+                if !self.relaxed {
+                    self.close_group()?;
+                }
+                if !self.batch.admits_copy(d, sa, len) {
+                    self.submit_batch()?;
+                }
+                self.batch.push_copy(d, sa, len);
+                Ok(())
+            }
+            (Loc::Device(d), Loc::Host(sa)) => {
+                // Host sources may be pageable: one ordered call, behind what was gathered.
+                self.close_group()?;
+                self.submit_batch()?;
+                // SAFETY: the caller guarantees both ranges until the copy lands.
+                check("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(d, sa as *const c_void, n, s)
+                })
+            }
+            (Loc::Host(d), Loc::Device(sa)) => {
+                self.close_group()?;
+                self.submit_batch()?;
+                // SAFETY: as above.
+                check("cuMemcpyDtoHAsync", unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(d as *mut c_void, sa, n, s)
+                })
             }
         }
     }
@@ -315,18 +475,22 @@ impl Lane for CudaLane {
                 Ok(())
             }
             Loc::Device(d) => {
-                if self.memop_stores && is_word(d, bytes.len()) {
-                    // An aligned 4- or 8-byte word (inline signals, atomic replies): one stream
-                    // store instead of a staged copy.
-                    // SAFETY: the caller guarantees the range; the stream is live.
-                    match unsafe { store_word(self.stream.raw, d, bytes) } {
-                        Ok(()) => return Ok(()),
-                        Err(e) => {
-                            tracing::warn!("word stores fall back to copies: {e}");
-                            self.memop_stores = false;
+                if !self.relaxed {
+                    self.close_group()?;
+                }
+                let len = bytes.len() as u64;
+                if self.memops {
+                    // Inline data and atomic replies: stream stores, no staging, gathered.
+                    if let Some(words) = words_of(d, bytes) {
+                        if !self.batch.admits_words(d, len, words.len()) {
+                            self.submit_batch()?;
                         }
+                        self.batch.push_words(d, len, words);
+                        return Ok(());
                     }
                 }
+                self.close_group()?;
+                self.submit_batch()?;
                 // SAFETY: the caller guarantees the range. From pageable memory the driver
                 // stages the bytes before returning, so `bytes` need not outlive the call.
                 check("cuMemcpyHtoDAsync", unsafe {
@@ -354,6 +518,8 @@ impl Lane for CudaLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
+                // The read below waits for the stream: nothing may be left for this thread.
+                self.settle(timeout)?;
                 let stream = self.stream.raw;
                 let s = &self.stream;
                 let mut drain = || s.wait(timeout, "the read of an atomic");
@@ -366,15 +532,48 @@ impl Lane for CudaLane {
                         &mut drain,
                         &self.scratch,
                         &self.wb,
-                        &mut self.memop_stores,
+                        &mut self.memops,
                         a,
                         op,
                     )?
                 };
-                // Everything marked so far preceded the read, which has completed; the
-                // write-back, if any, follows every mark taken so far.
+                // Everything recorded so far preceded the read, which has completed; the
+                // write-back, if any, follows.
                 self.recycle_all();
                 Ok(old)
+            }
+        }
+    }
+
+    unsafe fn atomic_into(
+        &mut self,
+        target: Loc,
+        op: AtomicOp,
+        result: Loc,
+        order: FetchOrder,
+        timeout: Duration,
+    ) -> Result<(), EmuError> {
+        let Loc::Device(a) = target else {
+            // SAFETY: forwarded from the caller.
+            let old = unsafe { self.atomic(target, op, timeout)? };
+            let reply = crate::exec::fetch_reply(&op, old, order);
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.put(result, &reply) };
+        };
+        if !(self.defer && self.memops && self.deferred.is_some()) {
+            // SAFETY: forwarded from the caller.
+            let old = unsafe { self.atomic(target, op, timeout)? };
+            let reply = crate::exec::fetch_reply(&op, old, order);
+            // SAFETY: forwarded from the caller.
+            return unsafe { self.put(result, &reply) };
+        }
+        // The QP's earlier writes are submitted before the group (`close_group`), so a round's
+        // atomics share one group even with writes between them (relaxed ordering).
+        loop {
+            let d = self.deferred.as_mut().expect("checked above");
+            match d.add(a, op, result, order, timeout)? {
+                Added::Joined => return Ok(()),
+                Added::CloseFirst => self.close_group()?,
             }
         }
     }
@@ -388,38 +587,14 @@ impl Lane for CudaLane {
                 Ok(())
             }
             Loc::Device(a) => {
-                if self.memops {
-                    // SAFETY: the caller guarantees an aligned device slot.
-                    match unsafe { self.cqe_memops(a, cqe) } {
-                        Ok(()) => return Ok(()),
-                        Err(e) => {
-                            tracing::warn!("stream memory operations unavailable, CQEs fall back to two ordered copies: {e}");
-                            self.memops = false;
-                        }
-                    }
+                // Eight stores behind the data (the first with a memory barrier), the owner
+                // word last (with another); copies when stream stores are refused.
+                self.close_group()?;
+                if !self.batch.admits_words(a, 64, 8) {
+                    self.submit_batch()?;
                 }
-                // Two stream-ordered copies: the body, then the last 8 bytes with the owner bit.
-                // SAFETY: the caller guarantees the slot; pageable sources are staged at once.
-                unsafe {
-                    check(
-                        "cuMemcpyHtoDAsync",
-                        sys::cuMemcpyHtoDAsync_v2(
-                            a,
-                            cqe.as_ptr() as *const c_void,
-                            56,
-                            self.stream.raw,
-                        ),
-                    )?;
-                    check(
-                        "cuMemcpyHtoDAsync",
-                        sys::cuMemcpyHtoDAsync_v2(
-                            a + 56,
-                            cqe[56..].as_ptr() as *const c_void,
-                            8,
-                            self.stream.raw,
-                        ),
-                    )
-                }
+                self.batch.push_words(a, 64, cqe_words(a, cqe));
+                Ok(())
             }
         }
     }
@@ -429,27 +604,7 @@ impl Lane for CudaLane {
     }
 
     fn mark(&mut self) -> Result<Mark, EmuError> {
-        let ev = match self.free.pop() {
-            Some(e) => e,
-            None => {
-                let mut raw: sys::CUevent = std::ptr::null_mut();
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: valid out-pointer; the context is current on this thread.
-                check("cuEventCreate", unsafe {
-                    sys::cuEventCreate(&mut raw, flags)
-                })?;
-                Event(raw)
-            }
-        };
-        // SAFETY: a live event and a live stream of the same context.
-        if let Err(e) = check("cuEventRecord", unsafe {
-            sys::cuEventRecord(ev.0, self.stream.raw)
-        }) {
-            self.free.push(ev);
-            return Err(e);
-        }
         self.next_mark += 1;
-        self.events.push_back((self.next_mark, ev));
         Ok(Mark(self.next_mark))
     }
 
@@ -478,8 +633,40 @@ impl Lane for CudaLane {
     }
 
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError> {
+        self.settle(timeout)?;
         self.stream.wait(timeout, "a QP's stream to drain")?;
+        if let Some(d) = self.deferred.as_mut() {
+            d.poll()?;
+        }
         self.recycle_all();
         Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), EmuError> {
+        self.submit_all()
+    }
+
+    fn order_point(&mut self) -> Result<(), EmuError> {
+        self.submit_batch()
+    }
+
+    fn barrier(&mut self) -> Result<(), EmuError> {
+        self.close_group()?;
+        self.submit_batch()
+    }
+
+    fn set_relaxed(&mut self, relaxed: bool) {
+        self.relaxed = relaxed;
+    }
+
+    fn poll(&mut self) -> Result<bool, EmuError> {
+        match self.deferred.as_mut() {
+            Some(d) => d.poll(),
+            None => Ok(false),
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.deferred.as_ref().is_some_and(Deferred::busy)
     }
 }

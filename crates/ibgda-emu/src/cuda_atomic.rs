@@ -28,7 +28,7 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
 /// remembers it (it outlives either).
 #[derive(Debug)]
 pub(crate) struct WriteBackEvent {
-    raw: sys::CUevent,
+    pub(crate) raw: sys::CUevent,
     ctx: Arc<CudaContext>,
 }
 
@@ -68,20 +68,25 @@ impl Drop for WriteBackEvent {
 }
 
 /// The last write-back to a stripe: its event and the stream it was enqueued on.
-struct LastWrite {
-    event: Arc<WriteBackEvent>,
-    stream: usize,
+pub(crate) struct LastWrite {
+    pub(crate) event: Arc<WriteBackEvent>,
+    pub(crate) stream: usize,
 }
 
-static STRIPES: [Mutex<Option<LastWrite>>; STRIPE_COUNT] =
+pub(crate) static STRIPES: [Mutex<Option<LastWrite>>; STRIPE_COUNT] =
     [const { Mutex::new(None) }; STRIPE_COUNT];
+
+/// The index in [`STRIPES`] of the GPU word at `addr` (see [`stripe`]).
+pub(crate) fn stripe_index(addr: u64) -> usize {
+    let h = (addr >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
+    h as usize % STRIPE_COUNT
+}
 
 /// The stripe of the GPU word at `addr`. 4- and 8-byte words of one aligned 8 bytes share it (a
 /// 4-byte masked atomic and an 8-byte atomic may overlap); Fibonacci hashing spreads
 /// neighbouring words (counters indexed by rank) over different stripes.
 fn stripe(addr: u64) -> &'static Mutex<Option<LastWrite>> {
-    let h = (addr >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
-    &STRIPES[h as usize % STRIPE_COUNT]
+    &STRIPES[stripe_index(addr)]
 }
 
 /// Enqueues on `stream` the store of `bytes` (4 bytes, 4-aligned, or 8 bytes, 8-aligned) at
@@ -135,11 +140,6 @@ pub(crate) unsafe fn store_word(
     check("cuStreamBatchMemOp", unsafe {
         sys::cuStreamBatchMemOp_v2(stream, 1, &mut op, 0)
     })
-}
-
-/// Whether `bytes` at `addr` can be one stream store ([`store_word`]).
-pub(crate) fn is_word(addr: u64, len: usize) -> bool {
-    (len == 4 || len == 8) && addr % len as u64 == 0
 }
 
 /// Performs `op` on the GPU word at `target` from `stream`, after everything enqueued on
@@ -218,12 +218,6 @@ pub(crate) unsafe fn atomic_on_device(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn words_are_aligned_4_and_8_byte_stores() {
-        assert!(is_word(0x1000, 8) && is_word(0x1004, 4));
-        assert!(!is_word(0x1004, 8) && !is_word(0x1002, 4) && !is_word(0x1000, 12));
-    }
 
     #[test]
     fn neighbouring_words_spread_and_halves_share() {

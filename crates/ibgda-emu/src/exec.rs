@@ -224,13 +224,12 @@ pub(crate) unsafe fn apply(
         Effect::Copy { dst, src, len } => unsafe { lane.copy(*dst, *src, *len) },
         // SAFETY: as above.
         Effect::Put { dst, bytes } => unsafe { lane.put(*dst, bytes) },
-        Effect::Atomic { target, op, result } => {
-            // SAFETY: the word was checked against a live registration and is aligned.
-            let old = unsafe { lane.atomic(*target, *op, timeout)? };
-            let reply = fetch_reply(op, old, fetch_order);
-            // SAFETY: the result range was checked against a live registration with LOCAL_WRITE.
-            unsafe { lane.put(*result, &reply) }
-        }
+        // SAFETY: the word was checked against a live registration and is aligned, the result
+        // range against one with LOCAL_WRITE; registrations stay valid while a QP that could name
+        // them has work in flight (`Nic::register_raw`'s contract), as for copies.
+        Effect::Atomic { target, op, result } => unsafe {
+            lane.atomic_into(*target, *op, *result, fetch_order, timeout)
+        },
     }
 }
 

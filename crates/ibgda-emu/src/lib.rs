@@ -53,25 +53,32 @@
 //!
 //! [`MemoryBackend`] / [`Lane`] separate the engine from memory. [`HostMemory`] (CI): everything
 //! is host memory, every operation happens at once on the NIC's thread, atomics are CPU atomics.
-//! [`CudaMemory`]: one non-blocking stream per QP keeps reliable-connection order; data moves by
-//! `cuMemcpyAsync` (peer copies over NVLink between GPUs of a host), aligned 4- and 8-byte words
-//! (inline signals, atomic replies and write-backs) by stream stores (`cuStreamBatchMemOp`, a
-//! copy where the driver refuses one); CQEs in GPU memory are
-//! written by `cuStreamBatchMemOp` writes behind the data on the same stream (owner word last);
-//! CQEs in host memory are written by the NIC thread once an event recorded after the data has
-//! completed. The emulator never launches a kernel, so it progresses even when spinning kernels
-//! fill every SM.
+//! [`CudaMemory`]: one non-blocking stream per QP keeps reliable-connection order; what a QP
+//! asks for in one progress round is gathered and submitted once (device-to-device copies in one
+//! `cuMemcpyBatchAsync`, aligned 4- and 8-byte words — inline data, atomic replies — and CQEs in
+//! GPU memory as `cuStreamBatchMemOp` stores behind the data, owner word last); CQEs in host
+//! memory are written by the NIC thread once an event recorded after the data has completed.
+//! The emulator never launches a kernel, so it progresses even when spinning kernels fill every
+//! SM. The per-operation cost model is in the `cuda` module's source docs.
+//!
+//! Writes of one QP submitted together may land in any order among themselves, except that a
+//! write that depends on another (overlapping destination, or a source another one writes)
+//! goes in a later submission, and word stores (inline data) land after the copies of their
+//! submission. The InfiniBand spec promises no more: RDMA-write data is guaranteed placed only
+//! once a later atomic, send or completion of the QP is seen. With strict mode off or at
+//! `checks` (below), every WQE's writes are a submission of their own and land in WQE order.
 //!
 //! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
-//! GPU memory is read (device to pinned host), computed and written back on the QP's stream,
-//! after the QP's earlier writes have landed, under the lock of the target word's stripe (one of
-//! 256, by address); only the read is waited for, and the next atomic on the stripe from another
-//! stream waits on the GPU for the write-back. It is atomic with respect to every other emulator
-//! atomic on the same word *in this process*, atomics on other words run in parallel, and it is
-//! ordered after the QP's earlier writes. It is **not** atomic with respect to GPU kernels that update the same word,
-//! nor to emulator atomics issued by another process: give each such word a single remote
-//! writer process (counters indexed by source rank do) or keep it in host memory, where
-//! atomics are CPU atomics and atomic against everything.
+//! GPU memory is read into pinned host memory on the QP's stream (after the QP's earlier
+//! writes), computed by the NIC thread, and written back on the same stream, which waits on a
+//! host-released counter in between; consecutive atomics of a QP share one read and one release
+//! (`cuda_deferred` module). The word's stripe (one of 256, by address) orders it after the last
+//! emulator write-back of the same word from any stream, on the GPU (`cuStreamWaitEvent`), so it
+//! is atomic with respect to every other emulator atomic on the same word *in this process*,
+//! atomics on other words run in parallel, and no thread waits. It is **not** atomic with
+//! respect to GPU kernels that update the same word, nor to emulator atomics issued by another
+//! process: give each such word a single remote writer process (counters indexed by source rank
+//! do) or keep it in host memory, where atomics are CPU atomics and atomic against everything.
 //!
 //! # Strict mode
 //!
@@ -124,6 +131,8 @@ mod backend;
 mod cq;
 mod cuda;
 mod cuda_atomic;
+mod cuda_batch;
+mod cuda_deferred;
 mod doorbell;
 mod error;
 mod exec;

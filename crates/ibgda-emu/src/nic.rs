@@ -54,6 +54,10 @@ pub struct NicConfig {
     /// How strictly device code is held to what the hardware promises ([`StrictMode`]; from
     /// the environment by default: full strict mode unless `IBGDA_EMU_STRICT=0`).
     pub strict: StrictMode,
+    /// Progress threads ([`ProgressMode::Thread`]); QP `n`'s WQEs are always executed by thread
+    /// `n % progress_threads`, so each QP keeps its order. One thread decodes and checks a few
+    /// million WQEs a second; more serve more busy QPs, each spinning a core while busy.
+    pub progress_threads: usize,
 }
 
 impl Default for NicConfig {
@@ -67,6 +71,7 @@ impl Default for NicConfig {
             op_timeout: Duration::from_secs(10),
             wqe_budget: 64,
             strict: StrictMode::from_env(),
+            progress_threads: 1,
         }
     }
 }
@@ -89,6 +94,12 @@ impl NicConfig {
     /// With strict mode `strict`.
     pub fn strict(mut self, strict: StrictMode) -> Self {
         self.strict = strict;
+        self
+    }
+
+    /// With `n` progress threads (at least one).
+    pub fn progress_threads(mut self, n: usize) -> Self {
+        self.progress_threads = n.max(1);
         self
     }
 }
@@ -129,10 +140,16 @@ pub(crate) struct NicShared {
     executed: AtomicU64,
     wire: Mutex<Wire>,
     stop: AtomicBool,
-    thread: Mutex<Option<std::thread::Thread>>,
-    /// The progress thread's handle, for wake-ups that must not take a lock (doorbells).
-    thread_handle: std::sync::OnceLock<std::thread::Thread>,
+    /// One per progress thread: whether it sleeps, and its handle for wake-ups that must not
+    /// take a lock (doorbells).
+    sleepers: Vec<Sleeper>,
+}
+
+/// A progress thread's sleeping flag and handle.
+#[derive(Debug, Default)]
+struct Sleeper {
     sleeping: Sleeping,
+    handle: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl NicShared {
@@ -166,10 +183,18 @@ impl NicShared {
     }
 
     fn snapshot(&self) -> (u64, Vec<Arc<QpSlot>>) {
+        self.shard(0, 1)
+    }
+
+    /// The QPs progress thread `k` of `n` serves.
+    fn shard(&self, k: usize, n: usize) -> (u64, Vec<Arc<QpSlot>>) {
         let qps = self.qps.lock().expect("qps lock");
         (
             self.qps_gen.load(Ordering::Acquire),
-            qps.values().cloned().collect(),
+            qps.iter()
+                .filter(|(qpn, _)| **qpn as usize % n == k)
+                .map(|(_, s)| s.clone())
+                .collect(),
         )
     }
 
@@ -208,7 +233,7 @@ impl NicShared {
     }
 
     fn wake(&self) {
-        if let Some(t) = self.thread.lock().expect("thread lock").as_ref() {
+        for t in self.sleepers.iter().filter_map(|s| s.handle.get()) {
             t.unpark();
         }
     }
@@ -218,15 +243,20 @@ impl NicShared {
     /// and unparks (a token that makes the coming park return at once), or the loop's last look
     /// sees the doorbell word, which the caller stored before (both sides SeqCst).
     fn wake_if_sleeping(&self) {
-        if self.sleeping.0.load(Ordering::SeqCst) {
-            if let Some(t) = self.thread_handle.get() {
-                t.unpark();
+        for s in &self.sleepers {
+            if s.sleeping.0.load(Ordering::SeqCst) {
+                if let Some(t) = s.handle.get() {
+                    t.unpark();
+                }
             }
         }
     }
 }
 
-fn progress_loop(shared: Arc<NicShared>) {
+/// Progress thread `k` of the NIC's `n`: the QPs whose number is `k` modulo `n`.
+fn progress_loop(shared: Arc<NicShared>, k: usize) {
+    let n = shared.sleepers.len();
+    let me = &shared.sleepers[k];
     if let Err(e) = shared.backend.bind_thread() {
         tracing::error!(nic = %shared.cfg.name, "progress thread cannot start: {e}");
         return;
@@ -236,14 +266,14 @@ fn progress_loop(shared: Arc<NicShared>) {
     /// Idle rounds between clock reads while spinning (a clock read can be a system call in a
     /// VM; a round is far cheaper).
     const CLOCK_EVERY: u32 = 64;
-    let (mut gen, mut qps) = shared.snapshot();
+    let (mut gen, mut qps) = shared.shard(k, n);
     let mut idle_since: Option<Instant> = None;
     let mut idle_rounds = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
         if shared.qps_gen.load(Ordering::Acquire) != gen {
             // The old snapshot is dropped here, outside any round: QPs destroyed meanwhile are
             // released on this thread (their lanes need its context).
-            (gen, qps) = shared.snapshot();
+            (gen, qps) = shared.shard(k, n);
         }
         if shared.round(&qps) {
             idle_since = None;
@@ -262,7 +292,7 @@ fn progress_loop(shared: Arc<NicShared>) {
         } else if idle < YIELD {
             std::thread::yield_now();
         } else {
-            shared.sleeping.0.store(true, Ordering::SeqCst);
+            me.sleeping.0.store(true, Ordering::SeqCst);
             // Orders the flag before the doorbell words this round reads (see wake_if_sleeping).
             std::sync::atomic::fence(Ordering::SeqCst);
             // One more look after announcing the sleep: a doorbell stored before a ringer read
@@ -271,7 +301,7 @@ fn progress_loop(shared: Arc<NicShared>) {
             if !did && !shared.stop.load(Ordering::Acquire) {
                 std::thread::park_timeout(shared.cfg.idle_sleep);
             }
-            shared.sleeping.0.store(false, Ordering::SeqCst);
+            me.sleeping.0.store(false, Ordering::SeqCst);
             if did {
                 idle_since = None;
                 idle_rounds = 0;
@@ -305,7 +335,7 @@ fn progress_loop(shared: Arc<NicShared>) {
 /// ```
 pub struct Nic {
     pub(crate) shared: Arc<NicShared>,
-    join: Option<JoinHandle<()>>,
+    join: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Nic {
@@ -327,6 +357,10 @@ impl Nic {
         ctx: Option<Arc<CudaContext>>,
         fabric: Weak<FabricInner>,
     ) -> Result<Self, EmuError> {
+        let cfg_threads = match cfg.progress {
+            ProgressMode::Manual => 0,
+            ProgressMode::Thread => cfg.progress_threads.max(1),
+        };
         let shared = Arc::new(NicShared {
             node,
             index,
@@ -344,26 +378,27 @@ impl Nic {
             executed: AtomicU64::new(0),
             wire: Mutex::new(Wire::default()),
             stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
-            thread_handle: std::sync::OnceLock::new(),
-            sleeping: Sleeping::default(),
+            sleepers: (0..cfg_threads).map(|_| Sleeper::default()).collect(),
         });
-        let join = match shared.cfg.progress {
-            ProgressMode::Manual => None,
-            ProgressMode::Thread => {
-                let s = shared.clone();
-                let h = std::thread::Builder::new()
-                    .name(format!("nic-{}", shared.cfg.name))
-                    .spawn(move || progress_loop(s))
-                    .map_err(|e| {
-                        EmuError::BadConfig(format!("spawning the progress thread: {e}"))
-                    })?;
-                *shared.thread.lock().expect("thread lock") = Some(h.thread().clone());
-                let _ = shared.thread_handle.set(h.thread().clone());
-                Some(h)
-            }
+        let mut nic = Self {
+            shared,
+            join: Vec::new(),
         };
-        Ok(Self { shared, join })
+        for k in 0..cfg_threads {
+            let s = nic.shared.clone();
+            let name = match cfg_threads {
+                1 => format!("nic-{}", s.cfg.name),
+                _ => format!("nic-{}-{k}", s.cfg.name),
+            };
+            // On failure `nic` drops here, which stops and joins the threads already started.
+            let h = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || progress_loop(s, k))
+                .map_err(|e| EmuError::BadConfig(format!("spawning a progress thread: {e}")))?;
+            let _ = nic.shared.sleepers[k].handle.set(h.thread().clone());
+            nic.join.push(h);
+        }
+        Ok(nic)
     }
 
     /// This NIC's node id (what peers' [`QpInfo`] name).
@@ -883,17 +918,17 @@ impl Drop for Nic {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.wake();
-        if let Some(j) = self.join.take() {
-            // The progress thread checks `stop` between steps, and every step is bounded by
-            // `op_timeout` (stream drains) or the idle sleep; give it that and a margin, then
-            // leave it (it owns an `Arc` of the shared state, so nothing it touches is freed).
-            let bound = self
-                .shared
-                .cfg
-                .op_timeout
-                .saturating_mul(2)
-                .saturating_add(Duration::from_secs(1));
-            let start = std::time::Instant::now();
+        // The progress threads check `stop` between steps, and every step is bounded by
+        // `op_timeout` (stream drains) or the idle sleep; give them that and a margin, then leave
+        // them (each owns an `Arc` of the shared state, so nothing it touches is freed).
+        let bound = self
+            .shared
+            .cfg
+            .op_timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(1));
+        let start = std::time::Instant::now();
+        for j in self.join.drain(..) {
             while !j.is_finished() && start.elapsed() < bound {
                 std::thread::sleep(Duration::from_millis(1));
             }

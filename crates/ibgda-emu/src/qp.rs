@@ -222,6 +222,8 @@ impl QpEngine {
         strict: &StrictMode,
         device: bool,
     ) -> Self {
+        let mut lane = lane;
+        lane.set_relaxed(strict.reorder.is_some());
         Self {
             qpn,
             state: QpState::Reset,
@@ -308,6 +310,7 @@ impl QpEngine {
         self.fetched >= self.announced
             && self.pending.is_empty()
             && self.pipeline.as_ref().is_none_or(Pipeline::is_empty)
+            && !self.lane.busy()
     }
 
     /// One round: doorbells, WQEs, completions. Returns whether anything happened.
@@ -316,11 +319,17 @@ impl QpEngine {
         if !cx.plan.lost_cqes.is_empty() || !self.lost_cqes.is_empty() {
             self.lost_cqes = cx.plan.lost_cqes_of(self.qpn);
         }
+        did |= self.lane.poll()?;
         if matches!(self.state, QpState::Rts | QpState::Error) {
             did |= self.poll_doorbells(cx)?;
             did |= self.run_wqes(cx)?;
         }
-        did |= self.drain_pending()?;
+        // What the round gathered goes to the hardware once, then the completions it owes.
+        self.lane.flush()?;
+        if !self.pending.is_empty() {
+            did |= self.drain_pending()?;
+            self.lane.flush()?;
+        }
         Ok(did)
     }
 
@@ -467,6 +476,12 @@ impl QpEngine {
                         break;
                     }
                 }
+                if fenced && kind != Kind::Atomic {
+                    // Everything earlier has been performed: it lands before this WQE's effects.
+                    // (An atomic is performed after every earlier write has landed and after the
+                    // earlier atomics of its group, in order, whether fenced or not.)
+                    self.lane.barrier()?;
+                }
             }
             // Peer death: past its last WQE the NIC stops here, mid-round, for good.
             if cx.plan.dead(cx.executed.load(Ordering::Relaxed)) {
@@ -575,6 +590,10 @@ impl QpEngine {
             }
             self.fetched += nbb;
             did = true;
+            if self.pipeline.is_none() {
+                // In order: this WQE's writes land before the next one's.
+                self.lane.order_point()?;
+            }
         }
         Ok(did)
     }

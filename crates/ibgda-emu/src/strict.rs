@@ -42,11 +42,13 @@ const MAX_HOLD_STEPS: u32 = 3;
 ///
 /// | after … | a later WQE without a fence | with a fence (any fence mode) |
 /// |---|---|---|
-/// | an RDMA write | a write lands after it; an atomic executes after it has landed | same |
+/// | an RDMA write | a write lands after it (CUDA: unless submitted with it, see below); an atomic executes after it has landed | same |
 /// | an atomic | a write or NOP may execute, and land, before the atomic is performed and its result written locally; an atomic executes after it | waits until every earlier WQE has completed |
 ///
 /// The data of one write lands in chunks, in a shuffled order spread over progress rounds
-/// (other QPs' writes land in between). CQEs stay in WQE order, each written once its WQE and
+/// (other QPs' writes land in between). On the CUDA backend, the writes a QP submits together
+/// (one progress round's) may also land in any order among themselves, unless one depends on
+/// another (see the crate docs); the ordered modes submit each WQE's writes on their own. CQEs stay in WQE order, each written once its WQE and
 /// every earlier one have completed. Checks (keys, ranges, rights, and here the control
 /// segment's QPN and WQE index) happen in WQE order, and every WQE before a failing one
 /// completes before its error CQE.
@@ -414,7 +416,20 @@ impl Pipeline {
             .iter()
             .position(|e| matches!(e.work, Work::Atomic(..)))
         {
-            self.advance(a, apply)?;
+            if self.advance(a, apply)? {
+                // The atomics queued behind the one just performed go with it, up to the first
+                // write still landing: held one at a time, only one atomic a round would pass.
+                for i in a + 1..self.q.len() {
+                    match &self.q[i].work {
+                        Work::Write(_) => break,
+                        Work::Done => {}
+                        Work::Atomic(e, _) => {
+                            apply(e)?;
+                            self.q[i].work = Work::Done;
+                        }
+                    }
+                }
+            }
         }
         Ok(true)
     }

@@ -293,6 +293,111 @@ fn gpu_atomics() {
     assert_eq!(target.download::<u64>(128, 1).unwrap()[0], 800);
 }
 
+/// Two initiator NICs (two progress threads), four QPs each, every QP posting fetch-adds on one
+/// shared word and a word of its own, each reply into a slot of its own, rung in pieces so that
+/// groups of deferred atomics of different QPs and NICs interleave on the shared word. Atomic
+/// means every old value of the shared word is fetched exactly once, and the totals add up.
+#[test]
+fn gpu_atomics_of_two_nics_fetch_every_value_once() {
+    let Some(ctxs) = gpus(1) else { return };
+    const QPS: usize = 4;
+    const PER_QP: u64 = 300;
+    let ctx = &ctxs[0];
+    let fabric = Fabric::new();
+    let b = fabric.cuda_nic(ctx, NicConfig::named("target")).unwrap();
+    let target = Arc::new(DeviceBuffer::new(ctx, 4096).unwrap());
+    target.fill_bytes(0).unwrap();
+    let rm = b
+        .register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
+        .unwrap();
+    let mut nics = Vec::new();
+    let mut lanes = Vec::new();
+    for n in 0..2 {
+        let a = fabric
+            .cuda_nic(ctx, NicConfig::named(format!("init-{n}")))
+            .unwrap();
+        let fetch = Arc::new(DeviceBuffer::new(ctx, QPS * 2 * PER_QP as usize * 8).unwrap());
+        fetch.fill_bytes(0xee).unwrap();
+        let lm = a
+            .register_device(&fetch, 0, fetch.len(), Access::LOCAL_WRITE)
+            .unwrap();
+        for k in 0..QPS {
+            let qp = a.create_host_qp(1024, CqMode::Ring, 1024).unwrap();
+            let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+            a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+                .unwrap();
+            lanes.push((qp, peer, lm, n * QPS + k));
+        }
+        nics.push((a, fetch));
+    }
+    settle(&ctxs);
+    // Post everything, then ring in pieces of 37 WQEs, QPs round robin.
+    for (qp, _, lm, id) in &lanes {
+        for i in 0..2 * PER_QP {
+            let (word, slot) = if i % 2 == 0 {
+                (0, (*id % QPS) as u64 * 2 * PER_QP + i)
+            } else {
+                (64 * (1 + *id as u64), (*id % QPS) as u64 * 2 * PER_QP + i)
+            };
+            let w = FetchAdd64::new(
+                qp.qpn(),
+                i as u16,
+                ra(&rm, word),
+                LocalAddr {
+                    addr: lm.addr + 8 * slot,
+                    lkey: lm.lkey,
+                },
+                1,
+            )
+            .cqe(i + 1 == 2 * PER_QP)
+            .build();
+            qp.post(i, &w);
+        }
+    }
+    let mut rung = 0;
+    while rung < 2 * PER_QP {
+        rung = (rung + 37).min(2 * PER_QP);
+        for (qp, ..) in &lanes {
+            qp.ring_dbr(rung);
+        }
+    }
+    for (qp, ..) in &lanes {
+        let c = wait_cqe(qp, 0);
+        assert!(!c.is_error(), "{c}");
+    }
+    let total = lanes.len() as u64 * PER_QP;
+    let words: Vec<u64> = target.download(0, 8 * (1 + lanes.len())).unwrap();
+    assert_eq!(words[0], total, "the shared word");
+    for id in 0..lanes.len() {
+        assert_eq!(words[8 * (1 + id)], PER_QP, "the word of QP {id}");
+    }
+    let mut shared = Vec::new();
+    for (n, (_, fetch)) in nics.iter().enumerate() {
+        let got: Vec<u64> = fetch.download(0, QPS * 2 * PER_QP as usize).unwrap();
+        for k in 0..QPS {
+            for i in 0..2 * PER_QP as usize {
+                let v = got[k * 2 * PER_QP as usize + i];
+                if i % 2 == 0 {
+                    shared.push(v);
+                } else {
+                    assert_eq!(v, i as u64 / 2, "NIC {n} QP {k}: its own word's fetch {i}");
+                }
+            }
+        }
+    }
+    shared.sort_unstable();
+    let want: Vec<u64> = (0..total).collect();
+    assert!(
+        shared == want,
+        "the shared word's old values are not 0..{total} once each"
+    );
+    eprintln!(
+        "{} fetch-adds from {} QPs on 2 NICs: atomic",
+        2 * total,
+        lanes.len()
+    );
+}
+
 /// The fence test of `strict_emu.rs` on the CUDA backend, GPU memory on both sides: a fetch-add
 /// takes a ticket into a local word, then an RDMA write publishes that word. Without a fence the
 /// write may gather the word before the atomic's result is in it; strict mode (manual progress,

@@ -13,7 +13,7 @@ use ibgda_device::wire::{
 };
 use ibgda_emu::{
     vendor_syndrome, Access, CqConfig, CqMode, DoorbellConfig, EmuError, FaultPlan, HostBuffer,
-    Loc, Mr, NicConfig, QpConfig, QpInfo, QpState,
+    Loc, Mr, NicConfig, QpConfig, QpInfo, QpState, StrictMode,
 };
 
 fn ra(m: &Mr, off: u64) -> RemoteAddr {
@@ -977,4 +977,137 @@ fn a_direct_doorbell_wakes_a_sleeping_progress_thread() {
     let Pair { a, .. } = p;
     drop(a);
     db.ring(10); // the NIC is gone: nothing happens, nothing breaks
+}
+
+/// The engine's own cost per WQE (decode, checks, strict pipeline, CQE), with the host backend's
+/// memory operations (a `memcpy`): what is left for the driver calls of a CUDA NIC. Run it in
+/// release: `cargo test --release -p ibgda-emu --test host_emu -- --ignored --nocapture
+/// engine_cost`.
+#[test]
+#[ignore = "a measurement: run it in release"]
+fn engine_cost_per_wqe() {
+    for strict in [StrictMode::off(), StrictMode::full(1)] {
+        let mut p = Pair::with_strict(true, 1024, CqMode::Ring, 1024, strict);
+        let q = p.qpn();
+        let lm = p.local(0, 4096, Access::ALL);
+        let rm = p.remote(0, 4096, Access::ALL);
+        for (name, n) in [
+            ("rdma write 64 B", 512u64),
+            ("inline 8 B", 512),
+            ("fetch-add", 512),
+        ] {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let base = p.pi;
+                for k in 0..n {
+                    let i = (base + k) as u16;
+                    let last = k + 1 == n;
+                    let w = match name {
+                        "rdma write 64 B" => {
+                            RdmaWrite::new(q, i, ra(&rm, 64 * (k % 32)), sge(&lm, 2048, 64))
+                                .cqe(last)
+                                .build()
+                        }
+                        "inline 8 B" => InlineWrite::new(q, i, ra(&rm, 8 * (k % 256)), &[1u8; 8])
+                            .cqe(last)
+                            .build(),
+                        _ => FetchAdd64::new(
+                            q,
+                            i,
+                            ra(&rm, 8 * (k % 64)),
+                            LocalAddr {
+                                addr: lm.addr + 8 * (k % 64),
+                                lkey: lm.lkey,
+                            },
+                            1,
+                        )
+                        .cqe(last)
+                        .build(),
+                    };
+                    p.post(w);
+                }
+                let t0 = Instant::now();
+                p.run();
+                best = best.min(t0.elapsed().as_secs_f64() / n as f64);
+            }
+            eprintln!(
+                "engine, strict {}: {name}: {:.0} ns per WQE",
+                strict.reorder.is_some(),
+                best * 1e9
+            );
+        }
+    }
+}
+
+/// A NIC with three progress threads serves six QPs (two each): every QP's WQEs run in order on
+/// its thread, atomics on a shared word from all of them stay atomic, and every CQE arrives.
+#[test]
+fn several_progress_threads_share_the_qps() {
+    let fabric = ibgda_emu::Fabric::new();
+    let a = fabric
+        .host_nic(NicConfig::named("a").progress_threads(3))
+        .unwrap();
+    let b = fabric.host_nic(NicConfig::named("b")).unwrap();
+    let target = std::sync::Arc::new(HostBuffer::new(4096));
+    let fetch = std::sync::Arc::new(HostBuffer::new(8 * 6 * 200));
+    let rm = b.register_host(&target, 0, 4096, Access::ALL).unwrap();
+    let lm = a
+        .register_host(&fetch, 0, fetch.len(), Access::ALL)
+        .unwrap();
+    let qps: Vec<_> = (0..6)
+        .map(|_| {
+            let qp = a.create_host_qp(256, CqMode::Ring, 256).unwrap();
+            let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+            a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+                .unwrap();
+            (qp, peer)
+        })
+        .collect();
+    for (k, (qp, _)) in qps.iter().enumerate() {
+        for i in 0..200u64 {
+            let w = if i % 2 == 0 {
+                FetchAdd64::new(
+                    qp.qpn(),
+                    i as u16,
+                    ra(&rm, 0),
+                    LocalAddr {
+                        addr: lm.addr + 8 * (200 * k as u64 + i),
+                        lkey: lm.lkey,
+                    },
+                    1,
+                )
+                .cqe(i == 198)
+                .build()
+            } else {
+                // The QP's own slot, rewritten in order: the last write wins.
+                InlineWrite::new(
+                    qp.qpn(),
+                    i as u16,
+                    ra(&rm, 64 + 8 * k as u64),
+                    &i.to_ne_bytes(),
+                )
+                .cqe(i == 199)
+                .build()
+            };
+            qp.post(i, &w);
+        }
+        qp.ring_dbr(200);
+    }
+    for (qp, _) in &qps {
+        a.wait_idle(qp.qpn(), T).unwrap();
+        for c in 0..2 {
+            let cqe = qp.poll_cqe(c).expect("both CQEs");
+            assert!(!cqe.is_error(), "{cqe}");
+        }
+    }
+    assert_eq!(target.load_u64(0), 600);
+    for k in 0..6 {
+        assert_eq!(target.load_u64(64 + 8 * k), 199, "QP {k}'s slot");
+    }
+    let mut old: Vec<u64> = (0..6)
+        .flat_map(|k| (0..100).map(move |j| (k, 2 * j)))
+        .map(|(k, i)| fetch.load_u64(8 * (200 * k + i) as usize))
+        .collect();
+    old.sort_unstable();
+    assert_eq!(old, (0..600).collect::<Vec<u64>>());
 }

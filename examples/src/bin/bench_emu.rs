@@ -4,12 +4,12 @@
 //! (a 400 Gb/s port) at 1 and 8 QPs.
 //!
 //! ```text
-//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--help]
+//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--threads N] [--help]
 //! ```
 //!
 //! Prints a table; with `--json`, writes one record per measurement, each with `bench`, `qps`,
 //! `bytes`, `ranks` (emulated NICs: 2), `gpus`, `strict` (the NICs' strict mode), `date`,
-//! `machine`, and:
+//! `machine`, `progress_threads` (of the sending NIC: `--threads`, default 1), and:
 //! - `emu_small_ops`: `mops` (million WQEs/s, all QPs together), `inline` (inline WQE or a
 //!   gather from GPU memory);
 //! - `emu_atomics`: `mops` of 8-byte fetch-adds, `shared` (every QP on one word, or each on its
@@ -23,7 +23,10 @@
 //! Exits with status 2 and a message when no GPU (or fewer than `--gpus`) is visible.
 //!
 //! Setup: the NICs in one fabric; send rings, CQs and doorbell records in pinned host memory
-//! (written here, as a CPU proxy would); sources in `a`'s GPU memory, destinations in `b`'s.
+//! (written here, as a CPU proxy would); sources in `a`'s GPU memory, destinations in `b`'s,
+//! consecutive WQEs of a QP to consecutive slots of its own 16 MiB slice (as kernels write
+//! distinct token slots; writes to one slot would depend on each other and could not share a
+//! submission).
 //! Rates: each QP posts a batch (only the last WQE signalled), all QPs ring, and the time runs
 //! from the first doorbell to the last CQE; the best of several repetitions counts.
 
@@ -37,10 +40,11 @@ use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
 use ibgda_device::wire::{Cqe64, FetchAdd64, InlineWrite, LocalAddr, RdmaWrite, RemoteAddr, Sge};
 use ibgda_emu::{Access, CqMode, Fabric, FaultPlan, HostQp, Mr, Nic, NicConfig, StrictMode};
 
-const USAGE: &str = "usage: bench_emu [--json PATH] [--quick] [--gpus 1|2] [--help]
+const USAGE: &str = "usage: bench_emu [--json PATH] [--quick] [--gpus 1|2] [--threads N] [--help]
   --json PATH  write the records as a JSON array to PATH
   --quick      fewer repetitions and samples
   --gpus N     1 (default): both emulated NICs on GPU 0; 2: the second NIC on GPU 1
+  --threads N  progress threads of the sending NIC (default 1; QPs are spread over them)
   --help       this text";
 
 const MAX_QPS: usize = 8;
@@ -120,6 +124,14 @@ struct Mem {
 }
 
 impl Lane {
+    /// Where the write of `bytes` at producer index `pi` lands in this lane's slice: consecutive
+    /// WQEs write consecutive slots (as kernels write distinct token slots), wrapping in the
+    /// slice.
+    fn dst(&self, m: &Mem, bytes: usize) -> u64 {
+        let slots = (MAX_BYTES / bytes.max(1)) as u64;
+        m.dst.addr + self.dst_off + (self.pi % slots) * bytes as u64
+    }
+
     fn post(&mut self, n: usize, op: Op, m: &Mem) {
         let q = self.qp.qpn();
         for k in 0..n {
@@ -130,7 +142,7 @@ impl Lane {
                     q,
                     i,
                     RemoteAddr {
-                        addr: m.dst.addr + self.dst_off,
+                        addr: self.dst(m, bytes),
                         rkey: m.dst.rkey,
                     },
                     Sge {
@@ -145,7 +157,7 @@ impl Lane {
                     q,
                     i,
                     RemoteAddr {
-                        addr: m.dst.addr + self.dst_off,
+                        addr: self.dst(m, bytes.next_multiple_of(8)),
                         rkey: m.dst.rkey,
                     },
                     &[0x5a; 28][..bytes],
@@ -232,6 +244,7 @@ struct Args {
     json: Option<String>,
     quick: bool,
     gpus: usize,
+    threads: usize,
 }
 
 fn args() -> Result<Args> {
@@ -239,6 +252,7 @@ fn args() -> Result<Args> {
         json: None,
         quick: false,
         gpus: 1,
+        threads: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(s) = it.next() {
@@ -255,6 +269,13 @@ fn args() -> Result<Args> {
                     .and_then(|v| v.parse().ok())
                     .filter(|n| (1..=2).contains(n))
                     .context(format!("--gpus needs 1 or 2\n{USAGE}"))?
+            }
+            "--threads" => {
+                a.threads = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|n| (1..=16).contains(n))
+                    .context(format!("--threads needs 1 to 16\n{USAGE}"))?
             }
             other => bail!("unknown option {other}\n{USAGE}"),
         }
@@ -484,12 +505,13 @@ fn main() -> Result<()> {
     let cfg = |name: &str| NicConfig::named(name);
     let strict = strict_name(&cfg("x").strict);
     println!(
-        "emulated NICs: 2 on {} GPU(s); strict mode {strict} (IBGDA_EMU_STRICT=0 turns it off)",
-        args.gpus
+        "emulated NICs: 2 on {} GPU(s), {} progress thread(s) on the sender; strict mode {strict} \
+         (IBGDA_EMU_STRICT=0 turns it off)",
+        args.gpus, args.threads
     );
 
     let fabric = Fabric::new();
-    let a = fabric.cuda_nic(&c0, cfg("nic-a"))?;
+    let a = fabric.cuda_nic(&c0, cfg("nic-a").progress_threads(args.threads))?;
     let b = fabric.cuda_nic(&c1, cfg("nic-b"))?;
     let src = Arc::new(DeviceBuffer::new(&c0, MAX_BYTES)?);
     let dst = Arc::new(DeviceBuffer::new(&c1, MAX_QPS * MAX_BYTES)?);
@@ -550,6 +572,7 @@ fn main() -> Result<()> {
             .map(|r| {
                 let mut f: Vec<String> = r.0.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
                 f.push(format!("\"ranks\": 2, \"gpus\": {}", args.gpus));
+                f.push(format!("\"progress_threads\": {}", args.threads));
                 f.push(format!("\"strict\": {}", json_str(&strict)));
                 f.push(format!("\"date\": {}", json_str(&date)));
                 f.push(format!("\"machine\": {}", json_str(&machine)));
