@@ -1002,17 +1002,15 @@ impl LowLatencyBuffer {
 
     /// Transport mode: this rank's NIC and, per rank, the QP numbers of this rank's QPs to it
     /// (empty for itself); what fault injection ([`super::faults`]) needs, and nothing more.
-    pub(super) fn emulated_qps(&self) -> Option<(&Arc<ibgda_emu::Nic>, Vec<Vec<u32>>)> {
+    pub(super) fn emulated_qps(&self) -> Option<(&ibgda_emu::Nic, Vec<Vec<u32>>)> {
         let t = self.transport.as_ref()?;
         let qpns = t
-            .groups
+            .mesh
+            .sets
             .iter()
-            .map(|g| {
-                g.as_ref()
-                    .map_or(Vec::new(), |g| (0..g.len()).map(|i| g.qpn(i)).collect())
-            })
+            .map(|g| g.as_ref().map_or(Vec::new(), |g| g.qpns()))
             .collect();
-        Some((t._nics.me(self.rank).nic(), qpns))
+        Some((t._nic.emulated_nic()?, qpns))
     }
 
     fn transport_table(&self) -> u64 {

@@ -76,6 +76,8 @@ pub trait QpSet: Send + Sync + fmt::Debug {
     fn conn_infos(&self) -> Result<Vec<ConnInfo>, TransportError>;
     /// `Err` with the failure device code recorded, if it recorded one.
     fn check(&self) -> Result<(), TransportError>;
+    /// The QP numbers, in QP order (what a fault plan names).
+    fn qpns(&self) -> Vec<u32>;
     /// Stops the proxy (after one last sweep) and destroys the QPs; what the proxy did.
     fn shutdown(self: Box<Self>) -> Result<Option<ProxyReport>, TransportError>;
 }
@@ -97,6 +99,10 @@ pub trait RankTransport: Send + Sync + fmt::Debug {
     fn rank(&self) -> u32;
     /// What the handler modes need, on this NIC and machine.
     fn probe(&self) -> HandlerProbe;
+    /// The emulated NIC behind this transport (to inject faults in tests); `None` on hardware.
+    fn emulated_nic(&self) -> Option<&ibgda_emu::Nic> {
+        None
+    }
     /// The handler mode for `choice` and why (not logged: the caller says it, with the NIC, in
     /// one line).
     fn select(&self, choice: HandlerChoice) -> Result<(NicHandler, String), TransportError> {

@@ -100,6 +100,10 @@ impl RankTransport for EmulatedTransport {
         self.emu.probe()
     }
 
+    fn emulated_nic(&self) -> Option<&ibgda_emu::Nic> {
+        Some(self.emu.nic())
+    }
+
     fn register(&self, bytes: usize) -> Result<Box<dyn Registration>, TransportError> {
         Ok(Box::new(self.emu.arena(bytes)?))
     }
@@ -188,6 +192,10 @@ impl QpSet for EmuQpSet {
 
     fn check(&self) -> Result<(), TransportError> {
         self.group.check()
+    }
+
+    fn qpns(&self) -> Vec<u32> {
+        (0..self.group.len()).map(|i| self.group.qpn(i)).collect()
     }
 
     fn shutdown(self: Box<Self>) -> Result<Option<ProxyReport>, TransportError> {

@@ -437,6 +437,10 @@ impl QpSet for VerbsQpSet {
         Ok(self.infos.clone())
     }
 
+    fn qpns(&self) -> Vec<u32> {
+        self.qps.iter().map(|q| q.qpn()).collect()
+    }
+
     fn check(&self) -> Result<(), TransportError> {
         let r = self.error_record();
         let rung = self

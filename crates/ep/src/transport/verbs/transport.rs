@@ -234,6 +234,10 @@ impl RankTransport for VerbsTransport {
         self.rank
     }
 
+    fn emulated_nic(&self) -> Option<&ibgda_emu::Nic> {
+        self.emu.as_ref().map(|d| d.nic())
+    }
+
     fn probe(&self) -> HandlerProbe {
         HandlerProbe {
             gpu_doorbell: match &self.gpu_uar {
