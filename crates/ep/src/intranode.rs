@@ -629,6 +629,9 @@ pub struct Buffer {
     ctx: Arc<CudaContext>,
     comm: Arc<CudaStream>,
     compute: Arc<CudaStream>,
+    /// The hardware queues of `comm` (and of `compute` when it is a stream of its own), held
+    /// while the buffer lives (see `ibgda_device::stream_pool`).
+    _stream_leases: Vec<ibgda_device::stream_pool::StreamLease>,
     opts: BufferOptions,
     num_local_experts: usize,
     kernels: Kernels,
@@ -706,6 +709,7 @@ impl Drop for Buffer {
 struct Parts {
     kernels: Kernels,
     comm: Arc<CudaStream>,
+    comm_lease: ibgda_device::stream_pool::StreamLease,
     window: Arc<DeviceBuffer>,
     out: Arc<DeviceBuffer>,
     mapped: crate::mapped::MappedHost,
@@ -723,7 +727,8 @@ impl Parts {
         let dev = |source| EpError::Device { rank, source };
         let cuda = |call, source| EpError::Cuda { rank, call, source };
         let kernels = Kernels::load(ctx, rank)?;
-        let comm = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
+        // Its kernels spin for the peers: a hardware queue of its own.
+        let (comm, comm_lease) = ibgda_device::stream_pool::waiting(ctx).map_err(dev)?;
         let window = DeviceBuffer::new(ctx, wplan.bytes).map_err(dev)?;
         ctx.bind_to_thread()
             .map_err(|e| cuda("cuCtxSetCurrent", e))?;
@@ -751,6 +756,7 @@ impl Parts {
         Ok(Self {
             kernels,
             comm,
+            comm_lease,
             window: Arc::new(window),
             out: Arc::new(out),
             mapped,
@@ -845,12 +851,12 @@ impl Buffer {
         // Ranks of this process on one GPU each get their own compute stream: the context's
         // legacy stream is shared by all of them, and ordering one rank's operation after it
         // would chain it behind another rank's, whose kernels wait for this one.
+        let mut stream_leases = Vec::new();
         let compute = if gate.is_some() {
-            ctx.new_stream().map_err(|source| EpError::Cuda {
-                rank,
-                call: "cuStreamCreate (compute stream)",
-                source,
-            })?
+            let (s, lease) = ibgda_device::stream_pool::waiting(ctx)
+                .map_err(|source| EpError::Device { rank, source })?;
+            stream_leases.push(lease);
+            s
         } else {
             ctx.default_stream()
         };
@@ -879,6 +885,10 @@ impl Buffer {
             ctx: ctx.clone(),
             comm: parts.comm,
             compute,
+            _stream_leases: {
+                stream_leases.push(parts.comm_lease);
+                stream_leases
+            },
             opts: opts.clone(),
             num_local_experts: opts.num_experts / ranks,
             kernels: parts.kernels,

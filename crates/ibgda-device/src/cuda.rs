@@ -242,10 +242,9 @@ impl DeviceBuffer {
         self.check_range(offset, bytes.len())?;
         bind(&self.ctx)?;
         legacy_stream_synchronize()?;
-        let stream = self.ctx.new_stream().map_err(|source| CudaError::Driver {
-            call: "cuStreamCreate",
-            source,
-        })?;
+        // A service stream of the pool: creating a stream per copy would move other streams'
+        // queues (see `stream_pool`), and a copy must never queue behind a spinning kernel.
+        let stream = crate::stream_pool::service(&self.ctx)?;
         // SAFETY: the range was checked to lie inside this live allocation; `bytes` is writable
         // and outlives the copy (a pageable destination makes the call return after the copy,
         // and the stream is waited for below); the stream is live in the current context.

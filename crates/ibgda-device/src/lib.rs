@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod protocol;
 pub mod proxy;
 pub mod qp_desc;
+pub mod stream_pool;
 pub mod timeout;
 pub mod wire;
 

@@ -73,12 +73,17 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
 }
 
-/// A non-blocking stream (never synchronises with the legacy default stream, so a kernel that
-/// spins on another stream cannot hold the emulator's copies back).
+/// A non-blocking service stream of the context's stream pool
+/// ([`ibgda_device::stream_pool::service`]): it never synchronises with the legacy default
+/// stream, and it sits on a hardware queue that no rank's waiting kernel uses, so a kernel that
+/// spins for the emulator's work cannot hold that work back. Pooled streams are shared (by
+/// lanes of this and other NICs) and never destroyed.
 #[derive(Debug)]
 struct Stream {
     ctx: Arc<CudaContext>,
     raw: sys::CUstream,
+    /// Keeps the pooled stream's wrapper (the pool keeps the stream itself).
+    _pooled: Arc<cudarc::driver::CudaStream>,
 }
 
 // SAFETY: a CUstream may be used from any thread once its context is current, which every user
@@ -87,21 +92,30 @@ unsafe impl Send for Stream {}
 
 impl Stream {
     fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
+        // The pool only fails in a driver call.
+        let pooled = ibgda_device::stream_pool::service(ctx).map_err(|e| match e {
+            ibgda_device::cuda::CudaError::Driver { call, source } => {
+                EmuError::Cuda { call, source }
+            }
+            _ => EmuError::Cuda {
+                call: "the stream pool",
+                source: DriverError(sys::cudaError_enum::CUDA_ERROR_UNKNOWN),
+            },
+        })?;
         ctx.bind_to_thread()
             .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
-        let mut raw: sys::CUstream = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: valid out-pointer; the context is current.
-        check("cuStreamCreate", unsafe {
-            sys::cuStreamCreate(&mut raw, flags)
-        })?;
         Ok(Self {
             ctx: ctx.clone(),
-            raw,
+            raw: pooled.cu_stream(),
+            _pooled: pooled,
         })
     }
 
     /// Waits until everything enqueued has completed, polling so that the wait is bounded.
+    ///
+    /// Pooled streams are shared, so this may wait for another lane's deferred atomics, which
+    /// wait for a host thread to compute them: while it waits it computes every ready group of
+    /// every lane ([`crate::cuda_deferred`]), so no two threads can wait for each other here.
     fn wait(&self, timeout: Duration, what: &'static str) -> Result<(), EmuError> {
         let start = Instant::now();
         let mut polls = 0u32;
@@ -127,6 +141,9 @@ impl Stream {
                 });
             }
             polls += 1;
+            if polls % 64 == 0 {
+                crate::cuda_deferred::help_all();
+            }
             if polls < 2000 {
                 std::hint::spin_loop();
             } else {
@@ -138,10 +155,9 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        // The stream is the pool's: wait for this user's work, never destroy it.
         if self.ctx.bind_to_thread().is_ok() {
             let _ = self.wait(Duration::from_secs(5), "stream teardown");
-            // SAFETY: `raw` was created in `new` and is destroyed once, here.
-            let _ = unsafe { sys::cuStreamDestroy_v2(self.raw) };
         }
     }
 }

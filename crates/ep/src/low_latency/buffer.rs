@@ -487,6 +487,8 @@ pub struct LowLatencyBuffer {
     ranks: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// `stream`'s hardware queue, held while the buffer lives (see `ibgda_device::stream_pool`).
+    _stream_lease: ibgda_device::stream_pool::StreamLease,
     opts: LowLatencyOptions,
     dims: Dims,
     dispatch_fn: CudaFunction,
@@ -726,7 +728,9 @@ impl LowLatencyBuffer {
             (f("ep_ll_dispatch")?, f("ep_ll_combine")?)
         };
         let sleep_fn = f("ep_ll_sleep")?;
-        let stream = ctx.new_stream().map_err(|e| cuda("cuStreamCreate", e))?;
+        // Its kernels spin for the peers (and the NIC): a hardware queue of its own.
+        let (stream, stream_lease) = ibgda_device::stream_pool::waiting(&ctx)
+            .map_err(|source| EpError::Device { rank, source })?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda("cuDeviceGetAttribute", e))?
@@ -925,6 +929,7 @@ impl LowLatencyBuffer {
             ranks,
             ctx: ctx.clone(),
             stream,
+            _stream_lease: stream_lease,
             opts: opts.clone(),
             dims,
             dispatch_fn,
