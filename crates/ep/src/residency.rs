@@ -32,10 +32,15 @@ use cudarc::driver::{sys, CudaContext};
 use crate::error::EpError;
 use crate::rendezvous::Exchange;
 
-/// SMs the emulated NIC keeps for itself on every GPU it serves. It moves bytes with copy
-/// engines and host threads, so it needs none: a kernel that spins while it waits for the
-/// emulator cannot starve it (DESIGN.md, "Testing without a NIC").
-pub const EMULATED_NIC_SMS: u32 = 0;
+/// SMs kept free of waiting kernels on every GPU an emulated NIC serves. The NIC moves bytes
+/// with host threads, copies and stream memory operations, but a copy between two addresses of
+/// one GPU (every write between ranks that share it) runs as a copy kernel, which needs an SM:
+/// with the ranks' spinning grids taking all of them, the copy waits for a kernel that waits
+/// for it. Seen on one H200 on 2026-12-02 (EP2 as threads, 66 SMs each): both NIC threads
+/// waiting on their copies while both ranks' send kernels spun in quiet, until the bound; it
+/// came and went with timing. Four leave room for several copies at once (DESIGN.md, "Testing
+/// without a NIC": an SM left free); a real NIC needs none.
+pub const EMULATED_NIC_SMS: u32 = 4;
 
 /// Streams a rank's operations use (communication and compute), for the hardware-queue check.
 const STREAMS_PER_RANK: usize = 2;
@@ -410,6 +415,20 @@ mod tests {
             assert!(text.contains(want), "{want:?} missing from: {text}");
         }
         assert!(s.check("x", 0, 0).is_err());
+    }
+
+    #[test]
+    fn the_emulated_nic_keeps_sms_free_of_waiting_grids() {
+        // Two ranks as threads on one 132-SM GPU: their default grids leave the NIC's copy
+        // kernels room, and a grid that would take those SMs is refused.
+        let ids = [[1, 1, 7, 3]; 2];
+        let s = share(0, &ids);
+        let b = s.default_budget("x", EMULATED_NIC_SMS).unwrap();
+        assert!(EMULATED_NIC_SMS > 0);
+        assert_eq!(b, (132 - EMULATED_NIC_SMS) / 2);
+        assert!(b * 2 + EMULATED_NIC_SMS <= 132);
+        assert!(s.check("x", 66, EMULATED_NIC_SMS).is_err());
+        s.check("x", 66, 0).unwrap();
     }
 
     #[test]

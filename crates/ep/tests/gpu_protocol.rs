@@ -41,6 +41,8 @@ fn modes(rank: &EmuRank) -> Vec<NicHandler> {
 struct Rig {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// `stream`'s hardware queue.
+    _lease: ibgda_device::stream_pool::StreamLease,
     /// Loaded once, before any kernel runs: loading a module while a kernel spins could wait
     /// for it.
     put: CudaFunction,
@@ -57,14 +59,15 @@ fn rig(ctx: &Arc<CudaContext>, peer_ctx: &Arc<CudaContext>, bytes: usize) -> Rig
     let peer = EmuRank::cuda(&fabric, peer_ctx, 1).expect("emulated NIC for rank 1");
     let src = me.arena(bytes).expect("source arena");
     let dst = peer.arena(bytes).expect("destination arena");
-    let stream = ctx
-        .new_stream()
-        .expect("a non-blocking stream for the test kernels");
+    // The test kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
+    let (stream, lease) =
+        ibgda_device::stream_pool::waiting(ctx).expect("a waiting stream for the test kernels");
     let put = ep_kernels::load_function(ctx, MODULE, "protocol_put_quiet")
         .expect("loading protocol_put_quiet");
     Rig {
         ctx: ctx.clone(),
         stream,
+        _lease: lease,
         put,
         me,
         peer,

@@ -666,16 +666,11 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     unsafe { sys::cuModuleGetFunction(&mut func, module, name.as_ptr()) }
         .result()
         .unwrap();
-    let mut stream: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: valid out-pointer; context current.
-    unsafe {
-        sys::cuStreamCreate(
-            &mut stream,
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-        )
-    }
-    .result()
-    .unwrap();
+    // The spinning kernels wait for the NIC: a hardware queue of their own, so the NIC's copies
+    // (on the pool's service queues) never queue behind them.
+    let (waiting, _lease) =
+        ibgda_device::stream_pool::waiting(&ctx1).expect("a waiting stream from the pool");
+    let stream: sys::CUstream = waiting.cu_stream();
     let (mut pflag, mut pout, mut pmax) = (flag.ptr(), out.ptr(), 20_000_000_000u64);
     let mut args: [*mut std::ffi::c_void; 3] = [
         (&mut pflag as *mut u64).cast(),
@@ -753,9 +748,8 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     eprintln!(
         "{blocks} blocks x 1024 threads on {sms} SMs; the flag write completed in {write_done:?}"
     );
-    // SAFETY: the stream is idle and the module's kernel has finished.
+    // SAFETY: the module's kernel has finished (the pool keeps the stream).
     unsafe {
-        let _ = sys::cuStreamDestroy_v2(stream);
         let _ = sys::cuModuleUnload(module);
     }
 }
