@@ -16,6 +16,7 @@ mod config;
 mod dtype;
 mod error;
 mod event;
+pub mod internode;
 mod intranode;
 pub mod low_latency;
 mod mapped;
