@@ -358,7 +358,11 @@ pub fn combine(
         if !inp.weights.is_empty() {
             check_len(d, "combine weights", inp.weights.len(), rows * topk)?;
         }
-        if let Some(&(s, t)) = recv.sources.iter().find(|&&(s, t)| tokens.get(s) <= Some(&t)) {
+        if let Some(&(s, t)) = recv
+            .sources
+            .iter()
+            .find(|&&(s, t)| tokens.get(s) <= Some(&t))
+        {
             return Err(ReferenceError::Shape {
                 rank: d,
                 what: "a received row's source token",
@@ -444,7 +448,12 @@ fn check_experts(num_experts: usize, world: usize) -> Result<(), ReferenceError>
     Ok(())
 }
 
-fn check_len(rank: usize, what: &'static str, got: usize, want: usize) -> Result<(), ReferenceError> {
+fn check_len(
+    rank: usize,
+    what: &'static str,
+    got: usize,
+    want: usize,
+) -> Result<(), ReferenceError> {
     if got != want {
         return Err(ReferenceError::Shape {
             rank,
@@ -500,10 +509,572 @@ fn check_inputs(
             })
         };
         check_len(r, "x", i.x.len(), len("x", i.tokens, i.row_bytes)?)?;
-        check_len(r, "scales", i.scales.len(), len("scales", i.tokens, i.scale_words)?)?;
-        check_len(r, "topk_idx", i.topk_idx.len(), len("topk_idx", i.tokens, i.topk)?)?;
-        check_len(r, "weights", i.weights.len(), len("weights", i.tokens, i.topk)?)?;
+        check_len(
+            r,
+            "scales",
+            i.scales.len(),
+            len("scales", i.tokens, i.scale_words)?,
+        )?;
+        check_len(
+            r,
+            "topk_idx",
+            i.topk_idx.len(),
+            len("topk_idx", i.tokens, i.topk)?,
+        )?;
+        check_len(
+            r,
+            "weights",
+            i.weights.len(),
+            len("weights", i.tokens, i.topk)?,
+        )?;
         check_ids(r, &i.topk_idx, i.topk, num_experts)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// splitmix64: routing drawn from one seed, so a failing case is one number to replay.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+
+        fn value(&mut self) -> f32 {
+            (self.below(1 << 12) as f32 - 2048.0) / 512.0
+        }
+    }
+
+    /// How tokens pick their experts.
+    #[derive(Debug, Clone, Copy)]
+    enum Routing {
+        /// Any expert, with `-1` and repeated ids now and then.
+        Uniform,
+        /// Each token either stays on its own node, reaches every node, or picks at random.
+        HomeOrEverywhere,
+        /// Most picks are expert 0.
+        Imbalanced,
+    }
+
+    struct Case {
+        topo: Topology,
+        inputs: Vec<RankInput>,
+        num_experts: usize,
+        hidden: usize,
+    }
+
+    fn case(
+        topo: Topology,
+        routing: Routing,
+        seed: u64,
+        tokens: usize,
+        topk: usize,
+        per_rank: usize,
+    ) -> Case {
+        let mut rng = Rng(seed);
+        let world = topo.world();
+        let rpn = topo.ranks_per_node();
+        let num_experts = world * per_rank;
+        let hidden = 3;
+        let topk = match routing {
+            Routing::HomeOrEverywhere => topk.max(topo.nodes()),
+            _ => topk,
+        }
+        .min(num_experts);
+        let inputs = (0..world)
+            .map(|s| {
+                let n_tok = (tokens + s) % (tokens + 1);
+                let mut ids = Vec::with_capacity(n_tok * topk);
+                for _ in 0..n_tok {
+                    let kind = rng.below(3);
+                    for k in 0..topk {
+                        let id = match routing {
+                            Routing::Uniform if rng.below(8) == 0 => -1,
+                            Routing::Uniform => rng.below(num_experts) as i32,
+                            Routing::HomeOrEverywhere if kind == 0 => {
+                                let node = s / rpn;
+                                (node * rpn * per_rank + rng.below(rpn * per_rank)) as i32
+                            }
+                            Routing::HomeOrEverywhere if kind == 1 && k < topo.nodes() => {
+                                (k * rpn * per_rank + rng.below(rpn * per_rank)) as i32
+                            }
+                            Routing::HomeOrEverywhere => rng.below(num_experts) as i32,
+                            Routing::Imbalanced if rng.below(5) != 0 => 0,
+                            Routing::Imbalanced => rng.below(num_experts) as i32,
+                        };
+                        ids.push(id);
+                    }
+                }
+                let values: Vec<Bf16> = (0..n_tok * hidden)
+                    .map(|_| Bf16::from_f32(rng.value()))
+                    .collect();
+                RankInput {
+                    tokens: n_tok,
+                    row_bytes: hidden * 2,
+                    x: bytemuck::cast_slice(&values).to_vec(),
+                    scale_words: 1,
+                    scales: (0..n_tok).map(|t| (s * 1000 + t) as f32).collect(),
+                    topk,
+                    weights: (0..n_tok * topk).map(|i| 1.0 / (1 + i) as f32).collect(),
+                    topk_idx: ids,
+                }
+            })
+            .collect();
+        Case {
+            topo,
+            inputs,
+            num_experts,
+            hidden,
+        }
+    }
+
+    /// Each rank returns its rows scaled by its own factor, and the weights it received.
+    fn expert_outputs(c: &Case, d: &InternodeDispatch) -> Vec<CombineInput> {
+        d.received
+            .iter()
+            .enumerate()
+            .map(|(r, recv)| {
+                let rows = bf16s(&recv.x);
+                CombineInput {
+                    x: rows
+                        .iter()
+                        .map(|v| Bf16::from_f32(v.to_f32() * factor(r)))
+                        .collect(),
+                    weights: recv.weights.clone(),
+                }
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .inspect(|i| assert_eq!(i.x.len() % c.hidden.max(1), 0))
+            .collect()
+    }
+
+    /// BF16 values of a byte row (a `Vec<u8>` need not be 2-aligned).
+    fn bf16s(bytes: &[u8]) -> Vec<Bf16> {
+        bytes
+            .chunks_exact(2)
+            .map(bytemuck::pod_read_unaligned)
+            .collect()
+    }
+
+    fn factor(rank: usize) -> f32 {
+        1.0 + rank as f32 / 8.0
+    }
+
+    fn biases(c: &Case, on: bool) -> Vec<[Option<Vec<Bf16>>; 2]> {
+        c.inputs
+            .iter()
+            .enumerate()
+            .map(|(r, i)| {
+                let b = |k: f32| {
+                    on.then(|| {
+                        (0..i.tokens * c.hidden)
+                            .map(|j| Bf16::from_f32((j as f32 - k) / 4.0 + r as f32))
+                            .collect()
+                    })
+                };
+                [b(1.0), b(3.0)]
+            })
+            .collect()
+    }
+
+    /// Every property the brief of the internode path names, on one case.
+    fn check(c: &Case, alignment: usize, with_bias: bool) {
+        let topo = &c.topo;
+        let rpn = topo.ranks_per_node();
+        let world = topo.world();
+        let per_rank = c.num_experts / world;
+        let d = dispatch(topo, &c.inputs, c.num_experts, alignment).unwrap();
+
+        // The same rows, in the same order, as the one-hop definition.
+        let flat = crate::reference::dispatch(&c.inputs, c.num_experts, alignment);
+        assert_eq!(d.received, flat);
+
+        let mut rows_into = vec![0usize; world];
+        for (s, inp) in c.inputs.iter().enumerate() {
+            let l = layout(&inp.topk_idx, inp.topk, topo, c.num_experts).unwrap();
+            assert_eq!(
+                d.tokens_to_node[s],
+                l.tokens_per_rdma_rank
+                    .iter()
+                    .map(|&v| v as usize)
+                    .collect::<Vec<_>>()
+            );
+            for t in 0..inp.tokens {
+                let ids = &inp.topk_idx[t * inp.topk..(t + 1) * inp.topk];
+                // Exactly the ranks of its experts.
+                let mut want: Vec<usize> = ids
+                    .iter()
+                    .filter(|&&e| e >= 0)
+                    .map(|&e| e as usize / per_rank)
+                    .collect();
+                want.sort_unstable();
+                want.dedup();
+                let route = &d.routes[s][t];
+                assert_eq!(route.ranks, want, "rank {s} token {t} ids {ids:?}");
+                for r in 0..world {
+                    assert_eq!(l.is_token_in_rank[t * world + r] == 1, want.contains(&r));
+                }
+                let mut nodes: Vec<usize> = want.iter().map(|r| r / rpn).collect();
+                nodes.dedup();
+                assert_eq!(route.nodes, nodes);
+                // At most one copy through the NIC per (token, node), to the counterpart.
+                let copies: Vec<&RdmaCopy> = d
+                    .rdma_copies
+                    .iter()
+                    .filter(|x| (x.src, x.token) == (s, t))
+                    .collect();
+                let away: Vec<usize> = nodes.iter().copied().filter(|&n| n != s / rpn).collect();
+                assert_eq!(copies.iter().map(|x| x.node).collect::<Vec<_>>(), away);
+                for x in copies {
+                    assert_eq!(topo.locate(x.forwarder).unwrap(), (x.node, s % rpn));
+                }
+                for &r in &want {
+                    rows_into[r] += 1;
+                }
+            }
+        }
+        // NVLink forwards: each row arrived exactly once, from its node's forwarders.
+        for (n, into) in rows_into.chunks(rpn).enumerate() {
+            for (j, &rows) in into.iter().enumerate() {
+                let forwarded: usize = (0..rpn).map(|f| d.nvl_forwarded[n * rpn + f][j]).sum();
+                assert_eq!(forwarded, rows);
+                assert_eq!(d.received[n * rpn + j].sources.len(), rows);
+            }
+        }
+
+        let outputs = expert_outputs(c, &d);
+        let tokens: Vec<usize> = c.inputs.iter().map(|i| i.tokens).collect();
+        let bias = biases(c, with_bias);
+        let comb = combine(
+            topo,
+            &d,
+            &outputs,
+            &tokens,
+            c.hidden,
+            c.inputs.first().map_or(0, |i| i.topk),
+            &bias,
+        )
+        .unwrap();
+        // The copies back mirror the copies out.
+        assert_eq!(comb.rdma_copies, d.rdma_copies);
+        for (s, inp) in c.inputs.iter().enumerate() {
+            let (x, w) = &comb.out[s];
+            let values = bf16s(&inp.x);
+            for t in 0..inp.tokens {
+                let ranks = &d.routes[s][t].ranks;
+                for h in 0..c.hidden {
+                    let i = t * c.hidden + h;
+                    let terms: Vec<f64> = ranks
+                        .iter()
+                        .map(|&r| Bf16::from_f32(values[i].to_f32() * factor(r)).to_f32() as f64)
+                        .collect();
+                    let b: f64 = bias[s].iter().flatten().map(|b| b[i].to_f32() as f64).sum();
+                    let want: f64 = terms.iter().sum::<f64>() + b;
+                    let scale: f64 = terms.iter().map(|v| v.abs()).sum::<f64>()
+                        + bias[s]
+                            .iter()
+                            .flatten()
+                            .map(|b| b[i].to_f32().abs() as f64)
+                            .sum::<f64>();
+                    let got = x[i].to_f32() as f64;
+                    assert!(
+                        (got - want).abs() <= scale / 128.0 + 1e-30,
+                        "rank {s} token {t} h {h}: got {got}, want {want} (terms {terms:?}, bias {b})"
+                    );
+                }
+                for k in 0..inp.topk {
+                    let e = inp.topk_idx[t * inp.topk + k];
+                    let want = if e >= 0 {
+                        inp.weights[t * inp.topk + k]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(w[t * inp.topk + k], want, "rank {s} token {t} k {k}");
+                }
+            }
+        }
+        // One node: bit for bit the intranode combine when there are no biases.
+        if topo.nodes() == 1 && !with_bias {
+            let topk = c.inputs.first().map_or(0, |i| i.topk);
+            let intra =
+                crate::reference::combine(&d.received, &outputs, &tokens, c.hidden, topk, &bias);
+            assert_eq!(comb.out, intra);
+        }
+    }
+
+    const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
+    const ROUTINGS: [Routing; 3] = [
+        Routing::Uniform,
+        Routing::HomeOrEverywhere,
+        Routing::Imbalanced,
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn random_routing_on_the_issue_topologies(
+            topo in 0usize..TOPOLOGIES.len(),
+            routing in 0usize..ROUTINGS.len(),
+            seed in any::<u64>(),
+            tokens in 0usize..24,
+            topk in 1usize..9,
+            per_rank in 1usize..4,
+            alignment in 1usize..5,
+            with_bias in any::<bool>(),
+            virtual_nodes in any::<bool>(),
+        ) {
+            let (n, r) = TOPOLOGIES[topo];
+            let topo = if virtual_nodes {
+                Topology::virtual_nodes(n, r)
+            } else {
+                Topology::new(n, r)
+            }
+            .unwrap();
+            let c = case(topo, ROUTINGS[routing], seed, tokens, topk, per_rank);
+            check(&c, alignment, with_bias);
+        }
+
+        #[test]
+        fn one_node_is_the_intranode_reference(
+            ranks in 1usize..=8,
+            routing in 0usize..ROUTINGS.len(),
+            seed in any::<u64>(),
+            tokens in 0usize..16,
+            topk in 1usize..9,
+            with_bias in any::<bool>(),
+        ) {
+            let c = case(Topology::new(1, ranks).unwrap(), ROUTINGS[routing], seed, tokens, topk, 2);
+            check(&c, 1, with_bias);
+            let d = dispatch(&c.topo, &c.inputs, c.num_experts, 1).unwrap();
+            prop_assert!(d.rdma_copies.is_empty());
+        }
+    }
+
+    #[test]
+    fn every_routing_kind_is_exercised_on_every_topology() {
+        for &(n, r) in &TOPOLOGIES {
+            for routing in ROUTINGS {
+                for seed in 0..4 {
+                    let c = case(Topology::new(n, r).unwrap(), routing, seed, 20, 4, 2);
+                    check(&c, 2, seed % 2 == 0);
+                }
+            }
+        }
+        // HomeOrEverywhere really makes both kinds of token.
+        let c = case(
+            Topology::new(4, 2).unwrap(),
+            Routing::HomeOrEverywhere,
+            7,
+            24,
+            4,
+            2,
+        );
+        let d = dispatch(&c.topo, &c.inputs, c.num_experts, 1).unwrap();
+        let spans: Vec<usize> = d.routes.iter().flatten().map(|r| r.nodes.len()).collect();
+        assert!(spans.contains(&4), "{spans:?}");
+        let home_only = d
+            .routes
+            .iter()
+            .enumerate()
+            .any(|(s, rs)| rs.iter().any(|r| r.nodes == [s / 2]));
+        assert!(home_only);
+    }
+
+    #[test]
+    fn by_hand_two_nodes_of_two() {
+        // 8 experts, 2 per rank. Rank 1 (node 0, local 1) has one token for experts 1 (rank 0),
+        // 5 (rank 2) and 7 (rank 3): one copy to node 1, through rank 3, which forwards it to
+        // ranks 2 and 3; on node 0 it forwards to rank 0 itself.
+        let topo = Topology::new(2, 2).unwrap();
+        let empty = RankInput {
+            topk: 3,
+            row_bytes: 2,
+            ..Default::default()
+        };
+        let token = RankInput {
+            tokens: 1,
+            row_bytes: 2,
+            x: bytemuck::cast_slice(&[Bf16::from_f32(2.0)]).to_vec(),
+            topk: 3,
+            topk_idx: vec![1, 5, 7],
+            weights: vec![0.5, 0.25, 0.125],
+            ..Default::default()
+        };
+        let inputs = vec![empty.clone(), token, empty.clone(), empty];
+        let d = dispatch(&topo, &inputs, 8, 1).unwrap();
+        assert_eq!(
+            d.routes[1][0],
+            TokenRoute {
+                nodes: vec![0, 1],
+                ranks: vec![0, 2, 3]
+            }
+        );
+        assert_eq!(
+            d.rdma_copies,
+            vec![RdmaCopy {
+                src: 1,
+                token: 0,
+                node: 1,
+                forwarder: 3
+            }]
+        );
+        assert_eq!(d.tokens_to_node[1], vec![1, 1]);
+        assert_eq!(d.nvl_forwarded[1], vec![1, 0]);
+        assert_eq!(d.nvl_forwarded[3], vec![1, 1]);
+        assert_eq!(d.received[2].topk_idx, vec![-1, 1, -1]);
+        assert_eq!(d.received[2].weights, vec![0.0, 0.25, 0.0]);
+        assert_eq!(d.received[3].topk_idx, vec![-1, -1, 1]);
+        // Combine: ranks 0, 2, 3 return 1, 2, 4 (weights as received); node 1 sums 2 + 4 at
+        // rank 3, which sends 6 back; rank 1 adds node 0's 1 and the bias 0.5.
+        let back = |v: f32, w: &[f32]| CombineInput {
+            x: vec![Bf16::from_f32(v)],
+            weights: w.to_vec(),
+        };
+        let outputs = vec![
+            back(1.0, &d.received[0].weights),
+            CombineInput::default(),
+            back(2.0, &d.received[2].weights),
+            back(4.0, &d.received[3].weights),
+        ];
+        let bias = vec![
+            [None, None],
+            [Some(vec![Bf16::from_f32(0.5)]), None],
+            [None, None],
+            [None, None],
+        ];
+        let c = combine(&topo, &d, &outputs, &[0, 1, 0, 0], 1, 3, &bias).unwrap();
+        assert_eq!(c.out[1].0, vec![Bf16::from_f32(7.5)]);
+        assert_eq!(c.out[1].1, vec![0.5, 0.25, 0.125]);
+        assert_eq!(c.rdma_copies, d.rdma_copies);
+        let l = layout(&inputs[1].topk_idx, 3, &topo, 8).unwrap();
+        assert_eq!(l.tokens_per_rdma_rank, vec![1, 1]);
+        assert_eq!(l.tokens_per_rank, vec![1, 0, 1, 1]);
+        assert_eq!(l.tokens_per_expert, vec![0, 1, 0, 0, 0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn node_sums_cross_as_bf16() {
+        // Rank 0's token reaches ranks 2 and 3 (node 1), which return 1 and 2^-8. Node 1's sum,
+        // 1 + 2^-8, is a tie that rounds to 1 in BF16 before it crosses; with a bias of 2^-8
+        // the result is again a tie, 1. The one-hop sum keeps 1 + 2^-7, exact in BF16.
+        let topo = Topology::new(2, 2).unwrap();
+        let empty = RankInput {
+            topk: 2,
+            row_bytes: 2,
+            ..Default::default()
+        };
+        let token = RankInput {
+            tokens: 1,
+            row_bytes: 2,
+            x: vec![0, 0],
+            topk: 2,
+            topk_idx: vec![4, 6],
+            weights: vec![1.0, 1.0],
+            ..Default::default()
+        };
+        let inputs = vec![token, empty.clone(), empty.clone(), empty];
+        let d = dispatch(&topo, &inputs, 8, 1).unwrap();
+        let row = |v: f32| CombineInput {
+            x: vec![Bf16::from_f32(v)],
+            weights: vec![],
+        };
+        let outputs = vec![
+            CombineInput::default(),
+            CombineInput::default(),
+            row(1.0),
+            row(1.0 / 256.0),
+        ];
+        let eps = Bf16::from_f32(1.0 / 256.0);
+        let bias = vec![
+            [Some(vec![eps]), None],
+            [None, None],
+            [None, None],
+            [None, None],
+        ];
+        let tokens = [1, 0, 0, 0];
+        let two_hop = combine(&topo, &d, &outputs, &tokens, 1, 2, &bias).unwrap();
+        let one_hop = crate::reference::combine(&d.received, &outputs, &tokens, 1, 2, &bias);
+        assert_eq!(two_hop.out[0].0, vec![Bf16::from_f32(1.0)]);
+        assert_eq!(one_hop[0].0, vec![Bf16::from_f32(1.0 + 1.0 / 128.0)]);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_that_name_the_value() {
+        let topo = Topology::new(2, 2).unwrap();
+        let ok = |tokens: usize| RankInput {
+            tokens,
+            row_bytes: 1,
+            x: vec![0; tokens],
+            topk: 1,
+            topk_idx: vec![0; tokens],
+            weights: vec![1.0; tokens],
+            ..Default::default()
+        };
+        let four = vec![ok(1), ok(1), ok(1), ok(1)];
+        let msg = |r: Result<InternodeDispatch, ReferenceError>| r.unwrap_err().to_string();
+        assert!(
+            msg(dispatch(&topo, &four[..3], 4, 1)).contains("3 rank inputs for a topology of 4")
+        );
+        assert!(msg(dispatch(&topo, &four, 6, 1)).contains("num_experts 6"));
+        assert!(msg(dispatch(&topo, &four, 0, 1)).contains("num_experts 0"));
+        let mut bad = four.clone();
+        bad[2].topk_idx = vec![4];
+        assert!(msg(dispatch(&topo, &bad, 4, 1)).contains("rank 2, token 0: expert id 4"));
+        bad[2].topk_idx = vec![-2];
+        assert!(msg(dispatch(&topo, &bad, 4, 1)).contains("expert id -2"));
+        let mut bad = four.clone();
+        bad[1].x = vec![];
+        assert!(msg(dispatch(&topo, &bad, 4, 1)).contains("rank 1: x has 0 elements, 1 expected"));
+        let mut bad = four.clone();
+        bad[3].weights = vec![];
+        assert!(msg(dispatch(&topo, &bad, 4, 1)).contains("rank 3: weights"));
+        let mut bad = four.clone();
+        bad[0].tokens = usize::MAX;
+        assert!(dispatch(&topo, &bad, 4, 1).is_err());
+        assert!(layout(&[0, 9], 1, &topo, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("token 1: expert id 9"));
+        assert!(layout(&[0, 1, 2], 2, &topo, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("topk_idx has 3"));
+
+        let d = dispatch(&topo, &four, 4, 1).unwrap();
+        let back = |rows: usize| CombineInput {
+            x: vec![Bf16::default(); rows],
+            weights: vec![],
+        };
+        let outputs: Vec<CombineInput> = d.received.iter().map(|r| back(r.sources.len())).collect();
+        let nob = vec![[None, None], [None, None], [None, None], [None, None]];
+        let cmsg = |o: &[CombineInput], t: &[usize], b: &[[Option<Vec<Bf16>>; 2]]| {
+            combine(&topo, &d, o, t, 1, 1, b).unwrap_err().to_string()
+        };
+        combine(&topo, &d, &outputs, &[1, 1, 1, 1], 1, 1, &nob).unwrap();
+        assert!(cmsg(&outputs[..2], &[1, 1, 1, 1], &nob).contains("2 combine inputs"));
+        assert!(cmsg(&outputs, &[1, 1, 1], &nob).contains("3 token counts"));
+        assert!(cmsg(&outputs, &[1, 0, 1, 1], &nob)
+            .contains("rank 1: routes has 1 elements, 0 expected"));
+        let mut short = outputs.clone();
+        short[0].x.clear();
+        assert!(cmsg(&short, &[1, 1, 1, 1], &nob).contains("rank 0: combine x has 0"));
+        let mut bias = nob.clone();
+        bias[2][1] = Some(vec![]);
+        assert!(cmsg(&outputs, &[1, 1, 1, 1], &bias).contains("rank 2: bias has 0"));
+    }
 }

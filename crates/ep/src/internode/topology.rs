@@ -363,11 +363,17 @@ mod tests {
     #[test]
     fn from_a_launch() {
         let t = Topology::from_launch(&launched(16, 8), None).unwrap();
-        assert_eq!((t.nodes(), t.ranks_per_node(), t.kind()), (2, 8, NodeKind::Hosts));
+        assert_eq!(
+            (t.nodes(), t.ranks_per_node(), t.kind()),
+            (2, 8, NodeKind::Hosts)
+        );
         let t = Topology::from_launch(&launched(16, 8), Some(8)).unwrap();
         assert_eq!(t.kind(), NodeKind::Hosts);
         let t = Topology::from_launch(&launched(8, 8), Some(2)).unwrap();
-        assert_eq!((t.nodes(), t.ranks_per_node(), t.kind()), (4, 2, NodeKind::Virtual));
+        assert_eq!(
+            (t.nodes(), t.ranks_per_node(), t.kind()),
+            (4, 2, NodeKind::Virtual)
+        );
         let t = Topology::from_launch(&launched(4, 4), Some(1)).unwrap();
         assert_eq!((t.nodes(), t.ranks_per_node()), (4, 1));
         let e = Topology::from_launch(&launched(16, 8), Some(4)).unwrap_err();
