@@ -9,6 +9,7 @@
 //! [`reference`] of layout, dispatch and combine they must reproduce, and the byte budget of
 //! their buffers ([`plan`]).
 
+pub mod plan;
 pub mod reference;
 mod topology;
 

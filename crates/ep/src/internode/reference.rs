@@ -88,9 +88,9 @@ pub struct InternodeLayout {
 /// // 2 nodes × 2 ranks, 8 experts (2 per rank), top-2.
 /// let topo = Topology::new(2, 2).unwrap();
 /// let l = layout(&[0, 1, 2, 7, -1, -1], 2, &topo, 8).unwrap();
-/// assert_eq!(l.tokens_per_rank, vec![2, 1, 0, 1]);
+/// assert_eq!(l.tokens_per_rank, vec![1, 1, 0, 1]);
 /// assert_eq!(l.tokens_per_rdma_rank, vec![2, 1]);
-/// assert_eq!(l.is_token_in_rank, vec![1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0]);
+/// assert_eq!(l.is_token_in_rank, vec![1, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0]);
 /// ```
 pub fn layout(
     topk_idx: &[i32],
