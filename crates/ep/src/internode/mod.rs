@@ -6,7 +6,7 @@
 //! need it; combine reduces inside each node before the one copy crosses back, then across nodes.
 //!
 //! This module holds what needs no GPU: the [`Topology`] the kernels read, the CPU
-//! [`reference`] of layout, dispatch and combine they must reproduce, and the byte budget of
+//! [`reference`](mod@reference) of layout, dispatch and combine they must reproduce, and the byte budget of
 //! their buffers ([`plan`]).
 
 pub mod plan;
