@@ -350,7 +350,8 @@ impl LaunchEnv {
 
     /// The number of hosts: `world / local_world`.
     pub fn nodes(&self) -> usize {
-        self.world / self.local_world
+        // The fields are public: a hand-built value with no local ranks has no nodes.
+        self.world.checked_div(self.local_world).unwrap_or(0)
     }
 
     /// The bootstrap configuration of this rank: its rank, world, local rank and rendezvous from

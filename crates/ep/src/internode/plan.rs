@@ -334,9 +334,13 @@ impl RingPlan {
         if channel >= self.channels || peer >= peers || slot >= ring {
             return None;
         }
-        // In range of a plan whose totals were checked: cannot overflow.
-        let index = (channel * peers + peer) * ring + slot;
-        Some(base + index * self.slot.bytes)
+        // Checked although `new` bounded the totals: the fields are public.
+        let index = channel
+            .checked_mul(peers)?
+            .checked_add(peer)?
+            .checked_mul(ring)?
+            .checked_add(slot)?;
+        base.checked_add(index.checked_mul(self.slot.bytes)?)
     }
 }
 

@@ -383,6 +383,9 @@ mod tests {
         let e = Topology::from_launch(&launched(8, 8), Some(0)).unwrap_err();
         assert!(e.to_string().contains("virtual nodes of 0"), "{e}");
         // A launch of 16 ranks on one host: more than a node may hold.
+        // A hand-built launch with no local ranks: an error, no division by zero.
+        assert!(Topology::from_launch(&launched(4, 0), None).is_err());
+        assert!(Topology::from_launch(&launched(4, 0), Some(2)).is_err());
         let e = Topology::from_launch(&launched(16, 16), None).unwrap_err();
         assert!(e.to_string().contains("ranks_per_node 16"), "{e}");
     }
