@@ -9,6 +9,9 @@
 //! ([`Buffer::create_group`]), compute a [`DispatchLayout`] from top-k expert ids,
 //! [`dispatch`](Buffer::dispatch) tokens to the ranks holding their experts and
 //! [`combine`](Buffer::combine) the expert outputs back.
+//! [`internode`] holds the groundwork of the path across nodes: the [`internode::Topology`]
+//! (virtual nodes included), its CPU reference and the byte budget of its rings; ranks on
+//! several hosts find each other through [`bootstrap::LaunchEnv`] (torchrun, srun, mpirun).
 //! [`reference`] is the CPU definition of every result, used by the tests.
 
 pub mod bootstrap;
@@ -16,6 +19,7 @@ mod config;
 mod dtype;
 mod error;
 mod event;
+pub mod internode;
 mod intranode;
 pub mod low_latency;
 mod mapped;

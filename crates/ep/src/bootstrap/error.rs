@@ -29,6 +29,10 @@ pub enum BootstrapError {
         /// What is wrong with it.
         reason: String,
     },
+    /// An existing launcher's environment (torchrun, srun, mpirun) does not describe a usable
+    /// rank.
+    #[error(transparent)]
+    LaunchEnv(#[from] super::LaunchEnvError),
     /// A configuration given through the API cannot be used.
     #[error("invalid bootstrap configuration: {0}")]
     Config(String),

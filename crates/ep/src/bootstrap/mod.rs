@@ -22,6 +22,10 @@
 //! the listening socket the launcher bound), prefixes each rank's output with `[rank N] `, and
 //! fails as soon as one rank fails.
 //!
+//! Across hosts, ranks started by `torchrun`, `srun` or `mpirun` read their place from those
+//! launchers' variables ([`LaunchEnv`]) and join over TCP as above
+//! ([`TcpCommunicator::from_launcher_env`]).
+//!
 //! Every wait here has a time bound (in `(0, 1 day]`: see [`ibgda_device::timeout`]), and every
 //! error names the rank, the step and, for sockets, the peer's address.
 //!
@@ -43,6 +47,7 @@ mod config;
 mod error;
 mod ipc;
 mod launcher;
+mod launcher_env;
 mod tcp;
 mod thread;
 mod token;
@@ -54,6 +59,9 @@ pub use error::BootstrapError;
 pub use ipc::{exchange_buffers, export, IpcHandle, PeerBuffer, PeerMapping};
 pub(crate) use launcher::panic_text;
 pub use launcher::{launch, Launcher};
+pub use launcher_env::{
+    launcher_vars, LaunchEnv, LaunchEnvError, LauncherKind, Rendezvous, RendezvousSource,
+};
 pub use tcp::TcpCommunicator;
 pub use thread::{ThreadCommunicator, ThreadGroup};
 pub use token::JobToken;

@@ -1,0 +1,16 @@
+//! Internode normal mode: ranks on several nodes (hosts, or [virtual nodes](NodeKind::Virtual)
+//! of one host), tokens crossing between nodes through the NIC and inside a node over NVLink.
+//!
+//! A token crosses to another node at most once, to the rank with its own rank's local index
+//! there ([`Topology::rdma_peer`]), which forwards it over NVLink to the ranks of that node that
+//! need it; combine reduces inside each node before the one copy crosses back, then across nodes.
+//!
+//! This module holds what needs no GPU: the [`Topology`] the kernels read, the CPU
+//! [`reference`](mod@reference) of layout, dispatch and combine they must reproduce, and the byte budget of
+//! their buffers ([`plan`]).
+
+pub mod plan;
+pub mod reference;
+mod topology;
+
+pub use topology::{NodeKind, Topology, TopologyError, MAX_RANKS_PER_NODE};
