@@ -229,7 +229,7 @@ impl MemoryBackend for CudaMemory {
             scratch: HostBuffer::pinned(&self.ctx, 64)?,
             wb: WriteBackEvent::new(&self.ctx)?,
             memops: true,
-            batch_copies: true,
+            batch_copies: crate::cuda_batch::batch_copies_from_env(),
             batch: Batch::default(),
             defer,
             relaxed: false,

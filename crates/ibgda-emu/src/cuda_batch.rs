@@ -26,6 +26,22 @@ const MAX_MEMOPS_PER_CALL: usize = 248;
 /// Word stores gathered before the batch is submitted (several calls of [`MAX_MEMOPS_PER_CALL`]).
 pub(crate) const MAX_BATCH_WORDS: usize = 4 * MAX_MEMOPS_PER_CALL;
 
+/// Environment variable: `1` gathers a QP's device copies of a round into one
+/// `cuMemcpyBatchAsync`; anything else (the default) issues one `cuMemcpyAsync` per copy.
+///
+/// Off by default: on one H200 (2026-12-02) with batched copies the emulator made no progress
+/// while waiting kernels filled every SM (`gpu_protocol::
+/// gpu_emulator_progresses_while_waiting_kernels_fill_the_gpu`, which passed with one call per
+/// copy on 2026-12-01): the batched call appears to run its copies as a kernel, which needs an
+/// SM. Turn it on only where SMs are kept free for the NIC (`ep::residency::EMULATED_NIC_SMS`)
+/// and measure.
+pub const BATCH_COPIES_ENV: &str = "IBGDA_EMU_BATCH_COPIES";
+
+/// Whether [`BATCH_COPIES_ENV`] asks for batched copies.
+pub(crate) fn batch_copies_from_env() -> bool {
+    std::env::var(BATCH_COPIES_ENV).is_ok_and(|v| v.trim() == "1")
+}
+
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
 }

@@ -151,6 +151,7 @@ mod strict;
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
 pub use cuda::CudaMemory;
+pub use cuda_batch::BATCH_COPIES_ENV;
 pub use doorbell::{recover_pi, DoorbellConfig, UarInfo, UAR_PAGE_BYTES};
 pub use error::{DriverError, EmuError};
 pub use exec::{vendor_syndrome, FetchOrder, MAX_MESSAGE};
