@@ -21,8 +21,8 @@ use ep::low_latency::{LowLatencyBuffer, LowLatencyOptions};
 use ep::EpError;
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
-    check, experts_for, random_data, routing, run_case, Case, RankData, RankResult, MAX_TOKENS,
-    TRANSPORT_MODES,
+    check, experts_for, on_ranks, random_data, routing, run_case, Case, RankData, RankResult,
+    MAX_TOKENS, TRANSPORT_MODES,
 };
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
@@ -152,20 +152,6 @@ fn tally(c: &Case, data: &[RankData], res: &[RankResult]) -> (usize, usize, usiz
         }
     }
     (expected, received, lost, dup)
-}
-
-fn on_ranks<R: Send>(
-    bufs: &mut [LowLatencyBuffer],
-    f: impl Fn(&mut LowLatencyBuffer) -> R + Sync,
-) -> Vec<R> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let joins: Vec<_> = bufs.iter_mut().map(|b| s.spawn(move || f(b))).collect();
-        joins
-            .into_iter()
-            .map(|j| j.join().expect("rank thread panicked"))
-            .collect()
-    })
 }
 
 /// One rank's case: the whole dispatch + combine, or with `stops` the dispatch only (peer death

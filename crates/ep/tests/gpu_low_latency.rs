@@ -25,7 +25,7 @@ use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOp
 use ep::{EpError, Tensor};
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
-    cases, check, graph_case, graph_rank, graph_rounds, options, random_data, run_case,
+    cases, check, graph_case, graph_rank, graph_rounds, on_ranks, options, random_data, run_case,
     transport_options, two_in_flight, two_in_flight_case, Case, RankData, RankResult,
     TRANSPORT_MODES,
 };
@@ -34,20 +34,6 @@ use ibgda_device::qp_desc::NicHandler;
 
 /// Every matrix runs at each of these, on however many GPUs there are (ranks share them).
 const RANK_COUNTS: [usize; 3] = [2, 4, 8];
-
-fn on_ranks<R: Send>(
-    bufs: &mut [LowLatencyBuffer],
-    f: impl Fn(&mut LowLatencyBuffer) -> R + Sync,
-) -> Vec<R> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let joins: Vec<_> = bufs.iter_mut().map(|b| s.spawn(move || f(b))).collect();
-        joins
-            .into_iter()
-            .map(|j| j.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
 
 fn group(ctxs: &[Arc<CudaContext>], opts: &LowLatencyOptions) -> Vec<LowLatencyBuffer> {
     LowLatencyBuffer::create_group(ctxs, opts).expect("creating the low-latency buffers")

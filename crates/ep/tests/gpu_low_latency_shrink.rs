@@ -26,24 +26,10 @@ use ep::low_latency::{
 use ep::{Bf16, EpError, Tensor};
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
-    check_rank, experts_for, options, random_data, read_dispatch, routing, run_case,
+    check_rank, experts_for, on_ranks, options, random_data, read_dispatch, routing, run_case,
     transport_options, Case, RankData, RankResult, MAX_TOKENS,
 };
 use ibgda_device::protocol::HandlerChoice;
-
-fn on_ranks<R: Send>(
-    bufs: &mut [LowLatencyBuffer],
-    f: impl Fn(&mut LowLatencyBuffer) -> R + Sync,
-) -> Vec<R> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let joins: Vec<_> = bufs.iter_mut().map(|b| s.spawn(move || f(b))).collect();
-        joins
-            .into_iter()
-            .map(|j| j.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
 
 fn shutdown_all(bufs: Vec<LowLatencyBuffer>) {
     std::thread::scope(|s| {

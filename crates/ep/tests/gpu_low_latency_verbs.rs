@@ -14,26 +14,12 @@ use ep::low_latency::{Fp8Options, LowLatencyBuffer};
 use ep::transport::NicChoice;
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
-    check, random_data, run_case, transport_options, Case, RankResult, TRANSPORT_MODES,
+    check, on_ranks, random_data, run_case, transport_options, Case, RankResult, TRANSPORT_MODES,
 };
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
 
 const RANK_COUNTS: [usize; 2] = [2, 4];
-
-fn on_ranks<R: Send>(
-    bufs: &mut [LowLatencyBuffer],
-    f: impl Fn(&mut LowLatencyBuffer) -> R + Sync,
-) -> Vec<R> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let joins: Vec<_> = bufs.iter_mut().map(|b| s.spawn(move || f(b))).collect();
-        joins
-            .into_iter()
-            .map(|j| j.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
 
 fn cases() -> Vec<Case> {
     vec![

@@ -451,7 +451,7 @@ fn measure_latency(
     let group = me.connect(&peer, &src, &cfg)?;
     let f = ep_kernels::load_function(ctx, MODULE, "protocol_bench_rtt")?;
     // The kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
-    let (stream, _lease) = ibgda_device::stream_pool::waiting(&ctx)?;
+    let (stream, _lease) = ibgda_device::stream_pool::waiting(ctx)?;
     let status = DeviceBuffer::new(ctx, 4)?;
     status.fill_bytes(0)?;
     let rtt = DeviceBuffer::new(ctx, 8 * iters as usize)?;
@@ -1307,7 +1307,7 @@ fn measure_variants(
     placement: RingPlacement,
 ) -> Result<Direct> {
     // The kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
-    let (stream, _lease) = ibgda_device::stream_pool::waiting(&ctx)?;
+    let (stream, _lease) = ibgda_device::stream_pool::waiting(ctx)?;
     let base = Instant::now();
     let clock = clock_function(ctx)?;
     let first = calibrate(ctx, &stream, &clock, CLOCK_EXCHANGES, base)?;
@@ -1445,7 +1445,7 @@ fn stream_ptx(v: &Variant) -> String {
 /// counting doorbells: (M publishes/s, M doorbells/s, ns per publish), GPU-timed.
 fn measure_stream_rate(ctx: &Arc<CudaContext>, v: &Variant, iters: u32) -> Result<(f64, f64, f64)> {
     // The kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
-    let (stream, _lease) = ibgda_device::stream_pool::waiting(&ctx)?;
+    let (stream, _lease) = ibgda_device::stream_pool::waiting(ctx)?;
     let ring = DeviceBuffer::new(ctx, PINGPONG_SLOTS as usize * 64)?;
     let head = DeviceBuffer::new(ctx, 8)?;
     head.fill_bytes(0)?;
@@ -1550,7 +1550,7 @@ fn measure_counter_rate(
     )?;
     let f = ep_kernels::load_function(ctx, MODULE, "protocol_bench_slots")?;
     // The kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
-    let (stream, _lease) = ibgda_device::stream_pool::waiting(&ctx)?;
+    let (stream, _lease) = ibgda_device::stream_pool::waiting(ctx)?;
     let (sp, stp, rp, limit) = (
         dev_addr(&slots)?,
         dev_addr(&stop)?,
@@ -1596,7 +1596,7 @@ fn measure_emulator_rate(ctx: &Arc<CudaContext>, nqps: u32, nops: u32) -> Result
     let group = me.connect(&peer, &src, &cfg)?;
     let f = ep_kernels::load_function(ctx, MODULE, "protocol_bench_publish")?;
     // The kernels spin for the NIC: a hardware queue of their own (`stream_pool`).
-    let (stream, _lease) = ibgda_device::stream_pool::waiting(&ctx)?;
+    let (stream, _lease) = ibgda_device::stream_pool::waiting(ctx)?;
     let status = DeviceBuffer::new(ctx, 4)?;
     status.fill_bytes(0)?;
     let (descs, sp) = (group.descs().context("descriptors")?, status.ptr());

@@ -88,6 +88,35 @@ pub struct QpGroupConfig {
     pub on_doorbell: Option<DoorbellHook>,
 }
 
+impl QpGroupConfig {
+    /// Whether a set of QPs connected to `remote` peer QPs can be built from this, or why not:
+    /// one peer QP per QP (at least one), a power-of-two ring in 2..=32768 WQEBBs and a valid
+    /// time bound. Every transport checks this before it allocates.
+    pub fn check(&self, remote: usize) -> Result<(), TransportError> {
+        let n = self.nqps as usize;
+        if n == 0 || remote != n {
+            return Err(TransportError::Config(format!(
+                "{remote} peer QP infos for a set of {n} QPs (to rank {}); at least one QP",
+                self.peer_rank
+            )));
+        }
+        if !self.nwqes.is_power_of_two()
+            || self.nwqes > ibgda_device::protocol::MAX_NWQES
+            || self.nwqes < 2
+        {
+            return Err(TransportError::Config(format!(
+                "nwqes = {}: must be a power of two in 2..=32768",
+                self.nwqes
+            )));
+        }
+        ibgda_device::timeout::check(self.timeout)
+            .map(|_| ())
+            .map_err(|e| {
+                TransportError::Config(format!("QPs to rank {}: timeout: {e}", self.peer_rank))
+            })
+    }
+}
+
 impl Default for QpGroupConfig {
     fn default() -> Self {
         Self {
@@ -553,34 +582,8 @@ impl QpGroup {
         local: &dyn Registration,
         cfg: &QpGroupConfig,
     ) -> Result<Self, TransportError> {
+        cfg.check(remote.len())?;
         let n = cfg.nqps as usize;
-        if n == 0 {
-            return Err(TransportError::Config(
-                "a QP group needs at least one QP".into(),
-            ));
-        }
-        if remote.len() != n {
-            return Err(TransportError::Config(format!(
-                "{} peer QP infos for a group of {n} QPs (to rank {})",
-                remote.len(),
-                cfg.peer_rank
-            )));
-        }
-        if !cfg.nwqes.is_power_of_two()
-            || cfg.nwqes > ibgda_device::protocol::MAX_NWQES
-            || cfg.nwqes < 2
-        {
-            return Err(TransportError::Config(format!(
-                "nwqes = {}: must be a power of two in 2..=32768",
-                cfg.nwqes
-            )));
-        }
-        if let Err(e) = ibgda_device::timeout::check(cfg.timeout) {
-            return Err(TransportError::Config(format!(
-                "QP group to rank {}: timeout: {e}",
-                cfg.peer_rank
-            )));
-        }
         let mode = cfg.handler;
         let plan = ModePlan::new(mode, NicImpl::Emulated);
         // Say what is missing before allocating anything.

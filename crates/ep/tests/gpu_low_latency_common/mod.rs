@@ -82,6 +82,22 @@ pub struct RankResult {
     pub out: Vec<Bf16>,
 }
 
+/// Runs `f` on every rank's buffer, each on a thread of its own (ranks as threads), and
+/// returns the results in rank order; a rank that panics fails the caller.
+pub fn on_ranks<R: Send>(
+    bufs: &mut [LowLatencyBuffer],
+    f: impl Fn(&mut LowLatencyBuffer) -> R + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let joins: Vec<_> = bufs.iter_mut().map(|b| s.spawn(move || f(b))).collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
 pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
     (0..n)
         .map(|_| {

@@ -85,29 +85,6 @@ impl std::fmt::Debug for VerbsQpSet {
     }
 }
 
-/// `cfg` as a set of `remote` QPs can be built from, or why not.
-pub(super) fn check_config(cfg: &QpGroupConfig, remote: usize) -> Result<(), TransportError> {
-    let n = cfg.nqps as usize;
-    if n == 0 || remote != n {
-        return Err(TransportError::Config(format!(
-            "{remote} peer QP infos for a set of {n} QPs (to rank {}); at least one QP",
-            cfg.peer_rank
-        )));
-    }
-    if !cfg.nwqes.is_power_of_two()
-        || cfg.nwqes > ibgda_device::protocol::MAX_NWQES
-        || cfg.nwqes < 2
-    {
-        return Err(TransportError::Config(format!(
-            "nwqes = {}: must be a power of two in 2..=32768",
-            cfg.nwqes
-        )));
-    }
-    ibgda_device::timeout::check(cfg.timeout)
-        .map(|_| ())
-        .map_err(|e| TransportError::Config(format!("QPs to rank {}: timeout: {e}", cfg.peer_rank)))
-}
-
 /// A set's memory, placed as its mode's plan says: the ring block (send rings, CQs, CQ
 /// doorbell records, and the QP doorbell records when they live with the rings) and the host
 /// block (error record, producer slots, and the QP doorbell records when the proxy writes
@@ -309,7 +286,7 @@ impl VerbsQpSet {
         local: &dyn Registration,
         cfg: &QpGroupConfig,
     ) -> Result<Self, TransportError> {
-        check_config(cfg, remote.len())?;
+        cfg.check(remote.len())?;
         let peers = parse_infos(remote)?;
         let mode = cfg.handler;
         let plan = t.plan(mode);
