@@ -424,7 +424,7 @@ mod tests {
         let ids = [[1, 1, 7, 3]; 2];
         let s = share(0, &ids);
         let b = s.default_budget("x", EMULATED_NIC_SMS).unwrap();
-        assert!(EMULATED_NIC_SMS > 0);
+        const { assert!(EMULATED_NIC_SMS > 0) };
         assert_eq!(b, (132 - EMULATED_NIC_SMS) / 2);
         assert!(b * 2 + EMULATED_NIC_SMS <= 132);
         assert!(s.check("x", 66, EMULATED_NIC_SMS).is_err());

@@ -729,7 +729,7 @@ impl LowLatencyBuffer {
         };
         let sleep_fn = f("ep_ll_sleep")?;
         // Its kernels spin for the peers (and the NIC): a hardware queue of its own.
-        let (stream, stream_lease) = ibgda_device::stream_pool::waiting(&ctx)
+        let (stream, stream_lease) = ibgda_device::stream_pool::waiting(ctx)
             .map_err(|source| EpError::Device { rank, source })?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
