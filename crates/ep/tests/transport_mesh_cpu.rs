@@ -190,3 +190,222 @@ fn malformed_connection_info_and_counts_are_refused_by_name() {
         responder.close().unwrap();
     }
 }
+
+/// Low-latency's pattern on every QP of a 4-rank mesh, many rounds: a chunked put of a varying
+/// number of WQEs (only the last asks for a CQE), then a fenced remote add that rings (one
+/// WQEBB, the last WQE of the batch), then quiet on every QP. The producer index crosses every
+/// residue of the ring, the ring's wrap included, with the batch's last WQE at each.
+fn mesh_survives_many_rounds(
+    name: &str,
+    mode: HandlerChoice,
+    ranks: usize,
+    rounds: usize,
+    open: impl Fn(usize) -> Box<dyn RankTransport> + Sync,
+) {
+    const NQ: u32 = 4;
+    const NW: u32 = 64;
+    const CHUNK: u32 = 16;
+    const WORKERS: usize = 3;
+    let comms = ThreadGroup::with_timeout(ranks, T).expect("thread group");
+    let open = &open;
+    std::thread::scope(|s| {
+        let joins: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let nic = open(rank);
+                    let (handler, _) = nic.select(mode).expect("handler mode");
+                    let reg = nic.register(BYTES).expect("registering memory");
+                    let host = reg.host().expect("host backend").clone();
+                    for i in 0..ROW {
+                        host.write(COUNTS + 512 + i, &[(i as u8) | 1]);
+                    }
+                    let all = comm
+                        .all_gather(&[reg.addr(), u64::from(reg.rkey())])
+                        .expect("exchanging addresses");
+                    let cfg = |r: usize| QpGroupConfig {
+                        handler,
+                        nqps: NQ,
+                        nwqes: NW,
+                        timeout: T,
+                        peer_rank: r as u32,
+                        ..Default::default()
+                    };
+                    let mesh = connect_mesh(&*nic, &comm, &*reg, NQ, cfg, |doing, e| {
+                        panic!("rank {rank}: {doing}: {e}")
+                    })
+                    .expect("connecting the mesh");
+                    for round in 0..rounds {
+                        // WORKERS threads post to every QP at once, as a kernel's warps do.
+                        let mesh = &mesh;
+                        let all = &all;
+                        let reg = &*reg;
+                        std::thread::scope(|w| {
+                            for worker in 0..WORKERS {
+                                w.spawn(move || {
+                                    for (dst, set) in mesh.sets.iter().enumerate() {
+                                        let Some(set) = set else { continue };
+                                        let base = all[dst][0];
+                                        let rkey = all[dst][1] as u32;
+                                        let remote = |off: usize| RemoteAddr {
+                                            addr: base + off as u64,
+                                            rkey,
+                                        };
+                                        for (q, qp) in set.host_qps().iter().enumerate() {
+                                            // 1..=7 WQEs of data, then the signal.
+                                            let n =
+                                                1 + (round * 5 + q * 3 + dst + rank + worker) % 7;
+                                            let len = n as u64 * CHUNK as u64
+                                                - (round % CHUNK as usize) as u64;
+                                            qp.put_chunked(
+                                                remote(ROW * rank),
+                                                reg.addr() + (COUNTS + 512) as u64,
+                                                len,
+                                                CHUNK,
+                                                false,
+                                            )
+                                            .expect("put");
+                                            qp.signal_add(remote(COUNTS + 8 * rank), 1, true, true)
+                                                .expect("signal");
+                                        }
+                                    }
+                                });
+                            }
+                        });
+                        for (dst, set) in mesh.sets.iter().enumerate() {
+                            let Some(set) = set else { continue };
+                            for (q, qp) in set.host_qps().iter().enumerate() {
+                                if let Err(e) = qp.quiet() {
+                                    panic!(
+                                        "{name}/{mode}: round {round}: rank {rank} → {dst} QP {q} \
+                                         (qpn {:#x}): quiet: {e:?}: {:?}; {:?}",
+                                        set.qpns()[q],
+                                        set.check(),
+                                        qp.counters()
+                                    );
+                                }
+                            }
+                            set.check().expect("no recorded failure");
+                        }
+                    }
+                    comm.all_gather(&[]).expect("barrier");
+                    for src in (0..ranks).filter(|&s| s != rank) {
+                        assert_eq!(
+                            host.load_u64(COUNTS + 8 * src),
+                            (rounds * WORKERS) as u64 * u64::from(NQ),
+                            "{name}/{mode}: rank {rank}: signals from rank {src}"
+                        );
+                    }
+                    comm.all_gather(&[]).expect("barrier before teardown");
+                    mesh.close().expect("closing the mesh");
+                })
+            })
+            .collect();
+        for j in joins {
+            j.join().expect("rank thread");
+        }
+    });
+}
+
+#[test]
+fn the_verbs_transport_survives_many_rounds_at_4_ranks() {
+    for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
+        let subnet = EmuSubnet::new();
+        mesh_survives_many_rounds("verbs", mode, 4, 60, |r| {
+            Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
+        });
+    }
+}
+
+#[test]
+fn the_emulated_transport_survives_many_rounds_at_4_ranks() {
+    for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
+        let fabric = Fabric::new();
+        mesh_survives_many_rounds("emulated", mode, 4, 60, |r| {
+            Box::new(EmulatedTransport::host(&fabric, r as u32).expect("host NIC"))
+        });
+    }
+}
+
+/// A quiet that times out on a verbs QP says how far the NIC has read the send queue
+/// (`QUERY_QP`'s `hw_sq_wqebb_counter`), which tells a lost completion (the NIC consumed
+/// everything published) from a doorbell it never acted on (it stopped short).
+#[test]
+fn a_verbs_quiet_timeout_reports_how_far_the_nic_read() {
+    use ibgda_emu::FaultPlan;
+    for (mode, lose_cqe) in [
+        (HandlerChoice::CpuHostMemory, true),
+        (HandlerChoice::CpuHostMemory, false),
+        (HandlerChoice::Gpu, true),
+        (HandlerChoice::Gpu, false),
+    ] {
+        let subnet = EmuSubnet::new();
+        let comms = ThreadGroup::with_timeout(2, T).expect("thread group");
+        std::thread::scope(|s| {
+            for comm in comms {
+                let subnet = &subnet;
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let nic = VerbsTransport::emulated_host(subnet, rank as u32).unwrap();
+                    let (handler, _) = nic.select(mode).unwrap();
+                    let reg = nic.register(BYTES).unwrap();
+                    let all = comm
+                        .all_gather(&[reg.addr(), u64::from(reg.rkey())])
+                        .unwrap();
+                    let cfg = |r: usize| QpGroupConfig {
+                        handler,
+                        nqps: 1,
+                        nwqes: 64,
+                        timeout: Duration::from_millis(300),
+                        peer_rank: r as u32,
+                        ..Default::default()
+                    };
+                    let mesh = connect_mesh(&nic, &comm, &*reg, 1, cfg, |doing, e| {
+                        panic!("rank {rank}: {doing}: {e}")
+                    })
+                    .unwrap();
+                    if rank == 0 {
+                        let set = mesh.sets[1].as_ref().unwrap();
+                        let qpn = set.qpns()[0];
+                        let emu = nic.emulated_nic().expect("emulated firmware");
+                        // The second WQE's CQE, or the second doorbell, is lost.
+                        emu.set_fault_plan(if lose_cqe {
+                            FaultPlan::default().lose_cqe(qpn, 2)
+                        } else {
+                            FaultPlan::default().drop_doorbell(qpn, 2)
+                        });
+                        let qp = &set.host_qps()[0];
+                        let remote = RemoteAddr {
+                            addr: all[1][0],
+                            rkey: all[1][1] as u32,
+                        };
+                        qp.put(remote, reg.addr(), 64, true).unwrap();
+                        qp.quiet().unwrap();
+                        qp.signal_add(
+                            RemoteAddr {
+                                addr: all[1][0] + COUNTS as u64,
+                                ..remote
+                            },
+                            1,
+                            true,
+                            true,
+                        )
+                        .unwrap();
+                        assert!(qp.quiet().is_err(), "{mode}: the lost WQE was quieted");
+                        let e = set.check().expect_err("a recorded timeout").to_string();
+                        let want = if lose_cqe { 2 } else { 1 };
+                        assert!(
+                            e.contains("ready_head=2")
+                                && e.contains("cons_idx=1")
+                                && e.contains(&format!("the NIC has consumed {want} WQEBBs")),
+                            "{mode}, lose_cqe {lose_cqe}: {e}"
+                        );
+                    }
+                    comm.all_gather(&[]).unwrap();
+                    let _ = mesh.close();
+                });
+            }
+        });
+    }
+}

@@ -87,6 +87,11 @@ pub struct DeviceFailure {
     pub record: Box<ErrorRecord>,
     /// In the CPU modes: the producer index the proxy last rang on this QP, if known.
     pub proxy_rung: Option<u64>,
+    /// The send WQEBBs the NIC says it has consumed on this QP, modulo 2^16
+    /// (`qpc.hw_sq_wqebb_counter` from `QUERY_QP`), where the transport could ask. Against
+    /// `ready_head` and `cons_idx` it tells a doorbell the NIC never acted on (counter short of
+    /// `ready_head`) from a completion that never came (counter at `ready_head`).
+    pub nic_consumed: Option<u16>,
 }
 
 impl DeviceFailure {
@@ -116,6 +121,9 @@ impl fmt::Display for DeviceFailure {
         if let Some(p) = self.proxy_rung {
             write!(f, " (proxy rang up to {p})")?;
         }
+        if let Some(c) = self.nic_consumed {
+            write!(f, "; the NIC has consumed {c} WQEBBs (mod 2^16)")?;
+        }
         if r.kind == ErrorKind::Cqe as u32 {
             write!(
                 f,
@@ -140,6 +148,7 @@ pub fn check_record(record: &ErrorRecord, proxy_rung: Option<u64>) -> Result<(),
         Err(DeviceFailure {
             record: Box::new(*record),
             proxy_rung,
+            nic_consumed: None,
         })
     }
 }

@@ -424,7 +424,15 @@ impl QpSet for VerbsQpSet {
             .proxy
             .as_ref()
             .and_then(|p| p.last_rung(r.qp_index as usize));
-        check_record(&r, rung).map_err(TransportError::from)
+        check_record(&r, rung).map_err(|mut f| {
+            // What the NIC itself says of the QP: how far it has read the send queue.
+            f.nic_consumed = self
+                .qps
+                .get(r.qp_index as usize)
+                .and_then(|q| q.query().ok())
+                .map(|c| c.hw_sq_wqebb_counter);
+            TransportError::from(f)
+        })
     }
 
     fn shutdown(mut self: Box<Self>) -> Result<Option<ProxyReport>, TransportError> {
