@@ -50,12 +50,42 @@ record() { # name result seconds
   [ "$2" = PASS ] || [ "$2" = AUX ] || failed=$((failed + 1))
 }
 
+# Runs a command with the per-test bound. A command still running when the bound is near first
+# gets every thread's stack written to $out/stacks-<name>.txt (cuda-gdb attaches, where the machine
+# has it), so a hang leaves the evidence of where each thread waits, then it is killed: exit 124
+# as from timeout(1).
+run_bounded() { # name, log, command...
+  local name=$1 log=$2; shift 2
+  "$@" >"$log" 2>&1 &
+  local pid=$! t=0 dump_at=$((per_test_limit > 20 ? per_test_limit - 15 : per_test_limit))
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$t" -ge "$dump_at" ] && [ "$t" -lt "$per_test_limit" ] && [ "${dumped:-}" != "$pid" ]; then
+      dumped=$pid
+      local stacks="$out/stacks-$(echo "$name" | tr -c 'A-Za-z0-9_.-' '_' | cut -c1-80).txt"
+      if command -v cuda-gdb >/dev/null 2>&1; then
+        echo "[run.sh] $name still running after ${t}s: thread stacks in $stacks" >>"$log"
+        timeout 30 cuda-gdb -q -p "$pid" -batch -ex "set pagination off" -ex "info threads" \
+          -ex "thread apply all bt 30" >"$stacks" 2>&1
+      else
+        echo "[run.sh] $name still running after ${t}s (no cuda-gdb here: no stacks)" >>"$log"
+      fi
+    fi
+    if [ "$t" -ge "$per_test_limit" ]; then
+      kill -9 "$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      return 124
+    fi
+    sleep 1; t=$((t + 1))
+  done
+  wait "$pid"
+}
+
 run_one() { # name, command...
   local name=$1; shift
   if [ $list = 1 ]; then echo "$name"; return; fi
   echo "=== $name" >>"$log"
   local t0 t1 rc tmp; tmp=$(mktemp); t0=$(date +%s.%N)
-  timeout --kill-after=10 "$per_test_limit" "$@" >"$tmp" 2>&1; rc=$?
+  run_bounded "$name" "$tmp" "$@"; rc=$?
   t1=$(date +%s.%N)
   cat "$tmp" >>"$log"
   local secs; secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')
