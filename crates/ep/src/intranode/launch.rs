@@ -39,17 +39,7 @@ impl Buffer {
     }
 
     pub(super) fn on_this_gpu<T: Element>(&self, t: &Tensor<T>, name: &str) -> Result<(), EpError> {
-        if t.device_ordinal() != self.ctx.ordinal() {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{name} is on GPU {}, this rank uses GPU {}",
-                    t.device_ordinal(),
-                    self.ctx.ordinal()
-                ),
-            ));
-        }
-        Ok(())
+        crate::checks::on_gpu(self.rank, self.ctx.ordinal(), t, name)
     }
 
     pub(super) fn shape_is<T: Element>(
@@ -58,18 +48,7 @@ impl Buffer {
         want: &[usize],
         name: &str,
     ) -> Result<(), EpError> {
-        self.on_this_gpu(t, name)?;
-        if t.shape() != want {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{name} ({}) has shape {:?}, expected {want:?}",
-                    T::NAME,
-                    t.shape()
-                ),
-            ));
-        }
-        Ok(())
+        crate::checks::shape_is(self.rank, self.ctx.ordinal(), t, want, name)
     }
 
     /// Launches a kernel that waits for the other ranks: through the launch gate where ranks of

@@ -93,27 +93,7 @@ impl LowLatencyBuffer {
         want: &[usize],
         name: &str,
     ) -> Result<(), EpError> {
-        if t.device_ordinal() != self.ctx.ordinal() {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{name} is on GPU {}, this rank uses GPU {}",
-                    t.device_ordinal(),
-                    self.ctx.ordinal()
-                ),
-            ));
-        }
-        if t.shape() != want {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{name} ({}) has shape {:?}, expected {want:?}",
-                    T::NAME,
-                    t.shape()
-                ),
-            ));
-        }
-        Ok(())
+        crate::checks::shape_is(self.rank, self.ctx.ordinal(), t, want, name)
     }
 
     /// The grid of a waiting kernel: `num_sms`, or the default budget; refused before launch
