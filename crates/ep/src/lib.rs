@@ -15,6 +15,7 @@
 //! [`reference`] is the CPU definition of every result, used by the tests.
 
 pub mod bootstrap;
+mod checks;
 mod config;
 mod dtype;
 mod error;

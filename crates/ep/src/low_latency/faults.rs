@@ -3,7 +3,7 @@
 
 use ibgda_emu::FaultPlan;
 
-use super::buffer::LowLatencyBuffer;
+use super::setup::LowLatencyBuffer;
 use crate::error::{invalid, EpError};
 
 /// This rank's QPs in transport mode: `to[r]` are the QP numbers of its QPs to rank `r` (empty

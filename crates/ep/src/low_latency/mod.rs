@@ -50,15 +50,26 @@
 //! while a peer's NIC has it open. The kernels send through one small device interface
 //! (`put_warp`, `signal`, `quiet` in `low_latency.cu`) that picks the path per destination.
 
-mod buffer;
+mod args;
+mod errors;
 mod faults;
+mod graph;
+mod hook;
+mod launch;
 pub mod logfmt;
 mod mask;
+mod ops;
+mod options;
 mod plan;
 pub mod reference;
+mod setup;
 
-pub use buffer::{
+pub use args::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,
-    LlGraph, LlHandle, LlRecvX, LlScales, LowLatencyBuffer, LowLatencyOptions, RecvHook,
+    LlHandle, LlRecvX, LlScales,
 };
 pub use faults::LlTransportQps;
+pub use graph::LlGraph;
+pub use hook::RecvHook;
+pub use options::LowLatencyOptions;
+pub use setup::LowLatencyBuffer;
