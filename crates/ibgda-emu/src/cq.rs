@@ -6,8 +6,8 @@ use ibgda_device::wire::{cqe_owner_bit, Cqe64};
 use crate::backend::Loc;
 use crate::error::EmuError;
 
-/// Bytes per CQE.
-pub const CQE_BYTES: u64 = 64;
+/// Bytes per CQE (the wire format's, [`ibgda_device::wire::CQE_BYTES`]).
+pub const CQE_BYTES: u64 = ibgda_device::wire::CQE_BYTES as u64;
 
 /// How CQEs are laid out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

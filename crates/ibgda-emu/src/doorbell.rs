@@ -13,7 +13,7 @@ use crate::error::EmuError;
 use crate::host::{load_host_u32, load_host_u64, HostBuffer};
 
 /// Size of an emulated UAR page.
-pub const UAR_PAGE_BYTES: usize = 4096;
+pub const UAR_PAGE_BYTES: usize = ibgda_device::wire::UAR_PAGE_BYTES;
 
 /// The doorbell sources the NIC polls for one QP. [`Nic::ring_doorbell`](crate::Nic::ring_doorbell)
 /// works whatever is configured here.

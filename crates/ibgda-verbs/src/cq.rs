@@ -11,7 +11,7 @@ use crate::uar::Uar;
 use crate::umem::UmemAt;
 
 /// Bytes per CQE (this crate always creates 64-byte CQEs).
-pub const CQE_SIZE: u64 = 64;
+pub const CQE_SIZE: u64 = ibgda_device::wire::CQE_BYTES as u64;
 
 /// Bytes of a CQ doorbell record (consumer index, then arm word; both big-endian u32).
 pub const CQ_DBR_SIZE: u64 = 8;

@@ -38,7 +38,7 @@ use crate::uar::Uar;
 use crate::umem::UmemAt;
 
 /// Bytes per send WQE basic block.
-pub const WQEBB_SIZE: u64 = 64;
+pub const WQEBB_SIZE: u64 = ibgda_device::wire::WQEBB_BYTES as u64;
 
 /// Bytes of a QP doorbell record (receive counter at 0, send counter at 4; big-endian u32).
 pub const QP_DBR_SIZE: u64 = 8;

@@ -11,10 +11,10 @@ use crate::driver::DriverUar;
 use crate::error::{Result, VerbsError};
 
 /// Size of a UAR page as mapped into the process.
-pub const UAR_PAGE_SIZE: usize = 4096;
+pub const UAR_PAGE_SIZE: usize = ibgda_device::wire::UAR_PAGE_BYTES;
 
 /// Offset of the doorbell (BlueFlame) register in a UAR page (`MLX5_BF_OFFSET`).
-pub const DOORBELL_OFFSET: usize = 0x800;
+pub const DOORBELL_OFFSET: usize = ibgda_device::wire::UAR_BF_OFFSET;
 
 /// How a UAR page is mapped, in the order [`Uar::alloc`] tries them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

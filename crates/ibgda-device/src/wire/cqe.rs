@@ -103,6 +103,9 @@ pub mod syndrome {
     }
 }
 
+/// Bytes per CQE (the 64-byte format; every CQ this project creates uses it).
+pub const CQE_BYTES: usize = 64;
+
 /// The 64-byte CQE as the NIC writes it (requester view; bytes 0..32 are responder-only).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
@@ -480,3 +483,5 @@ mod tests {
         assert_eq!(wqe_index_from_counter(5, 0x1_0005), 0x0_0005);
     }
 }
+
+static_assertions::const_assert_eq!(std::mem::size_of::<Cqe64>(), CQE_BYTES);

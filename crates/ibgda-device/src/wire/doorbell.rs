@@ -24,6 +24,9 @@ pub const DBR_SEND_OFFSET: usize = 4;
 /// half at `+0x100`; one half is enough for a single writer).
 pub const UAR_BF_OFFSET: usize = 0x800;
 
+/// Bytes of a UAR page (the unit the NIC maps its doorbell registers in).
+pub const UAR_PAGE_BYTES: usize = 4096;
+
 /// The QP doorbell record the NIC reads (8 bytes, big-endian 16-bit counters in 32-bit words).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]

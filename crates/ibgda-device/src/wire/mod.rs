@@ -30,11 +30,11 @@ mod wqe;
 pub use be::{Be16, Be32, Be64};
 pub use cqe::{
     cqe_opcode, cqe_opcode_is_error, cqe_owner_bit, cqe_sw_owned, syndrome, wqe_index_from_counter,
-    Cqe64, CqeState, CqeStatus, ErrCqe,
+    Cqe64, CqeState, CqeStatus, ErrCqe, CQE_BYTES,
 };
 pub use doorbell::{
     db_bytes, db_word, dbr_send_word, parse_db_word, DoorbellRecord, DBR_RECV_OFFSET,
-    DBR_SEND_OFFSET, UAR_BF_OFFSET,
+    DBR_SEND_OFFSET, UAR_BF_OFFSET, UAR_PAGE_BYTES,
 };
 pub use parse::{parse_wqe, DataSegs, ParsedWqe, WqeOp, WqeParseError};
 pub use seg::{

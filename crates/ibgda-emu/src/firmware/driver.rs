@@ -28,7 +28,7 @@ const EINVAL: i32 = 22;
 const EOPNOTSUPP: i32 = 95;
 
 /// Offset of the doorbell (BlueFlame) register in a UAR page.
-const BF_OFFSET: u64 = 0x800;
+const BF_OFFSET: u64 = ibgda_device::wire::UAR_BF_OFFSET as u64;
 
 /// One emulated mlx5 device: open it in `ibgda-verbs` with
 /// [`Context::with_driver`](ibgda_verbs::Context::with_driver). Cloning gives another handle to
