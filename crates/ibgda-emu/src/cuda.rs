@@ -92,16 +92,7 @@ unsafe impl Send for Stream {}
 
 impl Stream {
     fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
-        // The pool only fails in a driver call.
-        let pooled = ibgda_device::stream_pool::service(ctx).map_err(|e| match e {
-            ibgda_device::cuda::CudaError::Driver { call, source } => {
-                EmuError::Cuda { call, source }
-            }
-            _ => EmuError::Cuda {
-                call: "the stream pool",
-                source: DriverError(sys::cudaError_enum::CUDA_ERROR_UNKNOWN),
-            },
-        })?;
+        let pooled = ibgda_device::stream_pool::service(ctx)?;
         ctx.bind_to_thread()
             .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
         Ok(Self {
