@@ -32,7 +32,10 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
 - **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``
   in the Rust crate spells it out); not with ``zero_copy``, hidden a multiple of 128.
 - **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
-  on more than one node), ``get_local_buffer_tensor``, ``use_fabric``.
+  on more than one node), ``use_fabric``, and rank masks in normal mode (``enable_shrink``
+  without ``low_latency_mode``: the intranode kernels have no masks).
+- ``get_local_buffer_tensor`` views the native buffers' own memory (the intranode window, the
+  low-latency network buffer), which exist from the first call that builds them.
 """
 
 import os
@@ -377,6 +380,12 @@ class Buffer:
         if self._num_nodes > 1 or self.group_size > NUM_MAX_NVL_PEERS:
             raise _not_implemented(
                 f"internode {what} (the group spans {self._num_nodes} hosts, {self.group_size} ranks)"
+            )
+        if any(self._pending_mask):
+            masked = [r for r, m in enumerate(self._pending_mask) if m]
+            raise _not_implemented(
+                f"rank masks in normal mode ({what} while ranks {masked} are masked: the intranode "
+                "kernels have no rank masks; call low_latency_clean_mask_buffer first)"
             )
 
     # ----- normal mode -----------------------------------------------------------------------
@@ -863,6 +872,11 @@ class Buffer:
         self._live()
         if not self.enable_shrink:
             raise RuntimeError(f"{what} needs a Buffer created with enable_shrink=True (as in DeepEP)")
+        if not self.low_latency_mode:
+            raise _not_implemented(
+                f"rank masks in normal mode ({what} on a Buffer without low_latency_mode: the "
+                "intranode kernels have no rank masks; masks apply to low-latency operations)"
+            )
 
     def _ll_stream_after_current(self):
         """The low-latency stream, made to wait for the caller's current stream."""
@@ -880,8 +894,10 @@ class Buffer:
         if not isinstance(rank_to_mask, int) or isinstance(rank_to_mask, bool) or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
         chk.flag("mask", mask)
+        # The host's copy of the caller's masks: applied when the native buffer is built, and
+        # what normal-mode calls check (they cannot honour a mask).
+        self._pending_mask[rank_to_mask] = int(mask)
         if self._ll is None:
-            self._pending_mask[rank_to_mask] = int(mask)
             return
         self._ll_stream_after_current()
         self._ll.update_mask(rank_to_mask, mask)
@@ -906,8 +922,8 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank on this rank (needs ``enable_shrink``)."""
         self._need_shrink("low_latency_clean_mask_buffer")
+        self._pending_mask = [0] * self.group_size
         if self._ll is None:
-            self._pending_mask = [0] * self.group_size
             return
         self._ll_stream_after_current()
         self._ll.clean_mask()
@@ -915,9 +931,58 @@ class Buffer:
     # ----- misc ------------------------------------------------------------------------------
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0, use_rdma_buffer: bool = False):
-        """A tensor over the buffer's raw memory (not implemented: our buffers are not one flat
-        byte range)."""
-        raise _not_implemented("get_local_buffer_tensor (a tensor over the raw buffer)")
+        """A tensor over this rank's own buffer memory, as DeepEP's: ``dtype`` elements from byte
+        ``offset`` of the RDMA buffer (``use_rdma_buffer=True``: the low-latency network buffer)
+        or of the NVLink buffer (the intranode window); all that fit (1-D), or the first
+        ``size`` (a ``torch.Size``, a tuple of ints or an int) of them in that shape. No copy:
+        writes go to the buffer itself.
+
+        The memory is the native buffer's, laid out as the Rust core plans it (signals first,
+        then rows), not as DeepEP's, and peers write it during every operation: use it as
+        scratch only between operations, and after overwriting the low-latency signals (vLLM
+        zeroes the RDMA buffer) call ``clean_low_latency_buffer`` on every rank before the next
+        low-latency call. The native buffers are built at the first call that needs them, so
+        the RDMA buffer exists after the first ``low_latency_dispatch`` and the NVLink buffer
+        after the first ``dispatch``; before that this raises ``RuntimeError``.
+        """
+        self._live()
+        elem = chk.dtype_bytes("dtype", dtype)
+        chk.flag("use_rdma_buffer", use_rdma_buffer)
+        chk.positive_int("offset", offset, 0)
+        shape = None
+        if size is not None:
+            shape = chk.shape("size", size)
+        if offset % elem != 0:
+            raise ValueError(f"offset {offset} is not a multiple of {chk.dtype_name_of(dtype)}'s {elem} bytes")
+        native, which, first = (
+            (self._ll, "RDMA (low-latency network)", "low_latency_dispatch")
+            if use_rdma_buffer
+            else (self._intranode, "NVLink (intranode)", "dispatch")
+        )
+        if native is None:
+            raise RuntimeError(
+                f"get_local_buffer_tensor: this Buffer's {which} buffer does not exist yet: it is built "
+                f"at the first {first} (its sizes come from that call's shapes); call this after it"
+            )
+        import torch
+
+        raw = self._view(native.local_buffer(), torch.uint8)
+        total = int(raw.numel())
+        avail = (total - offset) // elem if offset <= total else -1
+        if avail < 0:
+            raise ValueError(f"offset {offset} is past the end of the {which} buffer ({total} bytes)")
+        n = avail
+        if shape is not None:
+            n = 1
+            for d in shape:
+                n *= d
+            if n > avail:
+                raise ValueError(
+                    f"size {list(shape)} of {chk.dtype_name_of(dtype)} needs {n * elem} bytes from offset "
+                    f"{offset}; the {which} buffer has {total} bytes ({avail * elem} from there)"
+                )
+        t = raw[offset : offset + n * elem].view(dtype)
+        return t if shape is None else t.view(shape)
 
     def get_comm_stream(self):
         """The communication stream (``torch.cuda.Stream``) of the normal-mode operations."""

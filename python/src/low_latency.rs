@@ -7,7 +7,7 @@
 //! the hook is called).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use ep::low_latency::{
@@ -27,6 +27,8 @@ use crate::view::{input, DeviceView};
 pub struct LowLatency {
     inner: Option<LowLatencyBuffer>,
     ctx: Arc<CudaContext>,
+    /// Host time spent inside the `ep` core's operations (see [`core_ns`](Self::core_ns)).
+    core_ns: u64,
 }
 
 /// What a low-latency combine needs about its dispatch (opaque to callers).
@@ -105,6 +107,11 @@ fn released() -> PyErr {
 }
 
 impl LowLatency {
+    /// Adds the time since `t0` to [`core_ns`](Self::core_ns).
+    fn lap(&mut self, t0: Instant) {
+        self.core_ns = self.core_ns.saturating_add(crate::elapsed_ns(t0));
+    }
+
     fn buf(&mut self) -> PyResult<&mut LowLatencyBuffer> {
         self.inner.as_mut().ok_or_else(released)
     }
@@ -148,6 +155,7 @@ impl LowLatency {
         Ok(Self {
             inner: Some(inner),
             ctx,
+            core_ns: 0,
         })
     }
 
@@ -210,7 +218,10 @@ impl LowLatency {
             // SAFETY: the module's contract: a live, checked i64 `[ranks]` tensor.
             .then(|| unsafe { input::<i64>(&self.ctx, wait_stats_ptr, &[ranks]) });
         args.wait_stats = stats.as_ref();
-        let out = self.buf()?.dispatch(&args).map_err(to_py)?;
+        let t0 = Instant::now();
+        let out = self.buf()?.dispatch(&args);
+        self.lap(t0);
+        let out = out.map_err(to_py)?;
         let (x, scales) = match &out.x {
             LlRecvX::Bf16(x) => (DeviceView::py(py, x)?, None),
             LlRecvX::Fp8 { x, scales } => (
@@ -271,11 +282,29 @@ impl LowLatency {
         args.return_recv_hook = return_recv_hook;
         args.use_logfmt = use_logfmt;
         args.wait_stats = stats.as_ref();
-        let out = self.buf()?.combine(&args).map_err(to_py)?;
+        let t0 = Instant::now();
+        let out = self.buf()?.combine(&args);
+        self.lap(t0);
+        let out = out.map_err(to_py)?;
         Ok(LlCombined {
             x: DeviceView::py(py, &out.x)?,
             hook: hook(py, out.hook)?,
         })
+    }
+
+    /// Nanoseconds of host time spent inside the `ep` core's dispatch and combine, summed
+    /// since the buffer was built: what a Rust caller would spend on the same calls (see
+    /// `python/bench/host_overhead.py`).
+    #[getter]
+    fn core_ns(&self) -> u64 {
+        self.core_ns
+    }
+
+    /// This rank's network buffer as raw bytes, `u8 [len]` (`Buffer.get_local_buffer_tensor`
+    /// with `use_rdma_buffer=True`).
+    fn local_buffer(&mut self, py: Python<'_>) -> PyResult<Py<DeviceView>> {
+        let t = self.buf()?.local_net_buffer();
+        DeviceView::py(py, &t)
     }
 
     /// The zero-copy combine input for `hidden`: BF16 `[local, ranks * max_tokens, hidden]`.
