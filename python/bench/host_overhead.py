@@ -21,6 +21,9 @@ Ranks that share one GPU as processes time-slice it (no MPS): every handshake th
 milliseconds, so graph figures at more ranks than GPUs are not NVLink figures; the host
 overhead does not depend on it.
 
+Rank 0 also writes a cProfile of 20 low-latency dispatch + combine pairs
+(``--profile PREFIX``, ``PREFIX_<R>ranks.txt``): where the Python layer's time goes.
+
 Writes a JSON array of records (each with ``ranks`` and ``gpus``)::
 
     python3 host_overhead.py [--ranks 2,4] [--json PATH] [--iters N] [--rust-json PATH]
@@ -105,6 +108,35 @@ def _ll_host(torch, dist, deep_ep, rank, world, iters, gen, dev):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return buf, (x, idx, w), samples, rows
+
+
+def _profile_ll(torch, buf, inputs, iters, path):
+    """Where the Python layer's host time goes: cProfile over ``iters`` BF16 dispatch + combine
+    pairs (every rank runs them; the caller passes ``path`` on rank 0 only)."""
+    import cProfile
+    import io
+    import pstats
+
+    x, idx, w = inputs
+    prof = cProfile.Profile() if path else None
+    for i in range(iters):
+        if prof:
+            prof.enable()
+        r = buf.low_latency_dispatch(x, idx, LL_TOKENS, LL_EXPERTS, use_fp8=False)
+        c = buf.low_latency_combine(r[0], idx, w, r[2])
+        if prof:
+            prof.disable()
+        del r, c
+        if i % SYNC_EVERY == SYNC_EVERY - 1:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    if prof:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        with open(path, "w") as f:
+            f.write(f"cProfile of {iters} low_latency_dispatch (BF16) + low_latency_combine pairs on rank 0 "
+                    "(cProfile's own cost inflates every figure; read the proportions)\n")
+            f.write(text.getvalue())
 
 
 class _Zero:
@@ -198,7 +230,7 @@ def _intranode_host(torch, dist, deep_ep, rank, world, iters, gen, dev):
     return buf, samples
 
 
-def _rank(rank, world, port, iters, ops, replays, results):
+def _rank(rank, world, port, iters, ops, replays, profile, results):
     import torch
     import torch.distributed as dist
 
@@ -215,6 +247,8 @@ def _rank(rank, world, port, iters, ops, replays, results):
         buf, inputs, ll, rows = _ll_host(torch, dist, deep_ep, rank, world, iters, gen, dev)
         mine["ll"] = {k: _summary(v) for k, v in ll.items()}
         mine["ll_rows"] = rows
+        if profile:
+            _profile_ll(torch, buf, inputs, 20, f"{profile}_{world}ranks.txt" if rank == 0 else None)
         mine["graph"] = _ll_graphs(torch, dist, deep_ep, buf, inputs, ops, replays)
         dist.barrier()
         buf.destroy()
@@ -243,7 +277,7 @@ def _run(world, args):
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    pc = mp.start_processes(_rank, args=(world, _free_port(), args.iters, args.graph_ops, args.replays, q),
+    pc = mp.start_processes(_rank, args=(world, _free_port(), args.iters, args.graph_ops, args.replays, args.profile, q),
                             nprocs=world, join=False, start_method="spawn")
     deadline = time.time() + args.timeout
     while not pc.join(timeout=2):
@@ -335,6 +369,8 @@ def main():
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "python_bench.json"))
     p.add_argument("--rust-json", action="append", default=[],
                    help="bench_low_latency --procs --json output to compare the graph figures with")
+    p.add_argument("--profile", default=os.path.join(os.environ.get("OUT", "."), "python_bench_profile"),
+                   help="path prefix of rank 0's cProfile of the low-latency calls ('' for none)")
     p.add_argument("--timeout", type=int, default=120, help="seconds per rank count before the ranks are killed")
     args = p.parse_args()
     if args.graph_ops < 2 or args.graph_ops % 2:

@@ -12,9 +12,12 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   ``num_max_dispatch_tokens_per_rank``, hidden and experts; ``num_rdma_bytes`` must be at least
   ``get_low_latency_rdma_size_hint`` of them). A later call that does not fit raises
   ``ValueError`` saying what would.
-- **Outputs** are torch tensors the caller owns: the Rust kernels write into the buffer's own
-  pooled memory, and each output is copied (device to device, on the communication stream) into
-  a tensor allocated with torch before the call returns (LL hook mode: when the hook runs).
+- **Outputs** are torch tensors the caller owns. Low-latency: the kernels write the received
+  rows, counts and combined rows straight into tensors allocated with torch for the call (no
+  copy; only FP8 scales are copied, into DeepEP's column-major layout). Normal mode: the
+  kernels write into the buffer's own pooled memory, and each output is copied (device to
+  device, on the communication stream) into a tensor allocated with torch before the call
+  returns.
   Handles still reserve a pooled region each until they are dropped: at most
   ``EP_IBGDA_MAX_LIVE_HANDLES`` (default 4) normal-mode handles may be alive at once, and
   low-latency results are double-buffered (a dispatch's handle is good until the second next
@@ -705,25 +708,28 @@ class Buffer:
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
-            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
-                               wait_stats.data_ptr() if wait_stats is not None else 0)
             dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-            recv_x = torch.empty(tuple(out.x.shape), dtype=dtype, device=x.device)
+            # The kernel writes the rows and counts straight into these (no copy); only the FP8
+            # scales are copied, to DeepEP's column-major layout.
+            recv_x = torch.empty((local, ranks * n, h), dtype=dtype, device=x.device)
+            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
+            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                               wait_stats.data_ptr() if wait_stats is not None else 0, recv_x.data_ptr(),
+                               recv_count.data_ptr())
             recv_scales = None
             if use_fp8:
                 sl, rows, words = out.scales.shape
                 sdtype = torch.int32 if use_ue8m0 else torch.float32
                 # Column-major per expert, as DeepEP returns them.
                 recv_scales = torch.empty((sl, words, rows), dtype=sdtype, device=x.device).transpose(1, 2)
-            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
         stats = cumulative_local_expert_recv_stats
 
         def copy_out():
+            if recv_scales is None and stats is None:
+                return
             with torch.cuda.stream(stream):
-                recv_x.copy_(self._view(out.x, dtype))
                 if recv_scales is not None:
                     recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
-                recv_count.copy_(self._view(out.recv_count, torch.int32))
                 if stats is not None:
                     stats.add_(recv_count)
 
@@ -732,7 +738,8 @@ class Buffer:
         rx = (recv_x, recv_scales) if use_fp8 else recv_x
         if return_recv_hook:
             native_hook = out.hook
-            keep = (x, topk_idx, idx32, stats, wait_stats, out)
+            # The inputs, and the outputs the receive writes, stay alive until it is queued.
+            keep = (x, topk_idx, idx32, stats, wait_stats, out, recv_x, recv_count)
 
             def hook():
                 _ = keep  # the inputs stay alive until the receive is queued
@@ -799,6 +806,8 @@ class Buffer:
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
+            # The kernel writes the combined rows straight into this (no copy).
+            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
             res = buf.combine(
                 handle.native,
                 0 if zero_copy else x.data_ptr(),
@@ -810,29 +819,24 @@ class Buffer:
                 return_recv_hook,
                 use_logfmt,
                 wait_stats.data_ptr() if wait_stats is not None else 0,
+                combined.data_ptr(),
             )
-            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
-
-        def copy_out():
-            with torch.cuda.stream(stream):
-                combined.copy_(self._view(res.x, torch.bfloat16))
 
         if return_recv_hook:
             native_hook = res.hook
-            keep = (x, topk_idx, topk_weights, idx32, wait_stats, res)
+            # The inputs, and the output the receive writes, stay alive until it is queued.
+            keep = (x, topk_idx, topk_weights, idx32, wait_stats, res, combined)
 
             def hook():
                 _ = keep
                 cur = torch.cuda.current_stream()
                 stream.wait_stream(cur)
                 native_hook.call()
-                copy_out()
                 cur.wait_stream(stream)
 
             if out is None:
                 combined.record_stream(compute)
             return combined, EventOverlap(None), hook
-        copy_out()
         event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
                              (combined,) if out is None else ())
         return combined, event, None

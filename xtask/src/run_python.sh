@@ -61,7 +61,7 @@ if [ "${1:-}" = "--bench" ]; then
     echo "[run.sh] no bundle/bin/bench_low_latency (a --python bundle): Python figures only" | tee -a "$out/python_bench.log"
   fi
   timeout "${EP_PY_BENCH_TIMEOUT:-240}" "$pyx" "$here/bench/host_overhead.py" --ranks "$ranks" \
-    --json "$out/python_bench.json" ${rust[@]+"${rust[@]}"} 2>&1 | tee -a "$out/python_bench.log"
+    --json "$out/python_bench.json" --profile "$out/python_bench_profile" ${rust[@]+"${rust[@]}"} 2>&1 | tee -a "$out/python_bench.log"
   bench=${PIPESTATUS[0]}
   echo "python bench: exit $bench" | tee -a "$out/python_bench.log"
   exit "$bench"
