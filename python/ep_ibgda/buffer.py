@@ -174,6 +174,7 @@ class Buffer:
         self._max_live = _env_int("EP_IBGDA_MAX_LIVE_HANDLES", 4)
         self._intranode = None
         self._ll = None
+        self._torch_streams = {}
         # Masks set before the native low-latency buffer exists (enable_shrink).
         self._pending_mask = [0] * self.group_size
         self._destroyed = False
@@ -343,7 +344,7 @@ class Buffer:
         import torch
 
         compute = torch.cuda.current_stream()
-        comm = torch.cuda.ExternalStream(comm_ptr, device=torch.device("cuda", self._device))
+        comm = self._external_stream(comm_ptr)
         if previous_event is not None:
             if not isinstance(previous_event, EventOverlap) or previous_event.event is None:
                 raise TypeError(f"previous_event must be an EventOverlap with an event, got {previous_event!r}")
@@ -351,6 +352,17 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         return compute, comm
+
+    def _external_stream(self, ptr: int):
+        """The native stream ``ptr`` as a ``torch.cuda.ExternalStream``, made once per stream
+        (the native streams live as long as the process: ``kept_streams`` in the extension)."""
+        s = self._torch_streams.get(ptr)
+        if s is None:
+            import torch
+
+            s = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", self._device))
+            self._torch_streams[ptr] = s
+        return s
 
     def _view(self, view: Any, dtype: Any):
         """A torch tensor over a native view (no copy), re-typed to ``dtype``."""
@@ -886,7 +898,7 @@ class Buffer:
         """The low-latency stream, made to wait for the caller's current stream."""
         import torch
 
-        stream = torch.cuda.ExternalStream(self._ll.stream, device=torch.device("cuda", self._device))
+        stream = self._external_stream(self._ll.stream)
         stream.wait_stream(torch.cuda.current_stream())
         return stream
 
@@ -993,9 +1005,7 @@ class Buffer:
         self._live()
         if self._intranode is None:
             raise RuntimeError("get_comm_stream: the communication stream is created at the first dispatch of this Buffer")
-        import torch
-
-        return torch.cuda.ExternalStream(self._intranode.comm_stream, device=torch.device("cuda", self._device))
+        return self._external_stream(self._intranode.comm_stream)
 
     def destroy(self) -> None:
         """Frees the buffer with every rank (a collective; needs ``explicitly_destroy=True``)."""
