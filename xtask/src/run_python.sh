@@ -68,7 +68,7 @@ if [ "${1:-}" = "--bench" ]; then
 fi
 
 cd "$here/tests" || exit 1
-timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
+timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s --durations=0 -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
 suite=${PIPESTATUS[0]}
 
 timeout "${EP_PY_EXAMPLE_TIMEOUT:-90}" "$pyx" -m torch.distributed.run --standalone --nproc-per-node "${EXAMPLE_RANKS:-2}" \
