@@ -174,7 +174,9 @@ def _ll_graphs(torch, dist, deep_ep, buf, inputs, ops, replays):
         g = torch.cuda.CUDAGraph()
         err = None
         try:
-            with torch.cuda.graph(g):
+            # Thread-local, as the Rust core captures: CUDA calls of other threads of the process
+            # (gloo's, the driver's) must not invalidate the capture.
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 body()
         except Exception as e:  # reported in the record; every rank then skips the replays
             err = f"{type(e).__name__}: {e}"

@@ -53,7 +53,9 @@ def _body(rank, world, base_seed):
 
     g = torch.cuda.CUDAGraph()
     outs = []
-    with torch.cuda.graph(g):
+    # Thread-local, as the Rust core captures: CUDA calls of other threads of the process
+    # (gloo's, the driver's) must not invalidate the capture.
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
         for _ in range(2):
             recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, N, experts, use_fp8=False)
             combined, _, _ = buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
