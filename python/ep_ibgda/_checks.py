@@ -72,3 +72,39 @@ def flag(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {v!r}")
     return v
+
+
+# Bytes per element of the torch dtypes a buffer view may take (by name, so the check needs no
+# torch import).
+_DTYPE_BYTES = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8,
+}
+
+
+def dtype_name_of(dtype: Any) -> str:
+    """``torch.int8`` -> ``int8``."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_bytes(name: str, dtype: Any) -> int:
+    """Bytes per element of the torch dtype ``dtype`` (``TypeError`` naming ``name`` otherwise)."""
+    if type(dtype).__name__ != "dtype" or dtype_name_of(dtype) not in _DTYPE_BYTES:
+        raise TypeError(
+            f"{name} must be a torch dtype ({', '.join('torch.' + n for n in _DTYPE_BYTES)}), got {dtype!r}"
+        )
+    return _DTYPE_BYTES[dtype_name_of(dtype)]
+
+
+def shape(name: str, size: Any) -> Tuple[int, ...]:
+    """``size`` (an int, or a ``torch.Size`` / tuple / list of ints >= 0) as a tuple."""
+    dims = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+    try:
+        out = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{name} must be a torch.Size, a tuple of ints or an int, got {size!r}") from None
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in out):
+        raise ValueError(f"{name} must have ints >= 0 as dimensions, got {size!r}")
+    return out

@@ -12,9 +12,12 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   ``num_max_dispatch_tokens_per_rank``, hidden and experts; ``num_rdma_bytes`` must be at least
   ``get_low_latency_rdma_size_hint`` of them). A later call that does not fit raises
   ``ValueError`` saying what would.
-- **Outputs** are torch tensors the caller owns: the Rust kernels write into the buffer's own
-  pooled memory, and each output is copied (device to device, on the communication stream) into
-  a tensor allocated with torch before the call returns (LL hook mode: when the hook runs).
+- **Outputs** are torch tensors the caller owns. Low-latency: the kernels write the received
+  rows, counts and combined rows straight into tensors allocated with torch for the call (no
+  copy; only FP8 scales are copied, into DeepEP's column-major layout). Normal mode: the
+  kernels write into the buffer's own pooled memory, and each output is copied (device to
+  device, on the communication stream) into a tensor allocated with torch before the call
+  returns.
   Handles still reserve a pooled region each until they are dropped: at most
   ``EP_IBGDA_MAX_LIVE_HANDLES`` (default 4) normal-mode handles may be alive at once, and
   low-latency results are double-buffered (a dispatch's handle is good until the second next
@@ -32,7 +35,10 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
 - **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``
   in the Rust crate spells it out); not with ``zero_copy``, hidden a multiple of 128.
 - **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
-  on more than one node), ``get_local_buffer_tensor``, ``use_fabric``.
+  on more than one node), ``use_fabric``, and rank masks in normal mode (``enable_shrink``
+  without ``low_latency_mode``: the intranode kernels have no masks).
+- ``get_local_buffer_tensor`` views the native buffers' own memory (the intranode window, the
+  low-latency network buffer), which exist from the first call that builds them.
 """
 
 import os
@@ -168,6 +174,7 @@ class Buffer:
         self._max_live = _env_int("EP_IBGDA_MAX_LIVE_HANDLES", 4)
         self._intranode = None
         self._ll = None
+        self._torch_streams = {}
         # Masks set before the native low-latency buffer exists (enable_shrink).
         self._pending_mask = [0] * self.group_size
         self._destroyed = False
@@ -337,7 +344,7 @@ class Buffer:
         import torch
 
         compute = torch.cuda.current_stream()
-        comm = torch.cuda.ExternalStream(comm_ptr, device=torch.device("cuda", self._device))
+        comm = self._external_stream(comm_ptr)
         if previous_event is not None:
             if not isinstance(previous_event, EventOverlap) or previous_event.event is None:
                 raise TypeError(f"previous_event must be an EventOverlap with an event, got {previous_event!r}")
@@ -345,6 +352,17 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         return compute, comm
+
+    def _external_stream(self, ptr: int):
+        """The native stream ``ptr`` as a ``torch.cuda.ExternalStream``, made once per stream
+        (the native streams live as long as the process: ``kept_streams`` in the extension)."""
+        s = self._torch_streams.get(ptr)
+        if s is None:
+            import torch
+
+            s = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", self._device))
+            self._torch_streams[ptr] = s
+        return s
 
     def _view(self, view: Any, dtype: Any):
         """A torch tensor over a native view (no copy), re-typed to ``dtype``."""
@@ -377,6 +395,12 @@ class Buffer:
         if self._num_nodes > 1 or self.group_size > NUM_MAX_NVL_PEERS:
             raise _not_implemented(
                 f"internode {what} (the group spans {self._num_nodes} hosts, {self.group_size} ranks)"
+            )
+        if any(self._pending_mask):
+            masked = [r for r, m in enumerate(self._pending_mask) if m]
+            raise _not_implemented(
+                f"rank masks in normal mode ({what} while ranks {masked} are masked: the intranode "
+                "kernels have no rank masks; call low_latency_clean_mask_buffer first)"
             )
 
     # ----- normal mode -----------------------------------------------------------------------
@@ -696,25 +720,28 @@ class Buffer:
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
-            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
-                               wait_stats.data_ptr() if wait_stats is not None else 0)
             dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-            recv_x = torch.empty(tuple(out.x.shape), dtype=dtype, device=x.device)
+            # The kernel writes the rows and counts straight into these (no copy); only the FP8
+            # scales are copied, to DeepEP's column-major layout.
+            recv_x = torch.empty((local, ranks * n, h), dtype=dtype, device=x.device)
+            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
+            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                               wait_stats.data_ptr() if wait_stats is not None else 0, recv_x.data_ptr(),
+                               recv_count.data_ptr())
             recv_scales = None
             if use_fp8:
                 sl, rows, words = out.scales.shape
                 sdtype = torch.int32 if use_ue8m0 else torch.float32
                 # Column-major per expert, as DeepEP returns them.
                 recv_scales = torch.empty((sl, words, rows), dtype=sdtype, device=x.device).transpose(1, 2)
-            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
         stats = cumulative_local_expert_recv_stats
 
         def copy_out():
+            if recv_scales is None and stats is None:
+                return
             with torch.cuda.stream(stream):
-                recv_x.copy_(self._view(out.x, dtype))
                 if recv_scales is not None:
                     recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
-                recv_count.copy_(self._view(out.recv_count, torch.int32))
                 if stats is not None:
                     stats.add_(recv_count)
 
@@ -723,7 +750,8 @@ class Buffer:
         rx = (recv_x, recv_scales) if use_fp8 else recv_x
         if return_recv_hook:
             native_hook = out.hook
-            keep = (x, topk_idx, idx32, stats, wait_stats, out)
+            # The inputs, and the outputs the receive writes, stay alive until it is queued.
+            keep = (x, topk_idx, idx32, stats, wait_stats, out, recv_x, recv_count)
 
             def hook():
                 _ = keep  # the inputs stay alive until the receive is queued
@@ -790,6 +818,8 @@ class Buffer:
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
+            # The kernel writes the combined rows straight into this (no copy).
+            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
             res = buf.combine(
                 handle.native,
                 0 if zero_copy else x.data_ptr(),
@@ -801,29 +831,24 @@ class Buffer:
                 return_recv_hook,
                 use_logfmt,
                 wait_stats.data_ptr() if wait_stats is not None else 0,
+                combined.data_ptr(),
             )
-            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
-
-        def copy_out():
-            with torch.cuda.stream(stream):
-                combined.copy_(self._view(res.x, torch.bfloat16))
 
         if return_recv_hook:
             native_hook = res.hook
-            keep = (x, topk_idx, topk_weights, idx32, wait_stats, res)
+            # The inputs, and the output the receive writes, stay alive until it is queued.
+            keep = (x, topk_idx, topk_weights, idx32, wait_stats, res, combined)
 
             def hook():
                 _ = keep
                 cur = torch.cuda.current_stream()
                 stream.wait_stream(cur)
                 native_hook.call()
-                copy_out()
                 cur.wait_stream(stream)
 
             if out is None:
                 combined.record_stream(compute)
             return combined, EventOverlap(None), hook
-        copy_out()
         event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
                              (combined,) if out is None else ())
         return combined, event, None
@@ -863,12 +888,17 @@ class Buffer:
         self._live()
         if not self.enable_shrink:
             raise RuntimeError(f"{what} needs a Buffer created with enable_shrink=True (as in DeepEP)")
+        if not self.low_latency_mode:
+            raise _not_implemented(
+                f"rank masks in normal mode ({what} on a Buffer without low_latency_mode: the "
+                "intranode kernels have no rank masks; masks apply to low-latency operations)"
+            )
 
     def _ll_stream_after_current(self):
         """The low-latency stream, made to wait for the caller's current stream."""
         import torch
 
-        stream = torch.cuda.ExternalStream(self._ll.stream, device=torch.device("cuda", self._device))
+        stream = self._external_stream(self._ll.stream)
         stream.wait_stream(torch.cuda.current_stream())
         return stream
 
@@ -880,8 +910,10 @@ class Buffer:
         if not isinstance(rank_to_mask, int) or isinstance(rank_to_mask, bool) or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
         chk.flag("mask", mask)
+        # The host's copy of the caller's masks: applied when the native buffer is built, and
+        # what normal-mode calls check (they cannot honour a mask).
+        self._pending_mask[rank_to_mask] = int(mask)
         if self._ll is None:
-            self._pending_mask[rank_to_mask] = int(mask)
             return
         self._ll_stream_after_current()
         self._ll.update_mask(rank_to_mask, mask)
@@ -906,8 +938,8 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmasks every rank on this rank (needs ``enable_shrink``)."""
         self._need_shrink("low_latency_clean_mask_buffer")
+        self._pending_mask = [0] * self.group_size
         if self._ll is None:
-            self._pending_mask = [0] * self.group_size
             return
         self._ll_stream_after_current()
         self._ll.clean_mask()
@@ -915,18 +947,65 @@ class Buffer:
     # ----- misc ------------------------------------------------------------------------------
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0, use_rdma_buffer: bool = False):
-        """A tensor over the buffer's raw memory (not implemented: our buffers are not one flat
-        byte range)."""
-        raise _not_implemented("get_local_buffer_tensor (a tensor over the raw buffer)")
+        """A tensor over this rank's own buffer memory, as DeepEP's: ``dtype`` elements from byte
+        ``offset`` of the RDMA buffer (``use_rdma_buffer=True``: the low-latency network buffer)
+        or of the NVLink buffer (the intranode window); all that fit (1-D), or the first
+        ``size`` (a ``torch.Size``, a tuple of ints or an int) of them in that shape. No copy:
+        writes go to the buffer itself.
+
+        The memory is the native buffer's, laid out as the Rust core plans it (signals first,
+        then rows), not as DeepEP's, and peers write it during every operation: use it as
+        scratch only between operations, and after overwriting the low-latency signals (vLLM
+        zeroes the RDMA buffer) call ``clean_low_latency_buffer`` on every rank before the next
+        low-latency call. The native buffers are built at the first call that needs them, so
+        the RDMA buffer exists after the first ``low_latency_dispatch`` and the NVLink buffer
+        after the first ``dispatch``; before that this raises ``RuntimeError``.
+        """
+        self._live()
+        elem = chk.dtype_bytes("dtype", dtype)
+        chk.flag("use_rdma_buffer", use_rdma_buffer)
+        chk.positive_int("offset", offset, 0)
+        shape = None
+        if size is not None:
+            shape = chk.shape("size", size)
+        if offset % elem != 0:
+            raise ValueError(f"offset {offset} is not a multiple of {chk.dtype_name_of(dtype)}'s {elem} bytes")
+        native, which, first = (
+            (self._ll, "RDMA (low-latency network)", "low_latency_dispatch")
+            if use_rdma_buffer
+            else (self._intranode, "NVLink (intranode)", "dispatch")
+        )
+        if native is None:
+            raise RuntimeError(
+                f"get_local_buffer_tensor: this Buffer's {which} buffer does not exist yet: it is built "
+                f"at the first {first} (its sizes come from that call's shapes); call this after it"
+            )
+        import torch
+
+        raw = self._view(native.local_buffer(), torch.uint8)
+        total = int(raw.numel())
+        avail = (total - offset) // elem if offset <= total else -1
+        if avail < 0:
+            raise ValueError(f"offset {offset} is past the end of the {which} buffer ({total} bytes)")
+        n = avail
+        if shape is not None:
+            n = 1
+            for d in shape:
+                n *= d
+            if n > avail:
+                raise ValueError(
+                    f"size {list(shape)} of {chk.dtype_name_of(dtype)} needs {n * elem} bytes from offset "
+                    f"{offset}; the {which} buffer has {total} bytes ({avail * elem} from there)"
+                )
+        t = raw[offset : offset + n * elem].view(dtype)
+        return t if shape is None else t.view(shape)
 
     def get_comm_stream(self):
         """The communication stream (``torch.cuda.Stream``) of the normal-mode operations."""
         self._live()
         if self._intranode is None:
             raise RuntimeError("get_comm_stream: the communication stream is created at the first dispatch of this Buffer")
-        import torch
-
-        return torch.cuda.ExternalStream(self._intranode.comm_stream, device=torch.device("cuda", self._device))
+        return self._external_stream(self._intranode.comm_stream)
 
     def destroy(self) -> None:
         """Frees the buffer with every rank (a collective; needs ``explicitly_destroy=True``)."""

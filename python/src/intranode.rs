@@ -11,7 +11,7 @@
 //! orders the caller's stream after the copies of the outputs.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use ep::{Bf16, CombineArgs, DispatchArgs, DispatchX, Event, Fp8E4M3, RecvX, StreamOrder, TopK};
@@ -28,6 +28,8 @@ pub struct Intranode {
     inner: Option<ep::Buffer>,
     group: PyGroup,
     ctx: Arc<CudaContext>,
+    /// Host time spent inside the `ep` core's operations (see [`core_ns`](Self::core_ns)).
+    core_ns: u64,
 }
 
 /// A dispatch layout computed by the native side (internal).
@@ -98,6 +100,11 @@ fn released() -> PyErr {
 }
 
 impl Intranode {
+    /// Adds the time since `t0` to [`core_ns`](Self::core_ns).
+    fn lap(&mut self, t0: Instant) {
+        self.core_ns = self.core_ns.saturating_add(crate::elapsed_ns(t0));
+    }
+
     fn buf(&mut self) -> PyResult<&mut ep::Buffer> {
         self.inner.as_mut().ok_or_else(released)
     }
@@ -215,6 +222,7 @@ impl Intranode {
             inner: Some(inner),
             group,
             ctx,
+            core_ns: 0,
         })
     }
 
@@ -242,8 +250,12 @@ impl Intranode {
     fn layout(&mut self, topk_idx_ptr: u64, tokens: usize, k: usize) -> PyResult<Layout> {
         // SAFETY: the module's contract: a live, checked i32 tensor `[tokens, k]`.
         let idx = unsafe { input::<i32>(&self.ctx, topk_idx_ptr, &[tokens, k]) };
-        let inner = self.buf()?.get_dispatch_layout(&idx).map_err(to_py)?;
-        Ok(Layout { inner })
+        let t0 = Instant::now();
+        let inner = self.buf()?.get_dispatch_layout(&idx);
+        self.lap(t0);
+        Ok(Layout {
+            inner: inner.map_err(to_py)?,
+        })
     }
 
     /// Dispatches `x` (BF16, or FP8 with f32 scales) by `layout`, with top-k when
@@ -293,8 +305,10 @@ impl Intranode {
             previous_event: Some(&start),
             async_finish: true,
         };
-        let out = self.buf()?.dispatch(&args).map_err(to_py)?;
-        dispatched(py, out)
+        let t0 = Instant::now();
+        let out = self.buf()?.dispatch(&args);
+        self.lap(t0);
+        dispatched(py, out.map_err(to_py)?)
     }
 
     /// Sends `x` along the routes of `handle`'s dispatch (no top-k, no host wait).
@@ -320,11 +334,12 @@ impl Intranode {
             previous_event: Some(&start),
             async_finish: true,
         };
+        let t0 = Instant::now();
         let out = self
             .buf()?
-            .dispatch_cached(x, &handle.inner, &config, &order)
-            .map_err(to_py)?;
-        dispatched(py, out)
+            .dispatch_cached(x, &handle.inner, &config, &order);
+        self.lap(t0);
+        dispatched(py, out.map_err(to_py)?)
     }
 
     /// Sums every copy of each token back (BF16 `[rows, hidden]` at `x_ptr`), with weights
@@ -369,7 +384,10 @@ impl Intranode {
             previous_event: Some(&start),
             async_finish: true,
         };
-        let out = self.buf()?.combine(&args).map_err(to_py)?;
+        let t0 = Instant::now();
+        let out = self.buf()?.combine(&args);
+        self.lap(t0);
+        let out = out.map_err(to_py)?;
         Ok(Combined {
             x: DeviceView::py(py, &out.x)?,
             topk_weights: out
@@ -378,6 +396,21 @@ impl Intranode {
                 .map(|t| DeviceView::py(py, t))
                 .transpose()?,
         })
+    }
+
+    /// Nanoseconds of host time spent inside the `ep` core's operations (layout, dispatch,
+    /// cached dispatch, combine), summed since the buffer was built: what a Rust caller would
+    /// spend on the same calls. The Python layer's overhead is a call's wall time less this
+    /// counter's growth over it (`python/bench/host_overhead.py`).
+    #[getter]
+    fn core_ns(&self) -> u64 {
+        self.core_ns
+    }
+
+    /// This rank's window as raw bytes, `u8 [len]` (`Buffer.get_local_buffer_tensor`).
+    fn local_buffer(&mut self, py: Python<'_>) -> PyResult<Py<DeviceView>> {
+        let t = self.buf()?.local_window();
+        DeviceView::py(py, &t)
     }
 
     /// Waits (bounded) for the communication stream; reports errors the kernels recorded.

@@ -41,6 +41,11 @@ pub(crate) fn to_py(e: ep::EpError) -> PyErr {
     }
 }
 
+/// Nanoseconds since `t0`, saturating (the host-time counters of the native buffers).
+pub(crate) fn elapsed_ns(t0: std::time::Instant) -> u64 {
+    u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Whether a CUDA driver can be loaded here (no GPU is touched).
 #[pyfunction]
 fn cuda_driver_present() -> bool {

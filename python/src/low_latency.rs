@@ -7,14 +7,14 @@
 //! the hook is called).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use ep::low_latency::{
-    Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LlRecvX, LlScales, LowLatencyBuffer,
-    LowLatencyOptions, RecvHook,
+    Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LlRecvInto, LlRecvX, LlScales,
+    LowLatencyBuffer, LowLatencyOptions, RecvHook,
 };
-use ep::{Bf16, Exchange};
+use ep::{Bf16, Exchange, Fp8E4M3};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
@@ -27,6 +27,8 @@ use crate::view::{input, DeviceView};
 pub struct LowLatency {
     inner: Option<LowLatencyBuffer>,
     ctx: Arc<CudaContext>,
+    /// Host time spent inside the `ep` core's operations (see [`core_ns`](Self::core_ns)).
+    core_ns: u64,
 }
 
 /// What a low-latency combine needs about its dispatch (opaque to callers).
@@ -105,6 +107,11 @@ fn released() -> PyErr {
 }
 
 impl LowLatency {
+    /// Adds the time since `t0` to [`core_ns`](Self::core_ns).
+    fn lap(&mut self, t0: Instant) {
+        self.core_ns = self.core_ns.saturating_add(crate::elapsed_ns(t0));
+    }
+
     fn buf(&mut self) -> PyResult<&mut LowLatencyBuffer> {
         self.inner.as_mut().ok_or_else(released)
     }
@@ -148,6 +155,7 @@ impl LowLatency {
         Ok(Self {
             inner: Some(inner),
             ctx,
+            core_ns: 0,
         })
     }
 
@@ -177,9 +185,12 @@ impl LowLatency {
     }
 
     /// Dispatches BF16 `x` `[tokens, hidden]` by i32 `topk_idx` `[tokens, k]`; the receive adds
-    /// its wait cycles per source rank to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none).
+    /// its wait cycles per source rank to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none),
+    /// and writes the rows straight into the tensor at `recv_x_ptr` (`[local, ranks *
+    /// max_tokens, hidden]` of the dispatched type) and the counts into the i32 `[local]` tensor
+    /// at `recv_count_ptr` when given (0: the buffer's own output half).
     #[pyo3(signature = (x_ptr, tokens, hidden, topk_idx_ptr, k, use_fp8, round_scale, use_ue8m0,
-        return_recv_hook, wait_stats_ptr=0))]
+        return_recv_hook, wait_stats_ptr=0, recv_x_ptr=0, recv_count_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -194,8 +205,12 @@ impl LowLatency {
         use_ue8m0: bool,
         return_recv_hook: bool,
         wait_stats_ptr: u64,
+        recv_x_ptr: u64,
+        recv_count_ptr: u64,
     ) -> PyResult<LlDispatched> {
         let ranks = self.buf()?.ranks();
+        let local = self.buf()?.num_local_experts();
+        let cap = ranks * self.buf()?.options().max_tokens_per_rank;
         // SAFETY: the module's contract: live, checked tensors of these shapes.
         let x = unsafe { input::<Bf16>(&self.ctx, x_ptr, &[tokens, hidden]) };
         // SAFETY: as above, i32 `[tokens, k]`.
@@ -210,7 +225,26 @@ impl LowLatency {
             // SAFETY: the module's contract: a live, checked i64 `[ranks]` tensor.
             .then(|| unsafe { input::<i64>(&self.ctx, wait_stats_ptr, &[ranks]) });
         args.wait_stats = stats.as_ref();
-        let out = self.buf()?.dispatch(&args).map_err(to_py)?;
+        let recv_shape = [local, cap, hidden];
+        let into_bf16 = (recv_x_ptr != 0 && !use_fp8)
+            // SAFETY: the module's contract: a live, checked BF16 tensor of this shape.
+            .then(|| unsafe { input::<Bf16>(&self.ctx, recv_x_ptr, &recv_shape) });
+        let into_fp8 = (recv_x_ptr != 0 && use_fp8)
+            // SAFETY: the module's contract: a live, checked FP8 tensor of this shape.
+            .then(|| unsafe { input::<Fp8E4M3>(&self.ctx, recv_x_ptr, &recv_shape) });
+        args.recv_into = match (&into_bf16, &into_fp8) {
+            (Some(t), _) => Some(LlRecvInto::Bf16(t)),
+            (_, Some(t)) => Some(LlRecvInto::Fp8(t)),
+            _ => None,
+        };
+        let count_into = (recv_count_ptr != 0)
+            // SAFETY: the module's contract: a live, checked i32 `[local]` tensor.
+            .then(|| unsafe { input::<i32>(&self.ctx, recv_count_ptr, &[local]) });
+        args.recv_count_into = count_into.as_ref();
+        let t0 = Instant::now();
+        let out = self.buf()?.dispatch(&args);
+        self.lap(t0);
+        let out = out.map_err(to_py)?;
         let (x, scales) = match &out.x {
             LlRecvX::Bf16(x) => (DeviceView::py(py, x)?, None),
             LlRecvX::Fp8 { x, scales } => (
@@ -233,9 +267,11 @@ impl LowLatency {
     /// Combines expert outputs (BF16 `[local, ranks * max_tokens, hidden]` at `x_ptr`, or the
     /// zero-copy buffer when `x_ptr` is 0) with the dispatch's i32 `topk_idx` and f32
     /// `topk_weights` `[tokens, k]`; LogFMT rows with `use_logfmt`; wait cycles per source rank
-    /// added to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none).
+    /// added to the i64 `[ranks]` tensor at `wait_stats_ptr` (0: none); the combined BF16
+    /// `[tokens, hidden]` rows written straight into the tensor at `out_ptr` when given (0: the
+    /// buffer's own output half).
     #[pyo3(signature = (handle, x_ptr, x_shape, topk_idx_ptr, topk_weights_ptr, tokens, k,
-        return_recv_hook, use_logfmt=false, wait_stats_ptr=0))]
+        return_recv_hook, use_logfmt=false, wait_stats_ptr=0, out_ptr=0))]
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
@@ -250,6 +286,7 @@ impl LowLatency {
         return_recv_hook: bool,
         use_logfmt: bool,
         wait_stats_ptr: u64,
+        out_ptr: u64,
     ) -> PyResult<LlCombined> {
         let ranks = self.buf()?.ranks();
         let ctx = self.ctx.clone();
@@ -271,11 +308,34 @@ impl LowLatency {
         args.return_recv_hook = return_recv_hook;
         args.use_logfmt = use_logfmt;
         args.wait_stats = stats.as_ref();
-        let out = self.buf()?.combine(&args).map_err(to_py)?;
+        let hidden = handle.inner.hidden();
+        let into = (out_ptr != 0)
+            // SAFETY: the module's contract: a live, checked BF16 `[tokens, hidden]` tensor.
+            .then(|| unsafe { input::<Bf16>(&ctx, out_ptr, &[tokens, hidden]) });
+        args.out_into = into.as_ref();
+        let t0 = Instant::now();
+        let out = self.buf()?.combine(&args);
+        self.lap(t0);
+        let out = out.map_err(to_py)?;
         Ok(LlCombined {
             x: DeviceView::py(py, &out.x)?,
             hook: hook(py, out.hook)?,
         })
+    }
+
+    /// Nanoseconds of host time spent inside the `ep` core's dispatch and combine, summed
+    /// since the buffer was built: what a Rust caller would spend on the same calls (see
+    /// `python/bench/host_overhead.py`).
+    #[getter]
+    fn core_ns(&self) -> u64 {
+        self.core_ns
+    }
+
+    /// This rank's network buffer as raw bytes, `u8 [len]` (`Buffer.get_local_buffer_tensor`
+    /// with `use_rdma_buffer=True`).
+    fn local_buffer(&mut self, py: Python<'_>) -> PyResult<Py<DeviceView>> {
+        let t = self.buf()?.local_net_buffer();
+        DeviceView::py(py, &t)
     }
 
     /// The zero-copy combine input for `hidden`: BF16 `[local, ranks * max_tokens, hidden]`.

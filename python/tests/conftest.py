@@ -4,7 +4,7 @@ without torch or a GPU."""
 import pytest
 
 
-class _Dtype:
+class dtype:  # noqa: N801 (named as torch's class, which the dtype checks look for)
     def __init__(self, name):
         self.name = name
 
@@ -26,7 +26,7 @@ class FakeTensor:
 
     def __init__(self, shape, dtype="bfloat16", device="cuda", index=0, strides=None):
         self.shape = tuple(shape)
-        self.dtype = _Dtype(dtype)
+        self.dtype = globals()["dtype"](dtype)
         self.device = _Device(device, index if device == "cuda" else None)
         if strides is None:
             strides, acc = [], 1
@@ -70,5 +70,52 @@ def fake():
 
 
 @pytest.fixture
+def fake_dtype():
+    """A stand-in for ``torch.<name>``: ``fake_dtype("int8")``."""
+    return dtype
+
+
+@pytest.fixture
 def group():
     return OneRankGroup
+
+
+# ----- On the GPU machine (EP_IBGDA_REQUIRE_GPU=1): a GPU test that ran no case fails the run.
+
+_GPU_FILE_PREFIX = "test_gpu_"
+_gpu_tests = {}  # test function -> cases passed
+
+
+def _gpu_test_name(nodeid):
+    path, _, rest = nodeid.partition("::")
+    if not path.rsplit("/", 1)[-1].startswith(_GPU_FILE_PREFIX):
+        return None
+    return f"{path}::{rest.split('[', 1)[0]}"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        name = _gpu_test_name(item.nodeid)
+        if name is not None:
+            _gpu_tests.setdefault(name, 0)
+
+
+def pytest_runtest_logreport(report):
+    name = _gpu_test_name(report.nodeid)
+    if name is not None and report.when == "call" and report.passed:
+        _gpu_tests[name] = _gpu_tests.get(name, 0) + 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import os
+    import sys
+
+    if os.environ.get("EP_IBGDA_REQUIRE_GPU") != "1":
+        return
+    none_ran = sorted(n for n, passed in _gpu_tests.items() if passed == 0)
+    if not _gpu_tests:
+        sys.stderr.write("NOCASE: no GPU test was collected (EP_IBGDA_REQUIRE_GPU=1)\n")
+    for n in none_ran:
+        sys.stderr.write(f"NOCASE: {n} passed no case (EP_IBGDA_REQUIRE_GPU=1)\n")
+    if (none_ran or not _gpu_tests) and session.exitstatus == 0:
+        session.exitstatus = 1

@@ -90,8 +90,18 @@ def seed():
 
 
 def world_sizes():
-    """Rank counts to test: ``EP_IBGDA_TEST_RANKS`` (comma-separated) or 2 and 4."""
-    return [int(w) for w in os.environ.get("EP_IBGDA_TEST_RANKS", "2,4").split(",") if w]
+    """Rank counts to test: ``EP_IBGDA_TEST_RANKS`` (comma-separated, each 2..8) or 2 and 4.
+
+    A value that names no count, or a count out of range, is an error at collection (a test
+    that would run no case must fail, not pass quietly)."""
+    raw = os.environ.get("EP_IBGDA_TEST_RANKS", "2,4")
+    try:
+        sizes = [int(w) for w in raw.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"EP_IBGDA_TEST_RANKS={raw!r}: expected comma-separated rank counts, e.g. 2,4") from None
+    if not sizes or any(not 2 <= w <= 8 for w in sizes):
+        raise ValueError(f"EP_IBGDA_TEST_RANKS={raw!r}: expected one or more rank counts in 2..8")
+    return sizes
 
 
 def gather(obj):

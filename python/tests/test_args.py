@@ -200,15 +200,51 @@ def test_masks_need_enable_shrink_and_a_rank_in_range(group, fake):
 
 
 def test_missing_features_are_named(group, fake):
-    b = make(group)
-    for call, feature in (
-        (lambda: b.get_local_buffer_tensor("int8", use_rdma_buffer=True), "get_local_buffer_tensor"),
-    ):
-        with pytest.raises(NotImplementedError, match=feature):
-            call()
     two_hosts = Buffer(group(2, hosts=["a", "b"]), int(1e8))
     with pytest.raises(NotImplementedError, match="internode dispatch"):
         two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
+
+
+def test_normal_mode_rank_masks_are_not_implemented(group, fake):
+    # Masks need low-latency mode: the intranode kernels have none.
+    b = make(group, enable_shrink=True)
+    for call in (
+        lambda: b.low_latency_update_mask_buffer(0, True),
+        lambda: b.low_latency_query_mask_buffer(fake((1,), "int32")),
+        lambda: b.low_latency_clean_mask_buffer(),
+    ):
+        with pytest.raises(NotImplementedError, match="rank masks in normal mode"):
+            call()
+    # A low-latency Buffer with a rank masked refuses normal-mode calls rather than ignore the mask.
+    s = Buffer(group(), int(1e8), int(1e9), low_latency_mode=True, enable_shrink=True)
+    s.low_latency_update_mask_buffer(0, True)
+    with pytest.raises(NotImplementedError, match=r"rank masks in normal mode \(dispatch while ranks \[0\]"):
+        s.dispatch(fake((T, H)), **layout(fake))
+    s.low_latency_clean_mask_buffer()
+    assert s._pending_mask == [0]
+
+
+def test_local_buffer_tensor_arguments(group, fake_dtype):
+    b = make(group)
+    with pytest.raises(TypeError, match="dtype must be a torch dtype"):
+        b.get_local_buffer_tensor("int8")
+    with pytest.raises(TypeError, match="dtype must be a torch dtype"):
+        b.get_local_buffer_tensor(fake_dtype("complex64"))
+    with pytest.raises(ValueError, match="offset must be an int >= 0"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), offset=-1)
+    with pytest.raises(TypeError, match="use_rdma_buffer must be a bool"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), use_rdma_buffer=1)
+    with pytest.raises(TypeError, match="size must be a torch.Size"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), size=2.5)
+    with pytest.raises(ValueError, match="size must have ints >= 0"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), size=(2, -1))
+    with pytest.raises(ValueError, match="offset 2 is not a multiple of float32's 4 bytes"):
+        b.get_local_buffer_tensor(fake_dtype("float32"), offset=2)
+    # The native buffers are built by the first call that needs them.
+    with pytest.raises(RuntimeError, match="NVLink .* built at the first dispatch"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), size=(4, 4))
+    with pytest.raises(RuntimeError, match="RDMA .* built at the first low_latency_dispatch"):
+        b.get_local_buffer_tensor(fake_dtype("int8"), use_rdma_buffer=True)
 
 
 def test_destroy(group):

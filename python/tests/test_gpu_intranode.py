@@ -4,7 +4,8 @@ one per GPU or sharing the GPUs there are. Skipped, loudly, without torch or a G
 
 Covers: get_dispatch_layout; dispatch BF16 and FP8 (with scales) with top-k; dispatch without
 top-k; cached dispatch; num_worst_tokens; async_finish / previous_event chains; combine with
-weights and with two biases; argument errors on real tensors; destroy."""
+weights and with two biases; argument errors on real tensors; get_local_buffer_tensor of the
+window; destroy."""
 
 import pytest
 
@@ -89,6 +90,18 @@ def _body(rank, world, base_seed):
     assert recv_idx.dtype == torch.int64 and torch.equal(recv_idx.cpu(), ref_idx)
     assert torch.equal(recv_w.cpu(), torch.where(mine, src_w, torch.zeros_like(src_w)))
     assert counts == [int((ref_idx == l).any(dim=1).sum()) for l in range(local)], counts
+
+    # get_local_buffer_tensor: views of this rank's window (built by the dispatch above); read
+    # only here, since peers use it during every operation.
+    nvl = buf.get_local_buffer_tensor(torch.bfloat16)
+    assert nvl.dtype == torch.bfloat16 and nvl.dim() == 1 and nvl.device == dev and nvl.numel() > 0
+    part = buf.get_local_buffer_tensor(torch.uint8, size=(2, 16), offset=64)
+    assert part.shape == (2, 16) and part.data_ptr() == nvl.data_ptr() + 64
+    with pytest.raises(ValueError, match="needs .* bytes from offset"):
+        buf.get_local_buffer_tensor(torch.int8, size=(2 * nvl.numel() + 1,))
+    with pytest.raises(RuntimeError, match="RDMA .* built at the first low_latency_dispatch"):
+        buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+    del nvl, part
 
     # Combine of the received rows: each token comes back once per rank it went to.
     n_copies = ref_in_rank.sum(1).float()

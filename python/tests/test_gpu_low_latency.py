@@ -4,7 +4,8 @@ per GPU or sharing the GPUs there are. Skipped, loudly, without torch or a GPU.
 
 Covers: BF16 and FP8 dispatch (scales checked by dequantising), UE8M0 scales' shape, the
 per-expert counts and cumulative statistics, combine (plain, ``out=``, zero-copy), hook mode for
-both, async_finish."""
+both, async_finish; get_local_buffer_tensor of the network buffer (views, bounds, zeroed and
+cleaned as vLLM does)."""
 
 import pytest
 
@@ -69,6 +70,30 @@ def _body(rank, world, base_seed):
     combined, ev, hook = buf.low_latency_combine(recv_x, topk_idx, topk_weights, handle)
     torch.testing.assert_close(combined.cpu(), combine_ref(recv_x), rtol=2e-2, atol=2e-2)
     del handle
+
+    # get_local_buffer_tensor: views of this rank's network buffer (built by the dispatch
+    # above). Zeroing it all, as vLLM does, then a collective clean, leaves the group working
+    # (the hook-mode checks below run after it).
+    with pytest.raises(RuntimeError, match="NVLink .* built at the first dispatch"):
+        buf.get_local_buffer_tensor(torch.int8)
+    raw = buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True)
+    total = raw.numel()
+    assert raw.dtype == torch.int8 and raw.dim() == 1 and raw.device == dev and total >= 1024
+    off = (total - 256) // 16 * 16
+    words = buf.get_local_buffer_tensor(torch.int32, size=torch.Size([4, 8]), offset=off, use_rdma_buffer=True)
+    assert words.shape == (4, 8) and words.dtype == torch.int32
+    assert words.data_ptr() == raw.data_ptr() + off
+    words.copy_(torch.arange(32, dtype=torch.int32, device=dev).view(4, 8))
+    tail = buf.get_local_buffer_tensor(torch.int32, offset=off, use_rdma_buffer=True)
+    assert tail.shape == ((total - off) // 4,) and tail[:32].cpu().tolist() == list(range(32))
+    with pytest.raises(ValueError, match="needs .* bytes from offset"):
+        buf.get_local_buffer_tensor(torch.int8, size=(total + 1,), use_rdma_buffer=True)
+    with pytest.raises(ValueError, match="past the end"):
+        buf.get_local_buffer_tensor(torch.int8, offset=total + 16, use_rdma_buffer=True)
+    buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+    assert int(raw.abs().sum()) == 0
+    del raw, words, tail
+    buf.clean_low_latency_buffer(N, H, experts)
 
     # Hook mode for both, and combine into out=.
     recv_x, recv_count, handle, ev, hook = buf.low_latency_dispatch(

@@ -150,7 +150,8 @@ pub fn test() -> Result<()> {
 }
 
 /// Files of the Python part of the device bundle, under `dir` (`bundle/python`): the release
-/// wheel, pytest's wheels for Python 3.12, the GPU tests, the example and `run.sh`.
+/// wheel, pytest's wheels for Python 3.12, the GPU tests, the example, the benchmark
+/// (`bench/host_overhead.py`, run by `run.sh --bench`) and `run.sh`.
 pub fn bundle(dir: &Path) -> Result<()> {
     step("building the ep_ibgda wheel (release) for the bundle");
     let wheel = build_wheel(true)?;
@@ -193,6 +194,12 @@ pub fn bundle(dir: &Path) -> Result<()> {
     std::fs::copy(
         src.join("examples/dispatch_combine.py"),
         examples.join("dispatch_combine.py"),
+    )?;
+    let bench = dir.join("bench");
+    std::fs::create_dir_all(&bench)?;
+    std::fs::copy(
+        src.join("bench/host_overhead.py"),
+        bench.join("host_overhead.py"),
     )?;
     std::fs::write(dir.join("run.sh"), include_str!("run_python.sh"))?;
     eprintln!(

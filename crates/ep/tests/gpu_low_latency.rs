@@ -5,7 +5,8 @@
 //! (0xAB) before every operation. Each case runs at EP2, EP4 and EP8 on however many GPUs are
 //! visible, ranks sharing them round robin: every hidden size of the issue, top-k up to 11, BF16
 //! / FP8 / power-of-two / UE8M0, hook mode, zero-copy combine, CUDA-graph capture and replay, a bounded-wait timeout
-//! that names rank, peer and expert, and repeated create / use / teardown.
+//! that names rank, peer and expert, and repeated create / use / teardown; outputs written into
+//! the caller's tensors (`recv_into`, `recv_count_into`, `out_into`) and their argument checks.
 //!
 //! With NVLink disabled (every byte to another rank through the IBGDA transport on the emulated
 //! NIC): a representative matrix (hidden 2048 and 7168, BF16 and FP8, top-1 and top-8, hook on
@@ -21,13 +22,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions};
-use ep::{EpError, Tensor};
+use ep::low_latency::{
+    Fp8Options, LlCombineArgs, LlCombineX, LlDispatchArgs, LlRecvInto, LowLatencyBuffer,
+    LowLatencyOptions,
+};
+use ep::{Bf16, EpError, Fp8E4M3, Tensor};
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
-    cases, check, graph_case, graph_rank, graph_rounds, on_ranks, options, random_data, run_case,
-    transport_options, two_in_flight, two_in_flight_case, Case, RankData, RankResult,
-    TRANSPORT_MODES,
+    cases, check, graph_case, graph_rank, graph_rounds, on_ranks, options, random_data,
+    read_dispatch, run_case, transport_options, two_in_flight, two_in_flight_case, Case, RankData,
+    RankResult, MAX_TOKENS, TRANSPORT_MODES,
 };
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_device::qp_desc::NicHandler;
@@ -434,5 +438,128 @@ fn an_oversubscribed_sm_budget_is_refused_before_launch() {
         run_case(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}: {e}"))
     });
     check(2, &c, &data, &res, "EP2 on one GPU after a refused grid");
+    shutdown_all(bufs);
+}
+
+/// One dispatch + combine whose outputs the kernels write into tensors of the caller
+/// (`recv_into`, `recv_count_into`, `out_into`), poisoned first; the results are read from those
+/// tensors, and the returned outputs must be them.
+fn run_case_into(b: &mut LowLatencyBuffer, d: &RankData, c: &Case) -> Result<RankResult, EpError> {
+    let ctx = b.context().clone();
+    let (local, cap, h) = (b.num_local_experts(), b.ranks() * MAX_TOKENS, c.hidden);
+    let x = Tensor::from_host(&ctx, &d.x, &[d.tokens, h])?;
+    let idx = Tensor::from_host(&ctx, &d.idx, &[d.tokens, c.topk])?;
+    let w = Tensor::from_host(&ctx, &d.weights, &[d.tokens, c.topk])?;
+    let rx16 = Tensor::filled(&ctx, Bf16(0xABAB), &[local, cap, h])?;
+    let rx8 = Tensor::filled(&ctx, Fp8E4M3(0xAB), &[local, cap, h])?;
+    let count = Tensor::filled(&ctx, -7i32, &[local])?;
+    let mut args = LlDispatchArgs::new(&x, &idx);
+    args.fp8 = c.fp8;
+    args.return_recv_hook = c.hook;
+    args.recv_into = Some(match c.fp8 {
+        None => LlRecvInto::Bf16(&rx16),
+        Some(_) => LlRecvInto::Fp8(&rx8),
+    });
+    args.recv_count_into = Some(&count);
+    let mut out = b.dispatch(&args)?;
+    if let Some(hk) = out.hook.take() {
+        hk.call()?;
+    }
+    b.synchronize()?;
+    let mut res = RankResult::default();
+    read_dispatch(&out, &mut res)?;
+    let into_addr = if c.fp8.is_some() {
+        rx8.device_address()
+    } else {
+        rx16.device_address()
+    };
+    let got_addr = match &out.x {
+        ep::low_latency::LlRecvX::Bf16(t) => t.device_address(),
+        ep::low_latency::LlRecvX::Fp8 { x, .. } => x.device_address(),
+    };
+    assert_eq!(
+        got_addr, into_addr,
+        "the returned rows are the caller's tensor"
+    );
+    assert_eq!(out.recv_count.device_address(), count.device_address());
+
+    let comb_in = Tensor::from_host(&ctx, &d.comb_in, &[local, cap, h])?;
+    let combined = Tensor::filled(&ctx, Bf16(0xABAB), &[d.tokens, h])?;
+    let mut cargs = LlCombineArgs::new(LlCombineX::Tensor(&comb_in), &idx, &w, &out.handle);
+    cargs.return_recv_hook = c.hook;
+    cargs.out_into = Some(&combined);
+    let mut co = b.combine(&cargs)?;
+    if let Some(hk) = co.hook.take() {
+        hk.call()?;
+    }
+    b.synchronize()?;
+    assert_eq!(co.x.device_address(), combined.device_address());
+    res.out = combined.to_host()?;
+    Ok(res)
+}
+
+#[test]
+fn outputs_written_into_caller_tensors_match_reference() {
+    let mut rng = Rng::new(seed());
+    let Some(ctxs) = rank_gpus(2) else { return };
+    let mut bufs = group(&ctxs, &options(2));
+    let fp8 = Some(Fp8Options {
+        round_scale: false,
+        ue8m0: false,
+    });
+    for (fp8, hook) in [(None, false), (None, true), (fp8, false), (fp8, true)] {
+        let c = Case {
+            hidden: 7168,
+            topk: 8,
+            fp8,
+            hook,
+            zero_copy: false,
+        };
+        let data = random_data(&mut rng, 2, c.hidden, c.topk, None);
+        let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+            let r = b.rank();
+            run_case_into(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+        });
+        check(
+            2,
+            &c,
+            &data,
+            &res,
+            &format!("EP2 into caller tensors {c:?}"),
+        );
+    }
+    // Wrong caller tensors are refused before launch, by name, on every rank alike.
+    let msgs = on_ranks(&mut bufs, |b| {
+        let ctx = b.context().clone();
+        let (local, cap) = (b.num_local_experts(), b.ranks() * MAX_TOKENS);
+        let x = Tensor::filled(&ctx, Bf16(0), &[4, 2048]).expect("x");
+        let idx = Tensor::filled(&ctx, 0i32, &[4, 2]).expect("idx");
+        let short = Tensor::filled(&ctx, Bf16(0), &[local, cap, 1024]).expect("short");
+        let fp8_rows = Tensor::filled(&ctx, Fp8E4M3(0), &[local, cap, 2048]).expect("fp8");
+        let mut args = LlDispatchArgs::new(&x, &idx);
+        args.recv_into = Some(LlRecvInto::Bf16(&short));
+        let a = match b.dispatch(&args) {
+            Ok(_) => panic!("a short recv_into must be refused"),
+            Err(e) => e,
+        };
+        args.recv_into = Some(LlRecvInto::Fp8(&fp8_rows));
+        let e = match b.dispatch(&args) {
+            Ok(_) => panic!("an FP8 recv_into of a BF16 dispatch must be refused"),
+            Err(e) => e,
+        };
+        (a.to_string(), e.to_string())
+    });
+    for (a, e) in msgs {
+        assert!(a.contains("recv_into") && a.contains("shape"), "{a}");
+        assert!(e.contains("recv_into has the wrong element type"), "{e}");
+    }
+    // Nothing was launched: a plain case still matches.
+    let c = two_in_flight_case();
+    let data = random_data(&mut rng, 2, c.hidden, c.topk, None);
+    let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+        let r = b.rank();
+        run_case(b, &data[r], &c).unwrap_or_else(|e| panic!("rank {r}: {e}"))
+    });
+    check(2, &c, &data, &res, "EP2 after refused caller tensors");
     shutdown_all(bufs);
 }

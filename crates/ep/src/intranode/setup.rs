@@ -577,6 +577,15 @@ impl Buffer {
     pub fn compute_stream(&self) -> &Arc<CudaStream> {
         &self.compute
     }
+
+    /// This rank's window as raw bytes (DeepEP's `get_local_buffer_tensor` of the NVLink
+    /// buffer): the signal region at offset 0, then the combine staging and the receive regions,
+    /// laid out as this crate plans them (not as DeepEP's). Peers read and write it during every
+    /// operation: writing it while one is in flight corrupts that operation, and writing the
+    /// signal region leaves the group out of step. The view keeps the window alive.
+    pub fn local_window(&self) -> crate::Tensor<u8> {
+        crate::Tensor::view(self.window.clone(), 0, vec![self.window.len()])
+    }
 }
 
 #[cfg(test)]

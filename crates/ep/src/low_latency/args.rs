@@ -39,6 +39,24 @@ pub struct LlDispatchArgs<'a> {
     /// `i64 [ranks]`: the receive adds the GPU cycles it waited for each source rank (DeepEP's
     /// `dispatch_wait_recv_cost_stats`).
     pub wait_stats: Option<&'a Tensor<i64>>,
+    /// Where the receive writes the rows (`[local][ranks × max tokens][hidden]`, BF16, or FP8
+    /// with `fp8`) instead of the buffer's output half, which then holds only the scales and
+    /// the routing: a caller's tensor the output is returned as, kept as long as the caller
+    /// likes, with no copy. Rows past each expert's count are left as they were. The tensor
+    /// must stay alive until the receive has run on the stream (with a hook: the hook's).
+    pub recv_into: Option<LlRecvInto<'a>>,
+    /// Where the receive writes the rows per local expert (`i32 [local]`) instead of the
+    /// buffer's output half; as `recv_into`.
+    pub recv_count_into: Option<&'a Tensor<i32>>,
+}
+
+/// A caller's tensor the received rows are written into ([`LlDispatchArgs::recv_into`]).
+#[derive(Debug, Clone, Copy)]
+pub enum LlRecvInto<'a> {
+    /// For a BF16 dispatch.
+    Bf16(&'a Tensor<Bf16>),
+    /// For an FP8 dispatch (the scales stay in the buffer's output half).
+    Fp8(&'a Tensor<Fp8E4M3>),
 }
 
 impl<'a> LlDispatchArgs<'a> {
@@ -51,6 +69,8 @@ impl<'a> LlDispatchArgs<'a> {
             return_recv_hook: false,
             num_sms: None,
             wait_stats: None,
+            recv_into: None,
+            recv_count_into: None,
         }
     }
 }
@@ -172,6 +192,10 @@ pub struct LlCombineArgs<'a> {
     /// magnitudes are below 1 travel as 10-bit log-domain codes (160 bytes instead of 256).
     /// Lossy (about 2^-8 relative per value); hidden a multiple of 128; not with zero-copy.
     pub use_logfmt: bool,
+    /// Where the receive writes the combined rows (BF16 `[tokens][hidden]`, every row) instead
+    /// of the buffer's output half: a caller's tensor the output is returned as, with no copy.
+    /// It must stay alive until the receive has run on the stream (with a hook: the hook's).
+    pub out_into: Option<&'a Tensor<Bf16>>,
 }
 
 impl<'a> LlCombineArgs<'a> {
@@ -191,6 +215,7 @@ impl<'a> LlCombineArgs<'a> {
             num_sms: None,
             wait_stats: None,
             use_logfmt: false,
+            out_into: None,
         }
     }
 }

@@ -9,6 +9,7 @@ use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::qp_desc::NicHandler;
 
+use super::args::LlRecvInto;
 use super::errors::{device_error, DeviceErrorContext};
 use super::setup::{LowLatencyBuffer, ERROR_OFFSET};
 use crate::dtype::Element;
@@ -94,6 +95,58 @@ impl LowLatencyBuffer {
         name: &str,
     ) -> Result<(), EpError> {
         crate::checks::shape_is(self.rank, self.ctx.ordinal(), t, want, name)
+    }
+
+    /// A caller's tensor that a kernel writes must not be one of the buffer's read-only views.
+    pub(super) fn writable(&self, read_only: bool, name: &str) -> Result<(), EpError> {
+        if read_only {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{name} is a read-only view of the buffer's routing; pass a writable tensor"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The address the dispatch receive writes its rows to when the caller gives a tensor
+    /// (checked: the dispatched element type, `shape`, this GPU, writable, 16-byte aligned for
+    /// the kernel's vector stores); `None` for the buffer's own output half.
+    pub(super) fn check_recv_into(
+        &self,
+        into: Option<LlRecvInto<'_>>,
+        fp8: bool,
+        shape: &[usize],
+    ) -> Result<Option<u64>, EpError> {
+        let (addr, read_only) = match (into, fp8) {
+            (None, _) => return Ok(None),
+            (Some(LlRecvInto::Bf16(t)), false) => {
+                self.shape_is(t, shape, "recv_into")?;
+                (t.device_address(), t.is_read_only())
+            }
+            (Some(LlRecvInto::Fp8(t)), true) => {
+                self.shape_is(t, shape, "recv_into")?;
+                (t.device_address(), t.is_read_only())
+            }
+            (Some(_), _) => {
+                return Err(invalid(
+                    self.rank,
+                    format!(
+                        "recv_into has the wrong element type: this dispatch receives {}",
+                        if fp8 { "FP8" } else { "BF16" }
+                    ),
+                ))
+            }
+        };
+        self.writable(read_only, "recv_into")?;
+        if addr % 16 != 0 {
+            return Err(invalid(
+                self.rank,
+                format!("recv_into at {addr:#x} is not 16-byte aligned"),
+            ));
+        }
+        Ok(Some(addr))
     }
 
     /// The grid of a waiting kernel: `num_sms`, or the default budget; refused before launch

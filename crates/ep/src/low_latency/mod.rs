@@ -66,7 +66,7 @@ mod setup;
 
 pub use args::{
     Fp8Options, LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput,
-    LlHandle, LlRecvX, LlScales,
+    LlHandle, LlRecvInto, LlRecvX, LlScales,
 };
 pub use faults::LlTransportQps;
 pub use graph::LlGraph;

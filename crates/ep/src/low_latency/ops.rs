@@ -9,7 +9,7 @@ use ibgda_device::cuda::DeviceBuffer;
 
 use super::args::{
     LlCombineArgs, LlCombineOutput, LlCombineX, LlDispatchArgs, LlDispatchOutput, LlHandle,
-    LlRecvX, LlScales,
+    LlRecvInto, LlRecvX, LlScales,
 };
 use super::hook::{HookParams, RecvHook};
 use super::launch::launch;
@@ -135,6 +135,12 @@ impl LowLatencyBuffer {
         if let Some(s) = args.wait_stats {
             self.shape_is(s, &[self.ranks], "dispatch_wait_recv_cost_stats")?;
         }
+        let (l, cap) = (self.dims.local(), self.dims.cap());
+        let x_into = self.check_recv_into(args.recv_into, fp8.is_some(), &[l, cap, h])?;
+        if let Some(c) = args.recv_count_into {
+            self.shape_is(c, &[l], "recv_count_into")?;
+            self.writable(c.is_read_only(), "recv_count_into")?;
+        }
         let grid = self.grid("low-latency dispatch", args.num_sms)?;
 
         let half = self.dispatch_half;
@@ -151,7 +157,7 @@ impl LowLatencyBuffer {
             x: args.x.device_address(),
             topk_idx: args.topk_idx.device_address(),
             state: self.state.ptr(),
-            out_x: base + o.x as u64,
+            out_x: x_into.unwrap_or(base + o.x as u64),
             out_scales: if fp8.is_some() {
                 base + o.scales as u64
             } else {
@@ -159,7 +165,9 @@ impl LowLatencyBuffer {
             },
             out_src_info: base + o.src_info as u64,
             out_layout: base + o.layout as u64,
-            out_count: base + o.count as u64,
+            out_count: args
+                .recv_count_into
+                .map_or(base + o.count as u64, Tensor::device_address),
             out_topk: base + o.topk as u64,
             error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
@@ -201,11 +209,14 @@ impl LowLatencyBuffer {
         self.dispatch_half ^= 1;
         self.calls += 1;
 
-        let (l, cap) = (self.dims.local(), self.dims.cap());
-        let x = match fp8 {
-            None => LlRecvX::Bf16(Tensor::view(region.clone(), o.x, vec![l, cap, h])),
-            Some(_) => LlRecvX::Fp8 {
-                x: Tensor::view(region.clone(), o.x, vec![l, cap, h]),
+        let x = match (fp8, args.recv_into) {
+            (None, Some(LlRecvInto::Bf16(t))) => LlRecvX::Bf16(t.clone()),
+            (None, _) => LlRecvX::Bf16(Tensor::view(region.clone(), o.x, vec![l, cap, h])),
+            (Some(_), into) => LlRecvX::Fp8 {
+                x: match into {
+                    Some(LlRecvInto::Fp8(t)) => t.clone(),
+                    _ => Tensor::view(region.clone(), o.x, vec![l, cap, h]),
+                },
                 scales: if ue8m0 {
                     LlScales::Ue8m0(Tensor::view(
                         region.clone(),
@@ -240,7 +251,10 @@ impl LowLatencyBuffer {
         });
         Ok(LlDispatchOutput {
             x,
-            recv_count: Tensor::view(region.clone(), o.count, vec![l]),
+            recv_count: args.recv_count_into.map_or_else(
+                || Tensor::view(region.clone(), o.count, vec![l]),
+                Tensor::clone,
+            ),
             handle: LlHandle {
                 buffer_id: self.id,
                 src_info: Tensor::view(region.clone(), o.src_info, vec![l, cap]).read_only(),
@@ -313,6 +327,19 @@ impl LowLatencyBuffer {
             }
             self.check_hidden(h, k::LOGFMT_GROUP, "LogFMT combine hidden")?;
         }
+        if let Some(o) = args.out_into {
+            self.shape_is(o, &[t, h], "out_into")?;
+            self.writable(o.is_read_only(), "out_into")?;
+            if o.device_address() % 16 != 0 {
+                return Err(invalid(
+                    self.rank,
+                    format!(
+                        "out_into at {:#x} is not 16-byte aligned",
+                        o.device_address()
+                    ),
+                ));
+            }
+        }
         let grid = self.grid("low-latency combine", args.num_sms)?;
 
         let half = self.combine_half;
@@ -327,7 +354,7 @@ impl LowLatencyBuffer {
             topk_idx: args.topk_idx.device_address(),
             topk_weights: args.topk_weights.device_address(),
             dispatch_topk: hd.region.ptr() + self.out_plan.topk as u64,
-            out: out.ptr(),
+            out: args.out_into.map_or(out.ptr(), Tensor::device_address),
             state: self.state.ptr(),
             error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
@@ -392,7 +419,9 @@ impl LowLatencyBuffer {
             _errors: self.errors.clone(),
         });
         Ok(LlCombineOutput {
-            x: Tensor::view(out, 0, vec![t, h]),
+            x: args
+                .out_into
+                .map_or_else(|| Tensor::view(out, 0, vec![t, h]), Tensor::clone),
             hook,
         })
     }

@@ -582,6 +582,15 @@ impl LowLatencyBuffer {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+    /// This rank's network buffer as raw bytes (DeepEP's `get_local_buffer_tensor` of the RDMA
+    /// buffer): the dispatch signals and combine flags of both halves first, then the send and
+    /// receive rows, laid out as this crate plans them (not as DeepEP's). Peers (or their NICs)
+    /// write it during every operation: writing it while one is in flight corrupts that
+    /// operation; zeroing the signals between operations leaves the group out of step until
+    /// [`clean`](Self::clean) resets every rank. The view keeps the buffer alive.
+    pub fn local_net_buffer(&self) -> crate::Tensor<u8> {
+        crate::Tensor::view(self.net.clone(), 0, vec![self.net.len()])
+    }
     /// SMs of this GPU.
     pub fn num_sms(&self) -> u32 {
         self.sms
