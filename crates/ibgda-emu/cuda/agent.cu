@@ -1,0 +1,294 @@
+// The emulated NIC's GPU agent: one warp, launched once per (process, GPU) when the CUDA backend
+// starts and running until the host sets the stop flag, that executes the small operations of
+// every emulated NIC on that GPU (copies up to a few KiB, inline data, 4- and 8-byte atomics,
+// CQEs) with device loads, stores and atomics. The host engine keeps every check and decision;
+// this kernel only moves the bytes it is told to (agent_cmd.cuh describes the ring).
+//
+// Why a warp: the ring is read 32 slots at a time (one PCIe round trip for a batch), and the
+// commands of different QPs (lanes) in a batch run side by side, one per thread, while the
+// commands of one lane run in ring order (round r runs each lane's r-th command). Copies use the
+// whole warp, one copy at a time. A round ends with a system fence, so a CQE, always a later
+// command of its lane than the data it reports, lands after that data.
+//
+// Nothing here waits without a way out: every spin also watches the stop flag.
+
+#include <stdint.h>
+
+#include "agent_cmd.cuh"
+
+namespace {
+
+constexpr unsigned FULL = 0xffffffffu;
+
+// Longest idle back-off between polls of the ring: short enough for the 5 µs latency target.
+constexpr unsigned IDLE_SLEEP_MAX_NS = 256;
+
+// Idle polls between two reads of the stop flag.
+constexpr unsigned STOP_CHECK_EVERY = 64;
+
+__device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_u32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Loads that bypass L1: sources are rewritten by other SMs, other GPUs and the host between
+// two commands, and L1 is not coherent with any of them.
+__device__ __forceinline__ uint4 ld_v4(const void* p) {
+    uint4 v;
+    asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t ld_u64(const void* p) {
+    return *reinterpret_cast<const volatile uint64_t*>(p);
+}
+
+__device__ __forceinline__ uint32_t ld_u32(const void* p) {
+    return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+__device__ __forceinline__ uint8_t ld_u8(const void* p) {
+    return *reinterpret_cast<const volatile uint8_t*>(p);
+}
+
+// The warp copies n bytes src -> dst, the widest accesses the alignment allows.
+__device__ void warp_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned lane) {
+    const uint64_t all = dst | src | n;
+    if ((all & 15) == 0) {
+        const uint32_t words = n / 16;
+        uint32_t i = lane;
+        // Four loads in flight per thread before their stores: latency, not bandwidth, bounds
+        // one warp.
+        for (; i + 96 < words; i += 128) {
+            uint4 v0 = ld_v4(reinterpret_cast<const uint4*>(src) + i);
+            uint4 v1 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 32);
+            uint4 v2 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 64);
+            uint4 v3 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 96);
+            reinterpret_cast<uint4*>(dst)[i] = v0;
+            reinterpret_cast<uint4*>(dst)[i + 32] = v1;
+            reinterpret_cast<uint4*>(dst)[i + 64] = v2;
+            reinterpret_cast<uint4*>(dst)[i + 96] = v3;
+        }
+        for (; i < words; i += 32) {
+            reinterpret_cast<uint4*>(dst)[i] = ld_v4(reinterpret_cast<const uint4*>(src) + i);
+        }
+    } else if ((all & 7) == 0) {
+        for (uint32_t i = lane; i < n / 8; i += 32) {
+            reinterpret_cast<uint64_t*>(dst)[i] = ld_u64(reinterpret_cast<const uint64_t*>(src) + i);
+        }
+    } else if ((all & 3) == 0) {
+        for (uint32_t i = lane; i < n / 4; i += 32) {
+            reinterpret_cast<uint32_t*>(dst)[i] = ld_u32(reinterpret_cast<const uint32_t*>(src) + i);
+        }
+    } else {
+        for (uint32_t i = lane; i < n; i += 32) {
+            reinterpret_cast<uint8_t*>(dst)[i] = ld_u8(reinterpret_cast<const uint8_t*>(src) + i);
+        }
+    }
+}
+
+// a + b over `bits` bits, the carry out of every bit set in `boundary` dropped.
+__device__ uint64_t field_add(uint64_t a, uint64_t b, uint64_t boundary, int bits) {
+    uint64_t out = 0, carry = 0;
+    for (int i = 0; i < bits; ++i) {
+        const uint64_t x = (a >> i) & 1, y = (b >> i) & 1;
+        out |= (x ^ y ^ carry) << i;
+        carry = (x & y) | (x & carry) | (y & carry);
+        if ((boundary >> i) & 1) carry = 0;
+    }
+    return out;
+}
+
+__device__ uint64_t bswap64(uint64_t v) {
+    const uint32_t lo = static_cast<uint32_t>(v), hi = static_cast<uint32_t>(v >> 32);
+    return (static_cast<uint64_t>(__byte_perm(lo, 0, 0x0123)) << 32) | __byte_perm(hi, 0, 0x0123);
+}
+
+// Performs one atomic command and returns the old value (32-bit ones in the low half).
+__device__ uint64_t do_atomic(const emu_agent_cmd& c) {
+    if (c.op == EMU_AGENT_OP_FA64) {
+        return atomicAdd_system(reinterpret_cast<unsigned long long*>(c.dst), c.a);
+    }
+    if (c.op == EMU_AGENT_OP_CS64) {
+        return atomicCAS_system(reinterpret_cast<unsigned long long*>(c.dst), c.b, c.a);
+    }
+    if (c.op == EMU_AGENT_OP_MFA64) {
+        unsigned long long* p = reinterpret_cast<unsigned long long*>(c.dst);
+        unsigned long long old = ld_u64(p);
+        for (;;) {
+            const unsigned long long nv = field_add(old, c.a, c.b, 64);
+            const unsigned long long seen = atomicCAS_system(p, old, nv);
+            if (seen == old) return old;
+            old = seen;
+        }
+    }
+    unsigned* p = reinterpret_cast<unsigned*>(c.dst);
+    unsigned old = ld_u32(p);
+    for (;;) {
+        unsigned nv;
+        if (c.op == EMU_AGENT_OP_MFA32) {
+            nv = static_cast<unsigned>(field_add(old, c.a & 0xffffffffu, c.b & 0xffffffffu, 32));
+        } else {
+            const unsigned swap = static_cast<unsigned>(c.a), cmp = static_cast<unsigned>(c.b);
+            const unsigned swap_mask = static_cast<unsigned>(c.c);
+            const unsigned cmp_mask = static_cast<unsigned>(c.c >> 32);
+            if (((old ^ cmp) & cmp_mask) != 0) return old;
+            nv = (old & ~swap_mask) | (swap & swap_mask);
+            if (nv == old) return old;
+        }
+        const unsigned seen = atomicCAS_system(p, old, nv);
+        if (seen == old) return old;
+        old = seen;
+    }
+}
+
+__device__ void write_reply(const emu_agent_cmd& c, uint64_t old) {
+    if (c.src == 0) return;
+    const bool be = (c.flags & EMU_AGENT_FLAG_REPLY_BE) != 0;
+    if (c.len == 4) {
+        uint32_t v = static_cast<uint32_t>(old);
+        if (be) v = __byte_perm(v, 0, 0x0123);
+        if ((c.src & 3) == 0) {
+            *reinterpret_cast<volatile uint32_t*>(c.src) = v;
+        } else {
+            for (int i = 0; i < 4; ++i) reinterpret_cast<volatile uint8_t*>(c.src)[i] = v >> (8 * i);
+        }
+    } else {
+        uint64_t v = be ? bswap64(old) : old;
+        if ((c.src & 7) == 0) {
+            *reinterpret_cast<volatile uint64_t*>(c.src) = v;
+        } else {
+            for (int i = 0; i < 8; ++i) reinterpret_cast<volatile uint8_t*>(c.src)[i] = v >> (8 * i);
+        }
+    }
+}
+
+// A command one thread executes alone (everything but COPY).
+__device__ void do_scalar(const emu_agent_cmd& c) {
+    if (c.op == EMU_AGENT_OP_CQE) {
+        volatile uint64_t* d = reinterpret_cast<volatile uint64_t*>(c.dst);
+        for (int i = 0; i < 7; ++i) d[i] = ld_u64(reinterpret_cast<const uint64_t*>(c.src) + i);
+        // The owner byte (in the last word) is what a poller waits for: it lands last.
+        __threadfence_system();
+        d[7] = ld_u64(reinterpret_cast<const uint64_t*>(c.src) + 7);
+        return;
+    }
+    write_reply(c, do_atomic(c));
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p) {
+    const unsigned lane = threadIdx.x;
+    uint32_t* stop = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STOP);
+    uint64_t* done = reinterpret_cast<uint64_t*>(p.ctrl + EMU_AGENT_CTRL_DONE);
+    uint32_t* state = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STATE);
+    const uint32_t* ce_words = reinterpret_cast<const uint32_t*>(p.ctrl + EMU_AGENT_CTRL_CE_WORDS);
+    const uint64_t mask = p.nslots - 1;
+
+    if (lane == 0) st_release_u32(state, 1);
+    uint64_t next = ld_acquire_u64(done) + 1;
+    unsigned idle = 0, sleep_ns = 32;
+    for (;;) {
+        // Idle: one thread polls the next slot.
+        int ready = 0;
+        if (lane == 0) {
+            const emu_agent_cmd* s = reinterpret_cast<const emu_agent_cmd*>(
+                p.ring + ((next - 1) & mask) * EMU_AGENT_SLOT_BYTES);
+            ready = ld_acquire_u64(&s->seq) == next;
+        }
+        ready = __shfl_sync(FULL, ready, 0);
+        if (!ready) {
+            if (++idle % STOP_CHECK_EVERY == 0) {
+                const int stopping = __shfl_sync(FULL, lane == 0 ? ld_acquire_u32(stop) : 0, 0);
+                if (stopping) break;
+            }
+            __nanosleep(sleep_ns);
+            sleep_ns = min(sleep_ns * 2, IDLE_SLEEP_MAX_NS);
+            continue;
+        }
+        idle = 0;
+        sleep_ns = 32;
+
+        // A batch: the run of published slots from `next`, up to one per thread.
+        emu_agent_cmd c{};
+        const uint64_t want = next + lane;
+        const emu_agent_cmd* slot =
+            reinterpret_cast<const emu_agent_cmd*>(p.ring + ((want - 1) & mask) * EMU_AGENT_SLOT_BYTES);
+        const bool published = lane < p.nslots && ld_acquire_u64(&slot->seq) == want;
+        const unsigned ballot = __ballot_sync(FULL, published);
+        const unsigned count = ballot == FULL ? 32 : __ffs(~ballot) - 1;
+        const bool mine = lane < count;
+        if (mine) {
+            const volatile emu_agent_cmd* v = slot;
+            c.op = v->op;
+            c.flags = v->flags;
+            c.len = v->len;
+            c.dst = v->dst;
+            c.src = v->src;
+            c.a = v->a;
+            c.b = v->b;
+            c.c = v->c;
+            c.lane = v->lane;
+            c.wait_value = v->wait_value;
+        }
+        __syncwarp();
+
+        // Round r runs every lane's r-th command of the batch.
+        const uint32_t key = mine ? c.lane : 0x80000000u + lane;
+        const unsigned same = __match_any_sync(FULL, key);
+        const unsigned rank = __popc(same & ((1u << lane) - 1));
+        const unsigned rounds = __reduce_max_sync(FULL, mine ? rank + 1 : 0);
+        bool aborted = false;
+        for (unsigned r = 0; r < rounds; ++r) {
+            const bool act = mine && rank == r;
+            if (act && (c.flags & EMU_AGENT_FLAG_WAIT)) {
+                // The lane's earlier copy-engine work must have landed (wrapping comparison).
+                unsigned polls = 0;
+                while (static_cast<int32_t>(ld_acquire_u32(&ce_words[c.lane]) - c.wait_value) < 0) {
+                    if (++polls % STOP_CHECK_EVERY == 0 && ld_acquire_u32(stop)) {
+                        aborted = true;
+                        break;
+                    }
+                    __nanosleep(64);
+                }
+            }
+            if (__any_sync(FULL, aborted)) break;
+            if (act && c.op != EMU_AGENT_OP_COPY) do_scalar(c);
+            unsigned copies = __ballot_sync(FULL, act && c.op == EMU_AGENT_OP_COPY);
+            while (copies) {
+                const int j = __ffs(copies) - 1;
+                copies &= copies - 1;
+                const uint64_t d = __shfl_sync(FULL, c.dst, j);
+                const uint64_t s = __shfl_sync(FULL, c.src, j);
+                const uint32_t n = __shfl_sync(FULL, c.len, j);
+                warp_copy(d, s, n, lane);
+            }
+            __threadfence_system();
+            __syncwarp();
+        }
+        if (__any_sync(FULL, aborted)) break;
+        next += count;
+        if (lane == 0) st_release_u64(done, next - 1);
+    }
+    __syncwarp();
+    if (lane == 0) st_release_u32(state, 2);
+}
