@@ -9,6 +9,11 @@
 //! commands, the stream waits (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, no SM) until the agent's done
 //! counter covers the lane's last command. A mark is a pair (last agent command, copy-engine
 //! value): landed when both are.
+//!
+//! The agent runs a lane's commands in order. Under strict mode's relaxed ordering
+//! ([`Lane::set_relaxed`]) the lane holds its atomics back until the next barrier (a fenced
+//! WQE), CQE, mark, fence or the end of the round, so that writes after an unfenced atomic
+//! land before it, as hardware allows and as the copy-engine path does.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -46,6 +51,10 @@ pub(crate) struct AgentLane {
     ce_pending: bool,
     /// Agent commands since the last copy-engine work that waited for them.
     agent_pending: bool,
+    /// Strict mode's relaxed ordering: atomics wait in `held` until a barrier.
+    relaxed: bool,
+    /// Atomic commands not yet published (relaxed ordering only).
+    held: Vec<AgentCmd>,
     /// Marks handed out and not known to have landed: (mark, agent command, copy-engine value).
     marks: VecDeque<(u64, u64, u32)>,
     next_mark: u64,
@@ -81,6 +90,8 @@ impl AgentLane {
             ce_seq: agent.ce_word(index),
             ce_pending: false,
             agent_pending: false,
+            relaxed: false,
+            held: Vec::new(),
             marks: VecDeque::new(),
             next_mark: 0,
             landed_upto: 0,
@@ -98,6 +109,14 @@ impl AgentLane {
         }
         self.last_seq = self.agent.push(cmd, payload, self.timeout)?;
         self.agent_pending = true;
+        Ok(())
+    }
+
+    /// Publishes the held atomics.
+    fn release_held(&mut self) -> Result<(), EmuError> {
+        for cmd in std::mem::take(&mut self.held) {
+            self.push(cmd, &[])?;
+        }
         Ok(())
     }
 
@@ -235,6 +254,7 @@ impl Lane for AgentLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
+                self.release_held()?;
                 let scratch = self
                     .scratch
                     .device_addr()
@@ -283,7 +303,10 @@ impl Lane for AgentLane {
                 unsafe { store_cqe_host(a, cqe) };
                 Ok(())
             }
-            Loc::Device(a) => self.push(AgentCmd::cqe(0, a, 0), cqe),
+            Loc::Device(a) => {
+                self.release_held()?;
+                self.push(AgentCmd::cqe(0, a, 0), cqe)
+            }
         }
     }
 
@@ -292,6 +315,7 @@ impl Lane for AgentLane {
     }
 
     fn mark(&mut self) -> Result<Mark, EmuError> {
+        self.release_held()?;
         self.next_mark += 1;
         self.marks
             .push_back((self.next_mark, self.last_seq, self.ce_seq));
@@ -312,6 +336,7 @@ impl Lane for AgentLane {
     }
 
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError> {
+        self.release_held()?;
         self.agent_fence(timeout)?;
         self.stream
             .wait(timeout, "a QP's copy-engine stream to drain")?;
@@ -320,5 +345,17 @@ impl Lane for AgentLane {
         }
         self.marks.clear();
         Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), EmuError> {
+        self.release_held()
+    }
+
+    fn barrier(&mut self) -> Result<(), EmuError> {
+        self.release_held()
+    }
+
+    fn set_relaxed(&mut self, relaxed: bool) {
+        self.relaxed = relaxed;
     }
 }
