@@ -67,6 +67,10 @@ pub const AGENT_ENV: &str = "IBGDA_EMU_AGENT";
 /// hidden size 7168 in BF16 (14 KiB) stays on the agent.
 pub const AGENT_COPY_MAX: u64 = 16 << 10;
 
+/// SMs the agent occupies on its GPU (one warp on one SM, from creation on): part of what
+/// `ep::residency::EMULATED_NIC_SMS` keeps free of waiting kernels.
+pub const AGENT_SMS: u32 = 1;
+
 /// Ring slots (a power of two, at least 32: the agent reads 32 at a time).
 const RING_SLOTS: usize = 4096;
 
@@ -151,7 +155,7 @@ pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
     }
 }
 
-/// A loaded module (unloaded on drop).
+/// A loaded module (unloaded by `Agent::drop` once the kernel has ended).
 struct Module(sys::CUmodule);
 
 /// One GPU's agent: the kernel, its ring and control block, and who may write to the ring.
@@ -466,7 +470,7 @@ impl Drop for Agent {
             );
             std::mem::forget(std::mem::replace(&mut self.ring, HostBuffer::new(0)));
             std::mem::forget(std::mem::replace(&mut self.ctrl, HostBuffer::new(0)));
-            std::mem::forget(self.module.take());
+            // The module is simply not unloaded (`Module` has no Drop).
             return;
         }
         if let Some(m) = self.module.take() {

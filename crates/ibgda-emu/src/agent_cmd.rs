@@ -176,7 +176,7 @@ impl AgentCmd {
     }
 
     /// The command's 64 bytes (little-endian, as both sides lay it out), `seq` included.
-    pub fn to_bytes(&self) -> [u8; 64] {
+    pub fn to_bytes(self) -> [u8; 64] {
         let mut out = [0u8; 64];
         out[0..8].copy_from_slice(&self.seq.to_le_bytes());
         out[8] = self.op;
