@@ -10,7 +10,10 @@
 // whole warp, one copy at a time. A round ends with a system fence, so a CQE, always a later
 // command of its lane than the data it reports, lands after that data.
 //
-// Nothing here waits without a way out: every spin also watches the stop flag.
+// The agent never waits for anything but its ring (and the stop flag while idle): ordering with
+// the copy engines is the host's business (it holds a lane's commands back until the lane's
+// copy-engine work has landed, and copy-engine work waits on the lane's done word, which the
+// agent stores after each command), so no cycle can run through the agent.
 
 #include <stdint.h>
 
@@ -185,10 +188,13 @@ __device__ void write_reply(const emu_agent_cmd& c, uint64_t old) {
 __device__ void do_scalar(const emu_agent_cmd& c) {
     if (c.op == EMU_AGENT_OP_CQE) {
         volatile uint64_t* d = reinterpret_cast<volatile uint64_t*>(c.dst);
-        for (int i = 0; i < 7; ++i) d[i] = ld_u64(reinterpret_cast<const uint64_t*>(c.src) + i);
+        uint64_t w[8];
+        // All eight loads in flight at once (the payload is in host memory).
+        for (int i = 0; i < 8; ++i) w[i] = ld_u64(reinterpret_cast<const uint64_t*>(c.src) + i);
+        for (int i = 0; i < 7; ++i) d[i] = w[i];
         // The owner byte (in the last word) is what a poller waits for: it lands last.
         __threadfence_system();
-        d[7] = ld_u64(reinterpret_cast<const uint64_t*>(c.src) + 7);
+        d[7] = w[7];
         return;
     }
     write_reply(c, do_atomic(c));
@@ -201,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p
     uint32_t* stop = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STOP);
     uint64_t* done = reinterpret_cast<uint64_t*>(p.ctrl + EMU_AGENT_CTRL_DONE);
     uint32_t* state = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STATE);
-    const uint32_t* ce_words = reinterpret_cast<const uint32_t*>(p.ctrl + EMU_AGENT_CTRL_CE_WORDS);
+    uint32_t* lane_done = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_LANE_DONE);
     const uint64_t mask = p.nslots - 1;
 
     if (lane == 0) st_release_u32(state, 1);
@@ -248,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p
             c.b = v->b;
             c.c = v->c;
             c.lane = v->lane;
-            c.wait_value = v->wait_value;
+            c.lane_seq = v->lane_seq;
         }
         __syncwarp();
 
@@ -257,21 +263,8 @@ extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p
         const unsigned same = __match_any_sync(FULL, key);
         const unsigned rank = __popc(same & ((1u << lane) - 1));
         const unsigned rounds = __reduce_max_sync(FULL, mine ? rank + 1 : 0);
-        bool aborted = false;
         for (unsigned r = 0; r < rounds; ++r) {
             const bool act = mine && rank == r;
-            if (act && (c.flags & EMU_AGENT_FLAG_WAIT)) {
-                // The lane's earlier copy-engine work must have landed (wrapping comparison).
-                unsigned polls = 0;
-                while (static_cast<int32_t>(ld_acquire_u32(&ce_words[c.lane]) - c.wait_value) < 0) {
-                    if (++polls % STOP_CHECK_EVERY == 0 && ld_acquire_u32(stop)) {
-                        aborted = true;
-                        break;
-                    }
-                    __nanosleep(64);
-                }
-            }
-            if (__any_sync(FULL, aborted)) break;
             if (act && c.op != EMU_AGENT_OP_COPY) do_scalar(c);
             unsigned copies = __ballot_sync(FULL, act && c.op == EMU_AGENT_OP_COPY);
             while (copies) {
@@ -282,10 +275,12 @@ extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p
                 const uint32_t n = __shfl_sync(FULL, c.len, j);
                 warp_copy(d, s, n, lane);
             }
+            // Every thread's writes of the round are visible before any lane's done word moves
+            // and before the next round (a CQE) writes.
             __threadfence_system();
             __syncwarp();
+            if (act) st_release_u32(&lane_done[c.lane], c.lane_seq);
         }
-        if (__any_sync(FULL, aborted)) break;
         next += count;
         if (lane == 0) st_release_u64(done, next - 1);
     }

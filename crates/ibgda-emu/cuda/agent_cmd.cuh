@@ -24,7 +24,6 @@
 #define EMU_AGENT_OP_CQE 7         // 64-byte CQE from src to dst, last 8 bytes last
 
 // Flags.
-#define EMU_AGENT_FLAG_WAIT 1      // wait until the lane's copy-engine word reaches wait_value
 #define EMU_AGENT_FLAG_REPLY_BE 2  // write the fetched value big-endian
 
 struct emu_agent_cmd {
@@ -39,15 +38,16 @@ struct emu_agent_cmd {
     uint64_t b;           // compare / field boundary
     uint64_t c;           // MCS32: swap_mask | compare_mask << 32
     uint32_t lane;        // the QP's lane: commands of one lane execute in ring order
-    uint32_t wait_value;  // FLAG_WAIT: the value the lane's copy-engine word must reach
+    uint32_t lane_seq;    // the command's number in its lane: stored in the lane's done word
 };
 
 // The control block (pinned host memory, mapped), one cache line per writer.
 #define EMU_AGENT_CTRL_STOP 0        // u32, host: 1 = exit
 #define EMU_AGENT_CTRL_DONE 64       // u64, agent: every command with seq <= done has landed
 #define EMU_AGENT_CTRL_STATE 128     // u32, agent: 1 running, 2 exited
-#define EMU_AGENT_CTRL_CE_WORDS 192  // u32 per lane, written by the lane's copy-engine stream
 #define EMU_AGENT_MAX_LANES 4096
+#define EMU_AGENT_CTRL_LANE_DONE 192  // u32 per lane, agent: lane_seq of its last landed command
+#define EMU_AGENT_CTRL_CE_WORDS (EMU_AGENT_CTRL_LANE_DONE + 4 * EMU_AGENT_MAX_LANES)  // u32 per lane, the lane's stream
 #define EMU_AGENT_CTRL_BYTES (EMU_AGENT_CTRL_CE_WORDS + 4 * EMU_AGENT_MAX_LANES)
 
 struct emu_agent_params {
@@ -67,6 +67,6 @@ static_assert(offsetof(emu_agent_cmd, a) == 32, "offset of a");
 static_assert(offsetof(emu_agent_cmd, b) == 40, "offset of b");
 static_assert(offsetof(emu_agent_cmd, c) == 48, "offset of c");
 static_assert(offsetof(emu_agent_cmd, lane) == 56, "offset of lane");
-static_assert(offsetof(emu_agent_cmd, wait_value) == 60, "offset of wait_value");
+static_assert(offsetof(emu_agent_cmd, lane_seq) == 60, "offset of lane_seq");
 static_assert(sizeof(emu_agent_params) == 24, "size of emu_agent_params");
 static_assert(EMU_AGENT_SLOT_BYTES == 64 + EMU_AGENT_PAYLOAD_BYTES, "slot = command + payload");

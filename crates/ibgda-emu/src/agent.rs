@@ -43,8 +43,8 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use ibgda_device::stream_pool::StreamLease;
 
 use crate::agent_cmd::{
-    slot_of, AgentCmd, AgentParams, CTRL_BYTES, CTRL_CE_WORDS, CTRL_DONE, CTRL_STATE, CTRL_STOP,
-    MAX_LANES, PAYLOAD_BYTES, SLOT_BYTES,
+    slot_of, AgentCmd, AgentParams, CTRL_BYTES, CTRL_CE_WORDS, CTRL_DONE, CTRL_LANE_DONE,
+    CTRL_STATE, CTRL_STOP, MAX_LANES, PAYLOAD_BYTES, SLOT_BYTES,
 };
 use crate::error::EmuError;
 use crate::host::HostBuffer;
@@ -346,9 +346,14 @@ impl Agent {
         self.ctrl.load_u32(CTRL_STATE) == STATE_EXITED
     }
 
-    /// Device address of the low 32 bits of the done counter (what a stream waits on).
-    pub fn done_dev(&self) -> u64 {
-        self.ctrl_dev + CTRL_DONE as u64
+    /// Device address of lane `i`'s done word (what its copy-engine stream waits on).
+    pub fn lane_done_dev(&self, i: u32) -> u64 {
+        self.ctrl_dev + (CTRL_LANE_DONE + 4 * i as usize) as u64
+    }
+
+    /// Lane `i`'s done word as it is now: the `lane_seq` of its last landed command.
+    pub fn lane_done(&self, i: u32) -> u32 {
+        self.ctrl.load_u32(CTRL_LANE_DONE + 4 * i as usize)
     }
 
     /// Device address of lane `i`'s copy-engine word.

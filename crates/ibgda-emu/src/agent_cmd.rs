@@ -29,8 +29,6 @@ pub(crate) const OP_MFA64: u8 = 6;
 /// A 64-byte CQE from `src` to `dst`, its last 8 bytes (the owner byte) last.
 pub(crate) const OP_CQE: u8 = 7;
 
-/// Wait until the lane's copy-engine word reaches `wait_value` first.
-pub(crate) const FLAG_WAIT: u8 = 1;
 /// Write the fetched value big-endian.
 pub(crate) const FLAG_REPLY_BE: u8 = 2;
 
@@ -40,10 +38,12 @@ pub(crate) const CTRL_STOP: usize = 0;
 pub(crate) const CTRL_DONE: usize = 64;
 /// The agent's state: 0 not started, 1 running, 2 exited (u32).
 pub(crate) const CTRL_STATE: usize = 128;
-/// One u32 per lane, written by the lane's copy-engine stream after its copies.
-pub(crate) const CTRL_CE_WORDS: usize = 192;
 /// Lanes (QPs) one agent serves at once.
 pub(crate) const MAX_LANES: usize = 4096;
+/// One u32 per lane: the `lane_seq` of the lane's last landed command (the agent writes it).
+pub(crate) const CTRL_LANE_DONE: usize = 192;
+/// One u32 per lane, written by the lane's copy-engine stream after its copies.
+pub(crate) const CTRL_CE_WORDS: usize = CTRL_LANE_DONE + 4 * MAX_LANES;
 /// Bytes of the control block.
 pub(crate) const CTRL_BYTES: usize = CTRL_CE_WORDS + 4 * MAX_LANES;
 
@@ -70,8 +70,9 @@ pub(crate) struct AgentCmd {
     pub c: u64,
     /// The QP's lane: commands of one lane execute in ring order.
     pub lane: u32,
-    /// With [`FLAG_WAIT`]: the value the lane's copy-engine word must reach.
-    pub wait_value: u32,
+    /// The command's number in its lane (wrapping): the agent stores it in the lane's done word
+    /// once the command has landed.
+    pub lane_seq: u32,
 }
 
 /// `struct emu_agent_params`: the kernel's one argument.
@@ -95,10 +96,11 @@ const _: () = {
     assert!(std::mem::offset_of!(AgentCmd, b) == 40);
     assert!(std::mem::offset_of!(AgentCmd, c) == 48);
     assert!(std::mem::offset_of!(AgentCmd, lane) == 56);
-    assert!(std::mem::offset_of!(AgentCmd, wait_value) == 60);
+    assert!(std::mem::offset_of!(AgentCmd, lane_seq) == 60);
     assert!(std::mem::size_of::<AgentParams>() == 24);
     assert!(SLOT_BYTES == 64 + PAYLOAD_BYTES);
-    assert!(CTRL_CE_WORDS % 64 == 0 && CTRL_DONE % 64 == 0 && CTRL_STATE % 64 == 0);
+    assert!(CTRL_LANE_DONE % 64 == 0 && CTRL_DONE % 64 == 0 && CTRL_STATE % 64 == 0);
+    assert!(CTRL_CE_WORDS % 64 == 0);
 };
 
 impl AgentCmd {
@@ -189,7 +191,7 @@ impl AgentCmd {
         out[40..48].copy_from_slice(&self.b.to_le_bytes());
         out[48..56].copy_from_slice(&self.c.to_le_bytes());
         out[56..60].copy_from_slice(&self.lane.to_le_bytes());
-        out[60..64].copy_from_slice(&self.wait_value.to_le_bytes());
+        out[60..64].copy_from_slice(&self.lane_seq.to_le_bytes());
         out
     }
 
@@ -235,8 +237,8 @@ pub(crate) fn slot_of(seq: u64, nslots: usize) -> usize {
     ((seq - 1) as usize) & (nslots - 1)
 }
 
-/// Whether the copy-engine word value `have` has reached `want` (wrapping, as the agent and
-/// the stream wait compare).
+/// Whether a lane's done or copy-engine word value `have` has reached `want` (wrapping, as the
+/// stream wait compares).
 pub(crate) fn reached(have: u32, want: u32) -> bool {
     (have.wrapping_sub(want) as i32) >= 0
 }
@@ -251,7 +253,7 @@ mod tests {
         let c = AgentCmd {
             seq: 0x0102_0304_0506_0708,
             op: OP_CS64,
-            flags: FLAG_WAIT,
+            flags: FLAG_REPLY_BE,
             reserved: 0,
             len: 8,
             dst: 0x1111,
@@ -260,7 +262,7 @@ mod tests {
             b: 4,
             c: 5,
             lane: 6,
-            wait_value: 7,
+            lane_seq: 7,
         };
         let b = c.to_bytes();
         // SAFETY: AgentCmd is repr(C), 64 bytes, no padding (asserted above), all fields plain

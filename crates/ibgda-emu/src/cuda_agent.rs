@@ -2,27 +2,32 @@
 //! operations become agent commands; large copies and copies to or from host memory go to the
 //! copy engines on a pooled service stream, as without the agent.
 //!
-//! Order between the two paths (reliable-connection order within the QP), the simplest correct
-//! scheme: after copy-engine work the stream stores a new value into the lane's word in the
-//! agent's control block, and the lane's next agent command waits for that value
-//! ([`FLAG_WAIT`](crate::agent_cmd::FLAG_WAIT)); before copy-engine work that follows agent
-//! commands, the stream waits (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, no SM) until the agent's done
-//! counter covers the lane's last command. A mark is a pair (last agent command, copy-engine
-//! value): landed when both are.
+//! Order between the two paths (reliable-connection order within the QP) without the agent ever
+//! waiting, so that no cycle can run through it (the agent serves every QP on the GPU, and
+//! pooled streams are shared between lanes):
+//! - every command carries its number in the lane (`lane_seq`), which the agent stores in the
+//!   lane's done word once the command has landed; copy-engine work that follows commands first
+//!   makes the stream wait (`CU_STREAM_MEM_OP_WAIT_VALUE_32`, no SM) until that word covers the
+//!   lane's last command;
+//! - after copy-engine work the stream stores a new value into the lane's copy-engine word;
+//!   commands that follow are held on the host until the word has it, and published by
+//!   [`Lane::poll`] (the lane says it is [`busy`](Lane::busy) meanwhile).
+//!
+//! A mark is a pair (last command number, copy-engine value), landed when both words have them.
 //!
 //! The agent runs a lane's commands in order. Under strict mode's relaxed ordering
-//! ([`Lane::set_relaxed`]) the lane holds its atomics back until the next barrier (a fenced
-//! WQE), CQE, mark, fence or the end of the round, so that writes after an unfenced atomic
-//! land before it, as hardware allows and as the copy-engine path does.
+//! ([`Lane::set_relaxed`]) the lane keeps its atomics back until the next barrier (a fenced
+//! WQE), CQE, mark, fence or the end of the round, so that writes after an unfenced atomic land
+//! before it, as hardware allows and as the copy-engine path does.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext};
 
 use crate::agent::{Agent, AGENT_COPY_MAX};
-use crate::agent_cmd::{reached, AgentCmd, FLAG_WAIT, PAYLOAD_BYTES};
+use crate::agent_cmd::{reached, AgentCmd, PAYLOAD_BYTES};
 use crate::backend::{AtomicOp, Lane, Loc, Mark};
 use crate::cuda::Stream;
 use crate::cuda_atomic::store_word;
@@ -34,29 +39,34 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
 }
 
+/// A command held until the lane's copy-engine word reaches `ce`.
+#[derive(Debug)]
+struct Held {
+    cmd: AgentCmd,
+    payload: Vec<u8>,
+    ce: u32,
+}
+
 /// A QP's lane through the agent (module docs).
 #[derive(Debug)]
 pub(crate) struct AgentLane {
     agent: Arc<Agent>,
-    /// This lane's index: its commands' key and its copy-engine word.
+    /// This lane's index: its commands' key, its done word and its copy-engine word.
     index: u32,
     stream: Stream,
     /// Pinned bytes the agent writes a synchronous atomic's old value into.
     scratch: HostBuffer,
-    /// Number of this lane's last agent command (0: none).
-    last_seq: u64,
+    /// The number of the lane's last command (published or held).
+    issued: u32,
     /// The value the lane's copy-engine word takes after its latest copy-engine work.
     ce_seq: u32,
-    /// Copy-engine work since the last agent command that waited for it.
-    ce_pending: bool,
-    /// Agent commands since the last copy-engine work that waited for them.
-    agent_pending: bool,
-    /// Strict mode's relaxed ordering: atomics wait in `held` until a barrier.
+    /// Commands behind copy-engine work that has not landed, in order.
+    held: VecDeque<Held>,
+    /// Strict mode's relaxed ordering: atomics wait in `relaxed_atomics` until a barrier.
     relaxed: bool,
-    /// Atomic commands not yet published (relaxed ordering only).
-    held: Vec<AgentCmd>,
-    /// Marks handed out and not known to have landed: (mark, agent command, copy-engine value).
-    marks: VecDeque<(u64, u64, u32)>,
+    relaxed_atomics: Vec<AgentCmd>,
+    /// Marks handed out and not known to have landed: (mark, command number, copy-engine value).
+    marks: VecDeque<(u64, u32, u32)>,
     next_mark: u64,
     landed_upto: u64,
     timeout: Duration,
@@ -85,13 +95,13 @@ impl AgentLane {
             index,
             stream,
             scratch,
-            last_seq: 0,
-            // The word keeps the last value a previous owner of the index stored.
+            // The words keep the last values a previous owner of the index left; go on from
+            // there (its work has landed: lanes fence when dropped).
+            issued: agent.lane_done(index),
             ce_seq: agent.ce_word(index),
-            ce_pending: false,
-            agent_pending: false,
+            held: VecDeque::new(),
             relaxed: false,
-            held: Vec::new(),
+            relaxed_atomics: Vec::new(),
             marks: VecDeque::new(),
             next_mark: 0,
             landed_upto: 0,
@@ -99,30 +109,84 @@ impl AgentLane {
         }))
     }
 
-    /// Publishes `cmd` for this lane, behind the lane's earlier copy-engine work.
-    fn push(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<(), EmuError> {
+    /// Numbers `cmd` and publishes it, or holds it while earlier copy-engine work (or an earlier
+    /// held command) has not landed. Returns its number.
+    fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<u32, EmuError> {
+        self.issued = self.issued.wrapping_add(1);
         cmd.lane = self.index;
-        if self.ce_pending {
-            cmd.flags |= FLAG_WAIT;
-            cmd.wait_value = self.ce_seq;
-            self.ce_pending = false;
+        cmd.lane_seq = self.issued;
+        if self.held.is_empty() && reached(self.agent.ce_word(self.index), self.ce_seq) {
+            self.agent.push(cmd, payload, self.timeout)?;
+        } else {
+            self.held.push_back(Held {
+                cmd,
+                payload: payload.to_vec(),
+                ce: self.ce_seq,
+            });
         }
-        self.last_seq = self.agent.push(cmd, payload, self.timeout)?;
-        self.agent_pending = true;
+        Ok(self.issued)
+    }
+
+    /// Publishes the held commands whose copy-engine work has landed. Returns whether some are
+    /// still held.
+    fn publish_ready(&mut self) -> Result<bool, EmuError> {
+        if self.held.is_empty() {
+            return Ok(false);
+        }
+        let ce = self.agent.ce_word(self.index);
+        while let Some(h) = self.held.front() {
+            if !reached(ce, h.ce) {
+                break;
+            }
+            let h = self.held.pop_front().expect("front exists");
+            self.agent.push(h.cmd, &h.payload, self.timeout)?;
+        }
+        Ok(!self.held.is_empty())
+    }
+
+    /// Submits the atomics strict mode's relaxed ordering kept back.
+    fn release_relaxed(&mut self) -> Result<(), EmuError> {
+        for cmd in std::mem::take(&mut self.relaxed_atomics) {
+            self.submit(cmd, &[])?;
+        }
         Ok(())
     }
 
-    /// Publishes the held atomics.
-    fn release_held(&mut self) -> Result<(), EmuError> {
-        for cmd in std::mem::take(&mut self.held) {
-            self.push(cmd, &[])?;
+    /// Waits, at most `timeout`, until every command the lane submitted has landed (publishing
+    /// held ones as the copy engines catch up).
+    fn commands_landed(&mut self, timeout: Duration) -> Result<(), EmuError> {
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let still_held = self.publish_ready()?;
+            if !still_held && reached(self.agent.lane_done(self.index), self.issued) {
+                return Ok(());
+            }
+            if self.agent.exited() {
+                return Err(EmuError::Unsupported {
+                    backend: "cuda",
+                    what: "execute commands: the GPU agent has exited",
+                });
+            }
+            if t0.elapsed() > timeout {
+                return Err(EmuError::BackendTimeout {
+                    backend: "cuda",
+                    what: "the GPU agent to execute a QP's commands",
+                    waited: t0.elapsed(),
+                });
+            }
+            polls += 1;
+            if polls < 4000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
-        Ok(())
     }
 
-    /// Makes the stream wait until the lane's agent commands so far have landed.
-    fn ce_after_agent(&mut self) -> Result<(), EmuError> {
-        if !self.agent_pending {
+    /// Before copy-engine work: the stream waits until the lane's commands so far have landed.
+    fn ce_after_commands(&mut self) -> Result<(), EmuError> {
+        if reached(self.agent.lane_done(self.index), self.issued) && self.held.is_empty() {
             return Ok(());
         }
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as WaitValue;
@@ -130,11 +194,9 @@ impl AgentLane {
         let mut op = sys::CUstreamBatchMemOpParams {
             waitValue: WaitValue {
                 operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
-                address: self.agent.done_dev(),
-                // The low 32 bits of the done counter; GEQ compares wrapping.
-                __bindgen_anon_1: WaitV {
-                    value: self.last_seq as u32,
-                },
+                address: self.agent.lane_done_dev(self.index),
+                // GEQ compares wrapping.
+                __bindgen_anon_1: WaitV { value: self.issued },
                 flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
                 alias: 0,
             },
@@ -143,9 +205,7 @@ impl AgentLane {
         // lane (lanes hold the agent); the stream is live and its context current.
         check("cuStreamBatchMemOp (wait for the agent)", unsafe {
             sys::cuStreamBatchMemOp_v2(self.stream.raw, 1, &mut op, 0)
-        })?;
-        self.agent_pending = false;
-        Ok(())
+        })
     }
 
     /// After copy-engine work: the stream stores the lane's next copy-engine value.
@@ -158,26 +218,17 @@ impl AgentLane {
                 self.stream.raw,
                 self.agent.ce_word_dev(self.index),
                 &self.ce_seq.to_ne_bytes(),
-            )?
-        };
-        self.ce_pending = true;
-        Ok(())
-    }
-
-    /// Waits until the lane's agent commands have landed.
-    fn agent_fence(&self, timeout: Duration) -> Result<(), EmuError> {
-        self.agent.wait_done(
-            self.last_seq,
-            timeout,
-            "the GPU agent to execute a QP's commands",
-        )
+            )
+        }
     }
 }
 
 impl Drop for AgentLane {
     fn drop(&mut self) {
         if self.stream.ctx.bind_to_thread().is_ok() {
-            let _ = self.fence(Duration::from_secs(5));
+            if let Err(e) = self.fence(Duration::from_secs(5)) {
+                tracing::error!("a QP's agent lane did not drain at teardown: {e}");
+            }
         }
         self.agent.free_lane(self.index);
     }
@@ -195,12 +246,12 @@ impl Lane for AgentLane {
             }
             (Loc::Device(d), Loc::Device(s)) if len <= AGENT_COPY_MAX => {
                 if len > 0 {
-                    self.push(AgentCmd::copy(0, d, s, len as u32), &[])?;
+                    self.submit(AgentCmd::copy(0, d, s, len as u32), &[])?;
                 }
                 Ok(())
             }
             _ => {
-                self.ce_after_agent()?;
+                self.ce_after_commands()?;
                 let raw = self.stream.raw;
                 // SAFETY: the caller guarantees both ranges until the copy lands; unified
                 // addressing routes device, peer and pinned host memory; pageable host memory
@@ -234,7 +285,7 @@ impl Lane for AgentLane {
                 for (k, chunk) in bytes.chunks(PAYLOAD_BYTES).enumerate() {
                     let at = d + (k * PAYLOAD_BYTES) as u64;
                     // The source is the slot's payload (`Agent::push` fills it in).
-                    self.push(AgentCmd::copy(0, at, 0, chunk.len() as u32), chunk)?;
+                    self.submit(AgentCmd::copy(0, at, 0, chunk.len() as u32), chunk)?;
                 }
                 Ok(())
             }
@@ -254,16 +305,16 @@ impl Lane for AgentLane {
                 Ok(unsafe { host_atomic(a, op) })
             }
             Loc::Device(a) => {
-                self.release_held()?;
+                self.release_relaxed()?;
                 let scratch = self
                     .scratch
                     .device_addr()
                     .ok_or_else(|| EmuError::BadConfig("unmapped scratch".into()))?;
-                self.push(
+                self.submit(
                     AgentCmd::atomic(0, a, op, scratch, FetchOrder::HostOrder),
                     &[],
                 )?;
-                self.agent_fence(timeout)?;
+                self.commands_landed(timeout)?;
                 Ok(if op.width() == 8 {
                     self.scratch.load_u64(0)
                 } else {
@@ -283,7 +334,13 @@ impl Lane for AgentLane {
     ) -> Result<(), EmuError> {
         match (target, result) {
             (Loc::Device(a), Loc::Device(r)) => {
-                self.push(AgentCmd::atomic(0, a, op, r, order), &[])
+                let cmd = AgentCmd::atomic(0, a, op, r, order);
+                if self.relaxed {
+                    self.relaxed_atomics.push(cmd);
+                } else {
+                    self.submit(cmd, &[])?;
+                }
+                Ok(())
             }
             _ => {
                 // SAFETY: forwarded from the caller.
@@ -304,8 +361,8 @@ impl Lane for AgentLane {
                 Ok(())
             }
             Loc::Device(a) => {
-                self.release_held()?;
-                self.push(AgentCmd::cqe(0, a, 0), cqe)
+                self.release_relaxed()?;
+                self.submit(AgentCmd::cqe(0, a, 0), cqe).map(|_| ())
             }
         }
     }
@@ -315,18 +372,19 @@ impl Lane for AgentLane {
     }
 
     fn mark(&mut self) -> Result<Mark, EmuError> {
-        self.release_held()?;
+        self.release_relaxed()?;
         self.next_mark += 1;
         self.marks
-            .push_back((self.next_mark, self.last_seq, self.ce_seq));
+            .push_back((self.next_mark, self.issued, self.ce_seq));
         Ok(Mark(self.next_mark))
     }
 
     fn landed(&mut self, mark: Mark) -> Result<bool, EmuError> {
-        let done = self.agent.done();
+        self.publish_ready()?;
+        let done = self.agent.lane_done(self.index);
         let ce = self.agent.ce_word(self.index);
         while let Some(&(m, seq, want)) = self.marks.front() {
-            if m > mark.0 || done < seq || !reached(ce, want) {
+            if m > mark.0 || !reached(done, seq) || !reached(ce, want) {
                 break;
             }
             self.landed_upto = m;
@@ -336,8 +394,8 @@ impl Lane for AgentLane {
     }
 
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError> {
-        self.release_held()?;
-        self.agent_fence(timeout)?;
+        self.release_relaxed()?;
+        self.commands_landed(timeout)?;
         self.stream
             .wait(timeout, "a QP's copy-engine stream to drain")?;
         if let Some(&(m, _, _)) = self.marks.back() {
@@ -348,14 +406,23 @@ impl Lane for AgentLane {
     }
 
     fn flush(&mut self) -> Result<(), EmuError> {
-        self.release_held()
+        self.release_relaxed()?;
+        self.publish_ready().map(|_| ())
     }
 
     fn barrier(&mut self) -> Result<(), EmuError> {
-        self.release_held()
+        self.release_relaxed()
     }
 
     fn set_relaxed(&mut self, relaxed: bool) {
         self.relaxed = relaxed;
+    }
+
+    fn poll(&mut self) -> Result<bool, EmuError> {
+        self.publish_ready()
+    }
+
+    fn busy(&self) -> bool {
+        !self.held.is_empty()
     }
 }
