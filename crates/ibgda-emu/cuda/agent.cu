@@ -49,17 +49,7 @@ __device__ __forceinline__ void st_release_u32(uint32_t* p, uint32_t v) {
     asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Loads that bypass L1: sources are rewritten by other SMs, other GPUs and the host between
-// two commands, and L1 is not coherent with any of them.
-__device__ __forceinline__ uint4 ld_v4(const void* p) {
-    uint4 v;
-    asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
+// Volatile loads: never from a stale cached line.
 __device__ __forceinline__ uint64_t ld_u64(const void* p) {
     return *reinterpret_cast<const volatile uint64_t*>(p);
 }
@@ -72,35 +62,41 @@ __device__ __forceinline__ uint8_t ld_u8(const void* p) {
     return *reinterpret_cast<const volatile uint8_t*>(p);
 }
 
-// The warp copies n bytes src -> dst, the widest accesses the alignment allows.
+// 16-byte loads in flight per thread in a copy: one warp's copy rate is bound by how many bytes
+// it has in flight (latency, not bandwidth), and 16 x 16 B x 32 threads = 8 KiB is most of a
+// 14 KiB token per round trip at the cost of 64 registers.
+constexpr int COPY_UNROLL = 16;
+
+// The warp copies n bytes src -> dst, the widest accesses the alignment allows. Loads use
+// ld.global.cv (fetch again, never trust a cached line): sources are rewritten by other SMs,
+// other GPUs and the host between two commands.
 __device__ void warp_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned lane) {
     const uint64_t all = dst | src | n;
     if ((all & 15) == 0) {
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
         const uint32_t words = n / 16;
-        uint32_t i = lane;
-        // Four loads in flight per thread before their stores: latency, not bandwidth, bounds
-        // one warp.
-        for (; i + 96 < words; i += 128) {
-            uint4 v0 = ld_v4(reinterpret_cast<const uint4*>(src) + i);
-            uint4 v1 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 32);
-            uint4 v2 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 64);
-            uint4 v3 = ld_v4(reinterpret_cast<const uint4*>(src) + i + 96);
-            reinterpret_cast<uint4*>(dst)[i] = v0;
-            reinterpret_cast<uint4*>(dst)[i + 32] = v1;
-            reinterpret_cast<uint4*>(dst)[i + 64] = v2;
-            reinterpret_cast<uint4*>(dst)[i + 96] = v3;
-        }
-        for (; i < words; i += 32) {
-            reinterpret_cast<uint4*>(dst)[i] = ld_v4(reinterpret_cast<const uint4*>(src) + i);
+        for (uint32_t base = 0; base < words; base += 32 * COPY_UNROLL) {
+            uint4 v[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const uint32_t i = base + u * 32 + lane;
+                if (i < words) v[u] = __ldcv(s + i);
+            }
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; ++u) {
+                const uint32_t i = base + u * 32 + lane;
+                if (i < words) d[i] = v[u];
+            }
         }
     } else if ((all & 7) == 0) {
+        const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
         for (uint32_t i = lane; i < n / 8; i += 32) {
-            reinterpret_cast<uint64_t*>(dst)[i] = ld_u64(reinterpret_cast<const uint64_t*>(src) + i);
+            reinterpret_cast<unsigned long long*>(dst)[i] = __ldcv(s + i);
         }
     } else if ((all & 3) == 0) {
-        for (uint32_t i = lane; i < n / 4; i += 32) {
-            reinterpret_cast<uint32_t*>(dst)[i] = ld_u32(reinterpret_cast<const uint32_t*>(src) + i);
-        }
+        const unsigned* s = reinterpret_cast<const unsigned*>(src);
+        for (uint32_t i = lane; i < n / 4; i += 32) reinterpret_cast<unsigned*>(dst)[i] = __ldcv(s + i);
     } else {
         for (uint32_t i = lane; i < n; i += 32) {
             reinterpret_cast<uint8_t*>(dst)[i] = ld_u8(reinterpret_cast<const uint8_t*>(src) + i);

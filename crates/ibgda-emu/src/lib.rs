@@ -78,8 +78,10 @@
 //! once a later atomic, send or completion of the QP is seen. With strict mode off or at
 //! `checks` (below), every WQE's writes are a submission of their own and land in WQE order.
 //!
-//! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
-//! GPU memory is read into pinned host memory on the QP's stream (after the QP's earlier
+//! **Atomicity on GPU memory.** With the GPU agent an atomic on GPU memory is a system-scope GPU
+//! atomic: atomic with respect to every other atomic on the word, the emulator's from any NIC or
+//! process and GPU kernels' alike. Without it (what follows), CUDA 13.0 having no atomic stream
+//! memory operation, an atomic on GPU memory is read into pinned host memory on the QP's stream (after the QP's earlier
 //! writes), computed by the NIC thread, and written back on the same stream, which waits on a
 //! host-released counter in between; consecutive atomics of a QP share one read and one release
 //! (`cuda_deferred` module). The word's stripe (one of 256, by address) orders it after the last
