@@ -169,8 +169,8 @@ fn build_set(set: &KernelSet, force: bool) -> Result<()> {
     std::fs::create_dir_all(&out)?;
     let mut headers = Vec::new();
     for d in &set.includes {
-        headers.extend(util::files_with_suffix(&d, ".cuh")?);
-        headers.extend(util::files_with_suffix(&d, ".h")?);
+        headers.extend(util::files_with_suffix(d, ".cuh")?);
+        headers.extend(util::files_with_suffix(d, ".h")?);
     }
     let nvcc = nvcc()?;
     step(&format!(

@@ -40,11 +40,107 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
 }
 
 /// A command held until the lane's copy-engine word reaches `ce`.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 struct Held {
     cmd: AgentCmd,
     payload: Vec<u8>,
     ce: u32,
+}
+
+/// What the lane knows about its order between the agent and the copy engines, apart from the
+/// hardware (module docs): the words it is given are the agent's and the stream's as read now.
+#[derive(Debug, Default)]
+struct LaneOrder {
+    /// The number of the lane's last command (published or held).
+    issued: u32,
+    /// The value the lane's copy-engine word takes after its latest copy-engine work.
+    ce_seq: u32,
+    /// Commands behind copy-engine work that has not landed, in order.
+    held: VecDeque<Held>,
+    /// Marks handed out and not known to have landed: (mark, command number, copy-engine value).
+    marks: VecDeque<(u64, u32, u32)>,
+    next_mark: u64,
+    landed_upto: u64,
+}
+
+impl LaneOrder {
+    /// Starting from the words a previous owner of the lane index left.
+    fn new(lane_done: u32, ce_word: u32) -> Self {
+        Self {
+            issued: lane_done,
+            ce_seq: ce_word,
+            ..Self::default()
+        }
+    }
+
+    /// Numbers `cmd`; returns it when it may be published now (`ce_word`: the lane's copy-engine
+    /// word), else holds it.
+    fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8], ce_word: u32) -> Option<AgentCmd> {
+        self.issued = self.issued.wrapping_add(1);
+        cmd.lane_seq = self.issued;
+        if self.held.is_empty() && reached(ce_word, self.ce_seq) {
+            Some(cmd)
+        } else {
+            self.held.push_back(Held {
+                cmd,
+                payload: payload.to_vec(),
+                ce: self.ce_seq,
+            });
+            None
+        }
+    }
+
+    /// The held commands that may be published now, in order.
+    fn ready(&mut self, ce_word: u32) -> Vec<Held> {
+        let mut out = Vec::new();
+        while self.held.front().is_some_and(|h| reached(ce_word, h.ce)) {
+            out.extend(self.held.pop_front());
+        }
+        out
+    }
+
+    /// Before copy-engine work: the value the lane's done word must reach first, if it has not
+    /// (`lane_done`: the word now).
+    fn ce_must_wait_for(&self, lane_done: u32) -> Option<u32> {
+        (!self.held.is_empty() || !reached(lane_done, self.issued)).then_some(self.issued)
+    }
+
+    /// After copy-engine work: the value the stream stores into the copy-engine word.
+    fn ce_enqueued(&mut self) -> u32 {
+        self.ce_seq = self.ce_seq.wrapping_add(1);
+        self.ce_seq
+    }
+
+    /// Whether every command submitted so far has landed.
+    fn commands_landed(&self, lane_done: u32) -> bool {
+        self.held.is_empty() && reached(lane_done, self.issued)
+    }
+
+    fn mark(&mut self) -> Mark {
+        self.next_mark += 1;
+        self.marks
+            .push_back((self.next_mark, self.issued, self.ce_seq));
+        Mark(self.next_mark)
+    }
+
+    fn landed(&mut self, mark: Mark, lane_done: u32, ce_word: u32) -> bool {
+        while let Some(&(m, seq, want)) = self.marks.front() {
+            if m > mark.0 || !reached(lane_done, seq) || !reached(ce_word, want) {
+                break;
+            }
+            self.landed_upto = m;
+            self.marks.pop_front();
+        }
+        mark.0 <= self.landed_upto
+    }
+
+    /// Everything has landed (after a fence).
+    fn all_landed(&mut self) {
+        if let Some(&(m, _, _)) = self.marks.back() {
+            self.landed_upto = m;
+        }
+        self.marks.clear();
+    }
 }
 
 /// A QP's lane through the agent (module docs).
@@ -56,19 +152,10 @@ pub(crate) struct AgentLane {
     stream: Stream,
     /// Pinned bytes the agent writes a synchronous atomic's old value into.
     scratch: HostBuffer,
-    /// The number of the lane's last command (published or held).
-    issued: u32,
-    /// The value the lane's copy-engine word takes after its latest copy-engine work.
-    ce_seq: u32,
-    /// Commands behind copy-engine work that has not landed, in order.
-    held: VecDeque<Held>,
+    order: LaneOrder,
     /// Strict mode's relaxed ordering: atomics wait in `relaxed_atomics` until a barrier.
     relaxed: bool,
     relaxed_atomics: Vec<AgentCmd>,
-    /// Marks handed out and not known to have landed: (mark, command number, copy-engine value).
-    marks: VecDeque<(u64, u32, u32)>,
-    next_mark: u64,
-    landed_upto: u64,
     timeout: Duration,
 }
 
@@ -97,51 +184,36 @@ impl AgentLane {
             scratch,
             // The words keep the last values a previous owner of the index left; go on from
             // there (its work has landed: lanes fence when dropped).
-            issued: agent.lane_done(index),
-            ce_seq: agent.ce_word(index),
-            held: VecDeque::new(),
+            order: LaneOrder::new(agent.lane_done(index), agent.ce_word(index)),
             relaxed: false,
             relaxed_atomics: Vec::new(),
-            marks: VecDeque::new(),
-            next_mark: 0,
-            landed_upto: 0,
             timeout,
         }))
     }
 
     /// Numbers `cmd` and publishes it, or holds it while earlier copy-engine work (or an earlier
     /// held command) has not landed. Returns its number.
-    fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<u32, EmuError> {
-        self.issued = self.issued.wrapping_add(1);
+    fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<(), EmuError> {
         cmd.lane = self.index;
-        cmd.lane_seq = self.issued;
-        if self.held.is_empty() && reached(self.agent.ce_word(self.index), self.ce_seq) {
+        if let Some(cmd) = self
+            .order
+            .submit(cmd, payload, self.agent.ce_word(self.index))
+        {
             self.agent.push(cmd, payload, self.timeout)?;
-        } else {
-            self.held.push_back(Held {
-                cmd,
-                payload: payload.to_vec(),
-                ce: self.ce_seq,
-            });
         }
-        Ok(self.issued)
+        Ok(())
     }
 
     /// Publishes the held commands whose copy-engine work has landed. Returns whether some are
     /// still held.
     fn publish_ready(&mut self) -> Result<bool, EmuError> {
-        if self.held.is_empty() {
+        if self.order.held.is_empty() {
             return Ok(false);
         }
-        let ce = self.agent.ce_word(self.index);
-        while let Some(h) = self.held.front() {
-            if !reached(ce, h.ce) {
-                break;
-            }
-            let h = self.held.pop_front().expect("front exists");
+        for h in self.order.ready(self.agent.ce_word(self.index)) {
             self.agent.push(h.cmd, &h.payload, self.timeout)?;
         }
-        Ok(!self.held.is_empty())
+        Ok(!self.order.held.is_empty())
     }
 
     /// Submits the atomics strict mode's relaxed ordering kept back.
@@ -158,8 +230,8 @@ impl AgentLane {
         let t0 = Instant::now();
         let mut polls = 0u32;
         loop {
-            let still_held = self.publish_ready()?;
-            if !still_held && reached(self.agent.lane_done(self.index), self.issued) {
+            self.publish_ready()?;
+            if self.order.commands_landed(self.agent.lane_done(self.index)) {
                 return Ok(());
             }
             if self.agent.exited() {
@@ -186,9 +258,12 @@ impl AgentLane {
 
     /// Before copy-engine work: the stream waits until the lane's commands so far have landed.
     fn ce_after_commands(&mut self) -> Result<(), EmuError> {
-        if reached(self.agent.lane_done(self.index), self.issued) && self.held.is_empty() {
+        let Some(want) = self
+            .order
+            .ce_must_wait_for(self.agent.lane_done(self.index))
+        else {
             return Ok(());
-        }
+        };
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st as WaitValue;
         use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 as WaitV;
         let mut op = sys::CUstreamBatchMemOpParams {
@@ -196,7 +271,7 @@ impl AgentLane {
                 operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
                 address: self.agent.lane_done_dev(self.index),
                 // GEQ compares wrapping.
-                __bindgen_anon_1: WaitV { value: self.issued },
+                __bindgen_anon_1: WaitV { value: want },
                 flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
                 alias: 0,
             },
@@ -210,14 +285,14 @@ impl AgentLane {
 
     /// After copy-engine work: the stream stores the lane's next copy-engine value.
     fn ce_done(&mut self) -> Result<(), EmuError> {
-        self.ce_seq = self.ce_seq.wrapping_add(1);
+        let value = self.order.ce_enqueued();
         // SAFETY: a 4-aligned word of the agent's pinned control block; the stream is live and
         // its context current. The store's memory barrier orders it after the copies.
         unsafe {
             store_word(
                 self.stream.raw,
                 self.agent.ce_word_dev(self.index),
-                &self.ce_seq.to_ne_bytes(),
+                &value.to_ne_bytes(),
             )
         }
     }
@@ -373,24 +448,14 @@ impl Lane for AgentLane {
 
     fn mark(&mut self) -> Result<Mark, EmuError> {
         self.release_relaxed()?;
-        self.next_mark += 1;
-        self.marks
-            .push_back((self.next_mark, self.issued, self.ce_seq));
-        Ok(Mark(self.next_mark))
+        Ok(self.order.mark())
     }
 
     fn landed(&mut self, mark: Mark) -> Result<bool, EmuError> {
         self.publish_ready()?;
         let done = self.agent.lane_done(self.index);
         let ce = self.agent.ce_word(self.index);
-        while let Some(&(m, seq, want)) = self.marks.front() {
-            if m > mark.0 || !reached(done, seq) || !reached(ce, want) {
-                break;
-            }
-            self.landed_upto = m;
-            self.marks.pop_front();
-        }
-        Ok(mark.0 <= self.landed_upto)
+        Ok(self.order.landed(mark, done, ce))
     }
 
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError> {
@@ -398,10 +463,7 @@ impl Lane for AgentLane {
         self.commands_landed(timeout)?;
         self.stream
             .wait(timeout, "a QP's copy-engine stream to drain")?;
-        if let Some(&(m, _, _)) = self.marks.back() {
-            self.landed_upto = m;
-        }
-        self.marks.clear();
+        self.order.all_landed();
         Ok(())
     }
 
@@ -423,6 +485,90 @@ impl Lane for AgentLane {
     }
 
     fn busy(&self) -> bool {
-        !self.held.is_empty()
+        !self.order.held.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(dst: u64) -> AgentCmd {
+        AgentCmd::copy(0, dst, 0x9000, 8)
+    }
+
+    #[test]
+    fn commands_go_at_once_until_copy_engine_work_and_then_wait_for_it() {
+        let mut o = LaneOrder::new(0, 0);
+        let c = o.submit(cmd(1), &[], 0).expect("nothing to wait for");
+        assert_eq!(c.lane_seq, 1);
+        // Copy-engine work after command 1 waits for it, and the next command for the copy.
+        assert_eq!(o.ce_must_wait_for(0), Some(1));
+        assert_eq!(
+            o.ce_must_wait_for(1),
+            None,
+            "already landed: no stream wait"
+        );
+        assert_eq!(o.ce_enqueued(), 1);
+        assert!(
+            o.submit(cmd(2), b"abc", 0).is_none(),
+            "held behind the copy"
+        );
+        assert!(
+            o.submit(cmd(3), &[], 1).is_none(),
+            "held behind the held one"
+        );
+        assert!(o.ready(0).is_empty());
+        let out = o.ready(1);
+        assert_eq!(out.len(), 2);
+        assert_eq!(
+            (out[0].cmd.lane_seq, out[0].payload.as_slice()),
+            (2, &b"abc"[..])
+        );
+        assert_eq!(out[1].cmd.lane_seq, 3);
+        assert!(o.held.is_empty());
+        assert!(!o.commands_landed(2) && o.commands_landed(3));
+    }
+
+    #[test]
+    fn copy_engine_work_waits_for_held_commands_too() {
+        let mut o = LaneOrder::new(0, 0);
+        o.ce_enqueued();
+        assert!(o.submit(cmd(1), &[], 0).is_none());
+        // The lane's done word may already cover older numbers; the held command is newer.
+        assert_eq!(o.ce_must_wait_for(0), Some(1));
+        assert!(!o.commands_landed(1), "held, so not landed");
+    }
+
+    #[test]
+    fn marks_land_when_both_words_cover_them() {
+        let mut o = LaneOrder::new(0, 0);
+        o.submit(cmd(1), &[], 0);
+        let m1 = o.mark();
+        o.ce_enqueued();
+        let m2 = o.mark();
+        assert!(!o.landed(m1, 0, 0));
+        assert!(o.landed(m1, 1, 0));
+        assert!(!o.landed(m2, 1, 0), "the copy has not landed");
+        assert!(o.landed(m2, 1, 1));
+        assert!(o.landed(m1, 0, 0), "landed once, landed for good");
+        let m3 = o.mark();
+        o.all_landed();
+        assert!(o.landed(m3, 0, 0));
+    }
+
+    #[test]
+    fn numbers_wrap_and_a_reused_index_goes_on_from_its_words() {
+        let mut o = LaneOrder::new(u32::MAX, u32::MAX - 1);
+        assert!(
+            o.submit(cmd(1), &[], u32::MAX - 1).is_some(),
+            "the previous owner's copies have landed"
+        );
+        assert_eq!(o.issued, 0, "wrapped");
+        assert!(o.commands_landed(0) && !o.commands_landed(u32::MAX));
+        assert_eq!(o.ce_enqueued(), u32::MAX);
+        assert_eq!(o.ce_enqueued(), 0);
+        assert!(o.submit(cmd(2), &[], u32::MAX).is_none());
+        assert_eq!(o.ready(0).len(), 1);
     }
 }
