@@ -22,8 +22,8 @@
 //!
 //! A context-wide synchronisation (`cuCtxSynchronize`) waits for it forever, and on some driver
 //! versions so do `cuMemFree`, `cuMemFreeHost` and pinned allocations. Creation therefore probes
-//! the calls the project makes while NICs live (a device allocation and free, a pinned
-//! allocation and free) on a helper thread while the agent runs: if one does not return within
+//! the calls the project makes while NICs live (a module load and unload, a device allocation
+//! and free, a pinned allocation and free) on a helper thread while the agent runs: if one does not return within
 //! [`PROBE_BOUND`], the agent is stopped (which releases the call), the backend falls back to the
 //! copy-engine path, and the log says why. Code that synchronises a whole context while an
 //! emulated NIC lives must wait on its own streams instead (bounded).
@@ -282,20 +282,31 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_micros(50));
         }
-        agent.probe_driver_calls()?;
+        agent.probe_driver_calls(image)?;
         Ok(agent)
     }
 
-    /// Runs, on a helper thread, the driver calls the project makes while NICs live; when one
+    /// Runs, on a helper thread, the driver calls the project makes while NICs live (a module
+    /// load and unload, a device allocation and free, a pinned allocation and free); when one
     /// does not return within [`PROBE_BOUND`] the agent blocks it: stop the agent (which lets
     /// the call finish) and refuse.
-    fn probe_driver_calls(&self) -> Result<(), EmuError> {
+    fn probe_driver_calls(&self, image: Vec<u64>) -> Result<(), EmuError> {
         let ctx = self.ctx.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         let helper = std::thread::spawn(move || {
             let r = (|| -> Result<(), EmuError> {
                 ctx.bind_to_thread()
                     .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
+                let mut module: sys::CUmodule = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer and a complete, aligned fatbin image that lives
+                // across the call; the context is current.
+                check("cuModuleLoadData (probe)", unsafe {
+                    sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void)
+                })?;
+                // SAFETY: loaded just above, nothing of it runs, unloaded once.
+                check("cuModuleUnload (probe)", unsafe {
+                    sys::cuModuleUnload(module)
+                })?;
                 let mut dptr = 0u64;
                 // SAFETY: a valid out-pointer; the context is current.
                 check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dptr, 4096) })?;

@@ -751,6 +751,8 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     eprintln!(
         "{blocks} blocks x 1024 threads on {sms} SMs; the flag write completed in {write_done:?}"
     );
+    // The NICs first: with them goes the GPU agent, which a module unload might wait for.
+    drop(g);
     // SAFETY: the module's kernel has finished (the pool keeps the stream).
     unsafe {
         let _ = sys::cuModuleUnload(module);
