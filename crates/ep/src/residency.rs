@@ -40,7 +40,7 @@ use crate::rendezvous::Exchange;
 /// waiting on their copies while both ranks' send kernels spun in quiet, until the bound; it
 /// came and went with timing. Four leave room for several copies at once (DESIGN.md, "Testing
 /// without a NIC": an SM left free); a real NIC needs none. The NIC's GPU agent
-/// ([`ibgda_emu::AGENT_SMS`]: one warp, launched when the first NIC on the GPU is made and
+/// ([`ibgda_emu::AGENT_SMS`]: one block, launched when the first NIC on the GPU is made and
 /// resident from then on) counts against them; at least one more stays for copy kernels.
 pub const EMULATED_NIC_SMS: u32 = 4;
 

@@ -1,14 +1,15 @@
-// The emulated NIC's GPU agent: one warp, launched once per (process, GPU) when the CUDA backend
+// The emulated NIC's GPU agent: one block, launched once per (process, GPU) when the CUDA backend
 // starts and running until the host sets the stop flag, that executes the small operations of
 // every emulated NIC on that GPU (copies up to a few KiB, inline data, 4- and 8-byte atomics,
 // CQEs) with device loads, stores and atomics. The host engine keeps every check and decision;
 // this kernel only moves the bytes it is told to (agent_cmd.cuh describes the ring).
 //
-// Why a warp: the ring is read 32 slots at a time (one PCIe round trip for a batch), and the
-// commands of different QPs (lanes) in a batch run side by side, one per thread, while the
-// commands of one lane run in ring order (round r runs each lane's r-th command). Copies use the
-// whole warp, one copy at a time. A round ends with a system fence, so a CQE, always a later
-// command of its lane than the data it reports, lands after that data.
+// Warp 0 reads the ring 32 slots at a time (one PCIe round trip for a batch). The commands of
+// different QPs (lanes) in a batch run side by side, while the commands of one lane run in ring
+// order: round r runs each lane's r-th command of the batch, atomics and CQEs one per thread of
+// warp 0, copies one after another by the whole block (a copy is bound by the bytes in flight,
+// so every warp of the block takes part). A round ends with a system fence and a block barrier,
+// so a CQE, always a later command of its lane than the data it reports, lands after that data.
 //
 // The agent never waits for anything but its ring (and the stop flag while idle): ordering with
 // the copy engines is the host's business (it holds a lane's commands back until the lane's
@@ -62,43 +63,44 @@ __device__ __forceinline__ uint8_t ld_u8(const void* p) {
     return *reinterpret_cast<const volatile uint8_t*>(p);
 }
 
-// 16-byte loads in flight per thread in a copy: one warp's copy rate is bound by how many bytes
-// it has in flight (latency, not bandwidth), and 16 x 16 B x 32 threads = 8 KiB is most of a
-// 14 KiB token per round trip at the cost of 64 registers.
-constexpr int COPY_UNROLL = 16;
+// 16-byte loads in flight per thread in a copy: a copy's rate is bound by the bytes in flight
+// (latency, not bandwidth); with the host's 8 warps, 8 x 16 B x 256 threads = 32 KiB, more than
+// a 14 KiB low-latency token in one round trip.
+constexpr int COPY_UNROLL = 8;
 
-// The warp copies n bytes src -> dst, the widest accesses the alignment allows. Loads use
+// The block copies n bytes src -> dst (thread `tid` of `nthreads`), the widest accesses the
+// alignment allows. Loads use
 // ld.global.cv (fetch again, never trust a cached line): sources are rewritten by other SMs,
 // other GPUs and the host between two commands.
-__device__ void warp_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned lane) {
+__device__ void block_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned tid, unsigned nthreads) {
     const uint64_t all = dst | src | n;
     if ((all & 15) == 0) {
         const uint4* s = reinterpret_cast<const uint4*>(src);
         uint4* d = reinterpret_cast<uint4*>(dst);
         const uint32_t words = n / 16;
-        for (uint32_t base = 0; base < words; base += 32 * COPY_UNROLL) {
+        for (uint32_t base = 0; base < words; base += nthreads * COPY_UNROLL) {
             uint4 v[COPY_UNROLL];
 #pragma unroll
             for (int u = 0; u < COPY_UNROLL; ++u) {
-                const uint32_t i = base + u * 32 + lane;
+                const uint32_t i = base + u * nthreads + tid;
                 if (i < words) v[u] = __ldcv(s + i);
             }
 #pragma unroll
             for (int u = 0; u < COPY_UNROLL; ++u) {
-                const uint32_t i = base + u * 32 + lane;
+                const uint32_t i = base + u * nthreads + tid;
                 if (i < words) d[i] = v[u];
             }
         }
     } else if ((all & 7) == 0) {
         const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
-        for (uint32_t i = lane; i < n / 8; i += 32) {
+        for (uint32_t i = tid; i < n / 8; i += nthreads) {
             reinterpret_cast<unsigned long long*>(dst)[i] = __ldcv(s + i);
         }
     } else if ((all & 3) == 0) {
         const unsigned* s = reinterpret_cast<const unsigned*>(src);
-        for (uint32_t i = lane; i < n / 4; i += 32) reinterpret_cast<unsigned*>(dst)[i] = __ldcv(s + i);
+        for (uint32_t i = tid; i < n / 4; i += nthreads) reinterpret_cast<unsigned*>(dst)[i] = __ldcv(s + i);
     } else {
-        for (uint32_t i = lane; i < n; i += 32) {
+        for (uint32_t i = tid; i < n; i += nthreads) {
             reinterpret_cast<uint8_t*>(dst)[i] = ld_u8(reinterpret_cast<const uint8_t*>(src) + i);
         }
     }
@@ -198,88 +200,108 @@ __device__ void do_scalar(const emu_agent_cmd& c) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32, 1) emu_agent(emu_agent_params p) {
-    const unsigned lane = threadIdx.x;
+extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent(emu_agent_params p) {
+    const unsigned tid = threadIdx.x;
+    const unsigned lane = tid % 32;
+    const bool scheduler = tid < 32;  // warp 0
+    const unsigned nthreads = blockDim.x;
     uint32_t* stop = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STOP);
     uint64_t* done = reinterpret_cast<uint64_t*>(p.ctrl + EMU_AGENT_CTRL_DONE);
     uint32_t* state = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STATE);
     uint32_t* lane_done = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_LANE_DONE);
     const uint64_t mask = p.nslots - 1;
 
-    if (lane == 0) st_release_u32(state, 1);
+    // The batch as the whole block needs it (copies); warp 0 keeps the rest in registers.
+    __shared__ uint64_t sh_dst[32], sh_src[32];
+    __shared__ uint32_t sh_len[32];
+    __shared__ uint8_t sh_rank[32], sh_copy[32];
+    __shared__ unsigned sh_count, sh_rounds;
+    __shared__ int sh_stop;
+
+    if (tid == 0) st_release_u32(state, 1);
     uint64_t next = ld_acquire_u64(done) + 1;
-    unsigned idle = 0, sleep_ns = 32;
     for (;;) {
-        // Idle: one thread polls the next slot.
-        int ready = 0;
-        if (lane == 0) {
-            const emu_agent_cmd* s = reinterpret_cast<const emu_agent_cmd*>(
-                p.ring + ((next - 1) & mask) * EMU_AGENT_SLOT_BYTES);
-            ready = ld_acquire_u64(&s->seq) == next;
-        }
-        ready = __shfl_sync(FULL, ready, 0);
-        if (!ready) {
-            if (++idle % STOP_CHECK_EVERY == 0) {
-                const int stopping = __shfl_sync(FULL, lane == 0 ? ld_acquire_u32(stop) : 0, 0);
-                if (stopping) break;
-            }
-            __nanosleep(sleep_ns);
-            sleep_ns = min(sleep_ns * 2, IDLE_SLEEP_MAX_NS);
-            continue;
-        }
-        idle = 0;
-        sleep_ns = 32;
-
-        // A batch: the run of published slots from `next`, up to one per thread.
         emu_agent_cmd c{};
-        const uint64_t want = next + lane;
-        const emu_agent_cmd* slot =
-            reinterpret_cast<const emu_agent_cmd*>(p.ring + ((want - 1) & mask) * EMU_AGENT_SLOT_BYTES);
-        const bool published = lane < p.nslots && ld_acquire_u64(&slot->seq) == want;
-        const unsigned ballot = __ballot_sync(FULL, published);
-        const unsigned count = ballot == FULL ? 32 : __ffs(~ballot) - 1;
-        const bool mine = lane < count;
-        if (mine) {
-            const volatile emu_agent_cmd* v = slot;
-            c.op = v->op;
-            c.flags = v->flags;
-            c.len = v->len;
-            c.dst = v->dst;
-            c.src = v->src;
-            c.a = v->a;
-            c.b = v->b;
-            c.c = v->c;
-            c.lane = v->lane;
-            c.lane_seq = v->lane_seq;
+        bool mine = false;
+        unsigned rank = 0;
+        if (scheduler) {
+            // Idle: one thread polls the next slot.
+            unsigned idle = 0, sleep_ns = 32;
+            int stopping = 0;
+            for (;;) {
+                int ready = 0;
+                if (lane == 0) {
+                    const emu_agent_cmd* s = reinterpret_cast<const emu_agent_cmd*>(
+                        p.ring + ((next - 1) & mask) * EMU_AGENT_SLOT_BYTES);
+                    ready = ld_acquire_u64(&s->seq) == next;
+                }
+                if (__shfl_sync(FULL, ready, 0)) break;
+                if (++idle % STOP_CHECK_EVERY == 0) {
+                    stopping = __shfl_sync(FULL, lane == 0 ? ld_acquire_u32(stop) : 0, 0);
+                    if (stopping) break;
+                }
+                __nanosleep(sleep_ns);
+                sleep_ns = min(sleep_ns * 2, IDLE_SLEEP_MAX_NS);
+            }
+            unsigned count = 0, rounds = 0;
+            if (!stopping) {
+                // A batch: the run of published slots from `next`, up to one per thread.
+                const uint64_t want = next + lane;
+                const emu_agent_cmd* slot = reinterpret_cast<const emu_agent_cmd*>(
+                    p.ring + ((want - 1) & mask) * EMU_AGENT_SLOT_BYTES);
+                const bool published = lane < p.nslots && ld_acquire_u64(&slot->seq) == want;
+                const unsigned ballot = __ballot_sync(FULL, published);
+                count = ballot == FULL ? 32 : __ffs(~ballot) - 1;
+                mine = lane < count;
+                if (mine) {
+                    const volatile emu_agent_cmd* v = slot;
+                    c.op = v->op;
+                    c.flags = v->flags;
+                    c.len = v->len;
+                    c.dst = v->dst;
+                    c.src = v->src;
+                    c.a = v->a;
+                    c.b = v->b;
+                    c.c = v->c;
+                    c.lane = v->lane;
+                    c.lane_seq = v->lane_seq;
+                }
+                // Round r runs every lane's r-th command of the batch.
+                const uint32_t key = mine ? c.lane : 0x80000000u + lane;
+                const unsigned same = __match_any_sync(FULL, key);
+                rank = __popc(same & ((1u << lane) - 1));
+                rounds = __reduce_max_sync(FULL, mine ? rank + 1 : 0);
+                sh_dst[lane] = c.dst;
+                sh_src[lane] = c.src;
+                sh_len[lane] = c.len;
+                sh_rank[lane] = static_cast<uint8_t>(rank);
+                sh_copy[lane] = mine && c.op == EMU_AGENT_OP_COPY;
+            }
+            if (lane == 0) {
+                sh_stop = stopping;
+                sh_count = count;
+                sh_rounds = rounds;
+            }
         }
-        __syncwarp();
-
-        // Round r runs every lane's r-th command of the batch.
-        const uint32_t key = mine ? c.lane : 0x80000000u + lane;
-        const unsigned same = __match_any_sync(FULL, key);
-        const unsigned rank = __popc(same & ((1u << lane) - 1));
-        const unsigned rounds = __reduce_max_sync(FULL, mine ? rank + 1 : 0);
+        __syncthreads();
+        if (sh_stop) break;
+        const unsigned count = sh_count, rounds = sh_rounds;
         for (unsigned r = 0; r < rounds; ++r) {
-            const bool act = mine && rank == r;
+            const bool act = scheduler && mine && rank == r;
             if (act && c.op != EMU_AGENT_OP_COPY) do_scalar(c);
-            unsigned copies = __ballot_sync(FULL, act && c.op == EMU_AGENT_OP_COPY);
-            while (copies) {
-                const int j = __ffs(copies) - 1;
-                copies &= copies - 1;
-                const uint64_t d = __shfl_sync(FULL, c.dst, j);
-                const uint64_t s = __shfl_sync(FULL, c.src, j);
-                const uint32_t n = __shfl_sync(FULL, c.len, j);
-                warp_copy(d, s, n, lane);
+            for (unsigned j = 0; j < count; ++j) {
+                if (sh_copy[j] && sh_rank[j] == r) block_copy(sh_dst[j], sh_src[j], sh_len[j], tid, nthreads);
             }
             // Every thread's writes of the round are visible before any lane's done word moves
             // and before the next round (a CQE) writes.
             __threadfence_system();
-            __syncwarp();
+            __syncthreads();
             if (act) st_release_u32(&lane_done[c.lane], c.lane_seq);
         }
         next += count;
-        if (lane == 0) st_release_u64(done, next - 1);
+        if (tid == 0 && count > 0) st_release_u64(done, next - 1);
+        // The next batch's shared words are written only after every thread has left this one's
+        // last round (its barrier above), and read only after the barrier at the top.
     }
-    __syncwarp();
-    if (lane == 0) st_release_u32(state, 2);
+    if (tid == 0) st_release_u32(state, 2);
 }

@@ -50,6 +50,10 @@ struct emu_agent_cmd {
 #define EMU_AGENT_CTRL_CE_WORDS (EMU_AGENT_CTRL_LANE_DONE + 4 * EMU_AGENT_MAX_LANES)  // u32 per lane, the lane's stream
 #define EMU_AGENT_CTRL_BYTES (EMU_AGENT_CTRL_CE_WORDS + 4 * EMU_AGENT_MAX_LANES)
 
+// Threads of the agent's block at most (the host launches EMU_AGENT_MAX_THREADS, a multiple of
+// 32; warp 0 schedules).
+#define EMU_AGENT_MAX_THREADS 256
+
 struct emu_agent_params {
     uint64_t ring;    // device address of slot 0
     uint64_t ctrl;    // device address of the control block

@@ -1,4 +1,4 @@
-//! The GPU agent: one persistent warp per (process, GPU) that executes the emulated NICs' small
+//! The GPU agent: one persistent block (eight warps) per (process, GPU) that executes the emulated NICs' small
 //! operations — copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs — with device
 //! loads, stores and atomics, from a command ring in pinned host memory (`cuda/agent.cu`, layout
 //! in [`crate::agent_cmd`]).
@@ -60,16 +60,22 @@ pub const AGENT_ENV: &str = "IBGDA_EMU_AGENT";
 
 /// Largest device-to-device copy the agent executes; larger ones go to the copy engines.
 ///
-/// Chosen without measurement: one warp moves on the order of 10 GB/s, so a 16 KiB copy holds
-/// the agent (and every other QP's small operations queued behind it) for one to two
-/// microseconds, about what one copy-engine submission costs the NIC thread; larger copies are
+/// Chosen without measurement: the agent's block moves a copy at some tens of GB/s, so a 16 KiB
+/// copy holds it (and every other QP's small operations queued behind it) for about a
+/// microsecond, less than one copy-engine submission costs the NIC thread; larger copies are
 /// cheaper on the copy engines, which also reach NVLink's full rate. A low-latency token of
 /// hidden size 7168 in BF16 (14 KiB) stays on the agent.
 pub const AGENT_COPY_MAX: u64 = 16 << 10;
 
-/// SMs the agent occupies on its GPU (one warp on one SM, from creation on): part of what
+/// SMs the agent occupies on its GPU (one block on one SM, from creation on): part of what
 /// `ep::residency::EMULATED_NIC_SMS` keeps free of waiting kernels.
 pub const AGENT_SMS: u32 = 1;
+
+/// Threads of the agent's block (`EMU_AGENT_MAX_THREADS` in `cuda/agent_cmd.cuh` is the most):
+/// warp 0 reads the ring and runs atomics and CQEs; copies use all eight warps, because a copy's
+/// rate is bound by the bytes it has in flight (32 KiB with eight warps, about 10 GB/s a warp).
+/// A quarter of one SM's threads and a little over half its registers.
+const AGENT_THREADS: u32 = 256;
 
 /// Ring slots (a power of two, at least 32: the agent reads 32 at a time).
 const RING_SLOTS: usize = 4096;
@@ -249,7 +255,7 @@ impl Agent {
                 1,
                 1,
                 1,
-                32,
+                AGENT_THREADS,
                 1,
                 1,
                 0,

@@ -47,7 +47,7 @@
 //! Where it can be started ([`crate::agent`]; on by default, `IBGDA_EMU_AGENT=0` turns it off),
 //! lanes are [`AgentLane`](crate::cuda_agent::AgentLane)s: small device operations (copies up
 //! to [`AGENT_COPY_MAX`](crate::agent::AGENT_COPY_MAX), inline data, atomics, device CQEs) are
-//! commands a persistent GPU warp executes, and only large copies and copies to or from host
+//! commands a persistent GPU block executes, and only large copies and copies to or from host
 //! memory use the copy engines as described above. A kernel that never ends makes every
 //! context-wide synchronisation wait forever and, on some drivers, allocations and frees too:
 //! the agent's creation probes for that and falls back to the path above when it sees it.

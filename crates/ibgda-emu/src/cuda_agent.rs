@@ -300,12 +300,19 @@ impl AgentLane {
 
 impl Drop for AgentLane {
     fn drop(&mut self) {
-        if self.stream.ctx.bind_to_thread().is_ok() {
-            if let Err(e) = self.fence(Duration::from_secs(5)) {
-                tracing::error!("a QP's agent lane did not drain at teardown: {e}");
-            }
+        let drained = self.stream.ctx.bind_to_thread().is_ok()
+            && match self.fence(Duration::from_secs(5)) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::error!("a QP's agent lane did not drain at teardown: {e}");
+                    false
+                }
+            };
+        // An index whose commands may still land is never handed out again: its words would
+        // move under the next owner.
+        if drained {
+            self.agent.free_lane(self.index);
         }
-        self.agent.free_lane(self.index);
     }
 }
 

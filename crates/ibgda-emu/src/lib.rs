@@ -61,15 +61,15 @@
 //! The per-operation cost model is in the `cuda` module's source docs.
 //!
 //! **The GPU agent** (on by default where it can start; [`AGENT_ENV`]`=0` turns it off): one
-//! persistent warp per GPU and process, launched when the first [`CudaMemory`] on that GPU is
-//! made and shared by every NIC there, executes the small operations (device copies up to
-//! [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from a command ring in pinned host
-//! memory, with GPU loads, stores and system-scope atomics; large copies and host memory keep
-//! the copy-engine path, ordered with the agent per QP. It holds its SM from creation, so it
-//! progresses when spinning kernels fill the rest of the GPU; atomics through it are GPU
-//! atomics, atomic with respect to every other atomic on the word. Its creation checks that
-//! allocations and frees still return while it runs, and falls back if they do not. Without the
-//! agent the emulator launches no kernel at all.
+//! persistent block (eight warps) per GPU and process, launched when the first [`CudaMemory`]
+//! on that GPU is made and shared by every NIC there, executes the small operations (device
+//! copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from a command ring in
+//! pinned host memory, with GPU loads, stores and system-scope atomics; large copies and host
+//! memory keep the copy-engine path, ordered with the agent per QP. It holds its SM from
+//! creation, so it progresses when spinning kernels fill the rest of the GPU; atomics through
+//! it are GPU atomics, atomic with respect to every other atomic on the word. Its creation
+//! checks that module loads, allocations and frees still return while it runs, and falls back
+//! if they do not. Without the agent the emulator launches no kernel at all.
 //!
 //! Writes of one QP submitted together may land in any order among themselves, except that a
 //! write that depends on another (overlapping destination, or a source another one writes)
