@@ -69,9 +69,8 @@ __device__ __forceinline__ uint8_t ld_u8(const void* p) {
 constexpr int COPY_UNROLL = 8;
 
 // The block copies n bytes src -> dst (thread `tid` of `nthreads`), the widest accesses the
-// alignment allows. Loads use
-// ld.global.cv (fetch again, never trust a cached line): sources are rewritten by other SMs,
-// other GPUs and the host between two commands.
+// alignment allows. Loads use ld.global.cv (fetch again, never trust a cached line): sources are
+// rewritten by other SMs, other GPUs and the host between two commands.
 __device__ void block_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned tid, unsigned nthreads) {
     const uint64_t all = dst | src | n;
     if ((all & 15) == 0) {
