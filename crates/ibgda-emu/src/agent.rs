@@ -161,6 +161,31 @@ pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
     }
 }
 
+/// Stops every live agent of the process when it exits (from `.fini_array`, after `main`
+/// returns or `exit` is called), in case a NIC was never dropped: the driver's teardown of a
+/// context must not find a kernel that never ends. Waits a little (bounded) for each to end.
+extern "C" fn stop_agents_at_exit() {
+    let Ok(reg) = REGISTRY.try_lock() else {
+        return;
+    };
+    let live: Vec<Arc<Agent>> = reg.agents.iter().filter_map(|(_, w)| w.upgrade()).collect();
+    drop(reg);
+    for a in &live {
+        a.ctrl.store_u32(CTRL_STOP, 1);
+    }
+    let t0 = Instant::now();
+    while live.iter().any(|a| !a.exited()) && t0.elapsed() < Duration::from_millis(200) {
+        std::thread::yield_now();
+    }
+    // The Arcs are forgotten, not dropped: no driver calls while the process is going away.
+    std::mem::forget(live);
+}
+
+// Linux runs the functions listed in `.fini_array` at exit.
+#[used]
+#[link_section = ".fini_array"]
+static STOP_AGENTS_AT_EXIT: extern "C" fn() = stop_agents_at_exit;
+
 /// A loaded module (unloaded by `Agent::drop` once the kernel has ended).
 struct Module(sys::CUmodule);
 
