@@ -1,7 +1,9 @@
-//! The CUDA backend: data moved by copy engines (peer copies between GPUs of a host) on one
-//! non-blocking stream per QP, words and CQEs written by stream memory operations behind the
-//! data, atomics computed by the host between stream operations, and no kernel launches
-//! anywhere, so the emulator progresses even when kernels fill every SM.
+//! The CUDA backend. With the GPU agent (the default where it starts; see the last section and
+//! [`crate::agent`]) small operations run on a persistent GPU block. Without it: data moved by
+//! copy engines (peer copies between GPUs of a host) on one non-blocking stream per QP, words
+//! and CQEs written by stream memory operations behind the data, atomics computed by the host
+//! between stream operations, and no kernel launches anywhere. Either way the emulator
+//! progresses when kernels fill every other SM.
 //!
 //! # Where the time goes (per WQE, on the NIC's one progress thread)
 //!
