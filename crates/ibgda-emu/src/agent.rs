@@ -109,8 +109,8 @@ pub fn agent_built() -> bool {
 
 struct Registry {
     agents: Vec<(usize, Weak<Agent>)>,
-    /// Contexts on which the agent could not be used (said once in the log).
-    refused: Vec<usize>,
+    /// Contexts on which the agent could not be used, and why (said once in the log).
+    refused: Vec<(usize, String)>,
 }
 
 static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
@@ -136,7 +136,7 @@ pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
     {
         return Some(a);
     }
-    if reg.refused.contains(&key) {
+    if reg.refused.iter().any(|(k, _)| *k == key) {
         return None;
     }
     match Agent::start(ctx) {
@@ -150,7 +150,7 @@ pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
             Some(a)
         }
         Err(e) => {
-            reg.refused.push(key);
+            reg.refused.push((key, e.to_string()));
             tracing::warn!(
                 "emulated NIC on GPU {}: no GPU agent, small operations go through copy engines \
                  and host-computed atomics: {e}",
@@ -185,6 +185,20 @@ extern "C" fn stop_agents_at_exit() {
 #[used]
 #[link_section = ".fini_array"]
 static STOP_AGENTS_AT_EXIT: extern "C" fn() = stop_agents_at_exit;
+
+/// Why this process runs `ctx`'s GPU without the agent, once a backend on it has tried to start
+/// one and failed (`None`: it has not tried, or the agent runs, or it is switched off by
+/// [`AGENT_ENV`]).
+pub fn agent_refusal(ctx: &CudaContext) -> Option<String> {
+    let key = ctx.cu_ctx() as usize;
+    REGISTRY
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .refused
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, why)| why.clone())
+}
 
 /// A loaded module (unloaded by `Agent::drop` once the kernel has ended).
 struct Module(sys::CUmodule);

@@ -163,7 +163,7 @@ mod nic;
 mod qp;
 mod strict;
 
-pub use agent::{agent_built, AGENT_COPY_MAX, AGENT_ENV, AGENT_SMS};
+pub use agent::{agent_built, agent_refusal, AGENT_COPY_MAX, AGENT_ENV, AGENT_SMS};
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
 pub use cuda::CudaMemory;

@@ -783,7 +783,8 @@ fn gpu_agent_runs_and_allocations_still_return() {
     );
     assert!(
         mem.uses_agent(),
-        "the GPU agent did not start (the log's warning says why)"
+        "the GPU agent did not start: {}",
+        ibgda_emu::agent_refusal(&ctxs[0]).unwrap_or_default()
     );
     let ctx = ctxs[0].clone();
     let (tx, rx) = mpsc::channel();

@@ -516,6 +516,9 @@ fn main() -> Result<()> {
     // The NICs below share this GPU's agent, if it runs (it lives while any backend holds it).
     let holder = ibgda_emu::CudaMemory::new(&c0)?;
     let agent = holder.uses_agent();
+    if let Some(why) = ibgda_emu::agent_refusal(&c0) {
+        println!("GPU agent refused: {why}");
+    }
     println!(
         "emulated NICs: 2 on {} GPU(s), {} progress thread(s) on the sender; strict mode {strict} \
          (IBGDA_EMU_STRICT=0 turns it off); GPU agent {} ({}=0 turns it off)",
