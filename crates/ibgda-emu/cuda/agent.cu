@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
     uint64_t next = ld_acquire_u64(done) + 1;
     for (;;) {
         emu_agent_cmd c{};
-        bool mine = false;
+        bool mine = false, last_of_group = false;
         unsigned rank = 0;
         if (scheduler) {
             // Idle: one thread polls the next slot.
@@ -265,11 +265,24 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
                     c.lane = v->lane;
                     c.lane_seq = v->lane_seq;
                 }
-                // Round r runs every lane's r-th command of the batch.
+                // Round r runs every lane's r-th group of commands of the batch: a command joins
+                // the group of the lane's previous one when the host said it may (FLAG_JOIN:
+                // copies with no order between them).
                 const uint32_t key = mine ? c.lane : 0x80000000u + lane;
                 const unsigned same = __match_any_sync(FULL, key);
-                rank = __popc(same & ((1u << lane) - 1));
+                const unsigned starts =
+                    __ballot_sync(FULL, !mine || (c.flags & EMU_AGENT_FLAG_JOIN) == 0);
+                const unsigned upto = lane == 31 ? FULL : (2u << lane) - 1;
+                const unsigned first = __ffs(same) - 1;
+                // A batch that begins with a joining command: its group began in an earlier
+                // batch (already landed), so the count of group starts is one short.
+                rank = __popc(same & starts & upto) - 1 + ((starts >> first) & 1 ? 0 : 1);
                 rounds = __reduce_max_sync(FULL, mine ? rank + 1 : 0);
+                // The lane's done word is stored by the group's last command only (the stores of
+                // one round would race).
+                const unsigned long long group = (static_cast<unsigned long long>(key) << 8) | rank;
+                const unsigned same_group = __match_any_sync(FULL, group);
+                last_of_group = (same_group >> lane) == 1;
                 sh_dst[lane] = c.dst;
                 sh_src[lane] = c.src;
                 sh_len[lane] = c.len;
@@ -295,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
             // and before the next round (a CQE) writes.
             __threadfence_system();
             __syncthreads();
-            if (act) st_release_u32(&lane_done[c.lane], c.lane_seq);
+            if (act && last_of_group) st_release_u32(&lane_done[c.lane], c.lane_seq);
         }
         next += count;
         if (tid == 0 && count > 0) st_release_u64(done, next - 1);

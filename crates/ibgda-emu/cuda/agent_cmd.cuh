@@ -25,6 +25,7 @@
 
 // Flags.
 #define EMU_AGENT_FLAG_REPLY_BE 2  // write the fetched value big-endian
+#define EMU_AGENT_FLAG_JOIN 4      // COPY: may run with the lane's previous command (no order between)
 
 struct emu_agent_cmd {
     uint64_t seq;         // published last; 0 = empty

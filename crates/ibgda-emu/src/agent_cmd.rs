@@ -31,6 +31,9 @@ pub(crate) const OP_CQE: u8 = 7;
 
 /// Write the fetched value big-endian.
 pub(crate) const FLAG_REPLY_BE: u8 = 2;
+/// A copy that may run together with the lane's previous command (also a copy; no order
+/// between them).
+pub(crate) const FLAG_JOIN: u8 = 4;
 
 /// Control block offsets (pinned host memory, mapped): the stop flag (host writes 1).
 pub(crate) const CTRL_STOP: usize = 0;

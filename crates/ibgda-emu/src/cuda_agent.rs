@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::agent::{Agent, AGENT_COPY_MAX};
-use crate::agent_cmd::{reached, AgentCmd, PAYLOAD_BYTES};
+use crate::agent_cmd::{reached, AgentCmd, FLAG_JOIN, PAYLOAD_BYTES};
 use crate::backend::{AtomicOp, Lane, Loc, Mark};
 use crate::cuda::Stream;
 use crate::cuda_atomic::store_word;
@@ -45,6 +45,52 @@ struct Held {
     cmd: AgentCmd,
     payload: Vec<u8>,
     ce: u32,
+}
+
+/// Copies most in one group (the agent reads 32 commands at a time).
+const MAX_JOIN: usize = 32;
+
+/// The lane's copies since its last order point (the engine's [`Lane::order_point`], a barrier,
+/// the end of a round, or any command that is not a copy): they may land in any order among
+/// themselves, as long as none depends on another (overlapping destinations, or a source
+/// another one writes), so the agent may run them in one round.
+#[derive(Debug, Default)]
+struct JoinGroup {
+    open: bool,
+    written: Vec<(u64, u64)>,
+    read: Vec<(u64, u64)>,
+}
+
+fn overlaps(set: &[(u64, u64)], at: u64, len: u64) -> bool {
+    let end = at.saturating_add(len);
+    set.iter().any(|&(a, e)| a < end && at < e)
+}
+
+impl JoinGroup {
+    /// Whether a copy `src -> dst` of `len` bytes may join the open group (`src` 0: a payload in
+    /// the ring, which no copy writes); either way it is in the group afterwards.
+    fn join(&mut self, dst: u64, src: u64, len: u64) -> bool {
+        let joins = self.open
+            && self.written.len() < MAX_JOIN
+            && !overlaps(&self.written, dst, len)
+            && !overlaps(&self.read, dst, len)
+            && (src == 0 || !overlaps(&self.written, src, len));
+        if !joins {
+            self.close();
+        }
+        self.open = true;
+        self.written.push((dst, dst.saturating_add(len)));
+        if src != 0 {
+            self.read.push((src, src.saturating_add(len)));
+        }
+        joins
+    }
+
+    fn close(&mut self) {
+        self.open = false;
+        self.written.clear();
+        self.read.clear();
+    }
 }
 
 /// What the lane knows about its order between the agent and the copy engines, apart from the
@@ -153,6 +199,7 @@ pub(crate) struct AgentLane {
     /// Pinned bytes the agent writes a synchronous atomic's old value into.
     scratch: HostBuffer,
     order: LaneOrder,
+    group: JoinGroup,
     /// Strict mode's relaxed ordering: atomics wait in `relaxed_atomics` until a barrier.
     relaxed: bool,
     relaxed_atomics: Vec<AgentCmd>,
@@ -185,6 +232,7 @@ impl AgentLane {
             // The words keep the last values a previous owner of the index left; go on from
             // there (its work has landed: lanes fence when dropped).
             order: LaneOrder::new(agent.lane_done(index), agent.ce_word(index)),
+            group: JoinGroup::default(),
             relaxed: false,
             relaxed_atomics: Vec::new(),
             timeout,
@@ -204,6 +252,27 @@ impl AgentLane {
         Ok(())
     }
 
+    /// Submits a copy, joining the lane's open group of copies when it may.
+    fn submit_copy(
+        &mut self,
+        dst: u64,
+        src: u64,
+        len: u32,
+        payload: &[u8],
+    ) -> Result<(), EmuError> {
+        let mut cmd = AgentCmd::copy(0, dst, src, len);
+        if self.group.join(dst, src, u64::from(len)) {
+            cmd.flags |= FLAG_JOIN;
+        }
+        self.submit(cmd, payload)
+    }
+
+    /// Submits a command that is not a copy: it closes the group of copies before it.
+    fn submit_other(&mut self, cmd: AgentCmd, payload: &[u8]) -> Result<(), EmuError> {
+        self.group.close();
+        self.submit(cmd, payload)
+    }
+
     /// Publishes the held commands whose copy-engine work has landed. Returns whether some are
     /// still held.
     fn publish_ready(&mut self) -> Result<bool, EmuError> {
@@ -219,7 +288,7 @@ impl AgentLane {
     /// Submits the atomics strict mode's relaxed ordering kept back.
     fn release_relaxed(&mut self) -> Result<(), EmuError> {
         for cmd in std::mem::take(&mut self.relaxed_atomics) {
-            self.submit(cmd, &[])?;
+            self.submit_other(cmd, &[])?;
         }
         Ok(())
     }
@@ -328,11 +397,12 @@ impl Lane for AgentLane {
             }
             (Loc::Device(d), Loc::Device(s)) if len <= AGENT_COPY_MAX => {
                 if len > 0 {
-                    self.submit(AgentCmd::copy(0, d, s, len as u32), &[])?;
+                    self.submit_copy(d, s, len as u32, &[])?;
                 }
                 Ok(())
             }
             _ => {
+                self.group.close();
                 self.ce_after_commands()?;
                 let raw = self.stream.raw;
                 // SAFETY: the caller guarantees both ranges until the copy lands; unified
@@ -367,7 +437,7 @@ impl Lane for AgentLane {
                 for (k, chunk) in bytes.chunks(PAYLOAD_BYTES).enumerate() {
                     let at = d + (k * PAYLOAD_BYTES) as u64;
                     // The source is the slot's payload (`Agent::push` fills it in).
-                    self.submit(AgentCmd::copy(0, at, 0, chunk.len() as u32), chunk)?;
+                    self.submit_copy(at, 0, chunk.len() as u32, chunk)?;
                 }
                 Ok(())
             }
@@ -392,7 +462,7 @@ impl Lane for AgentLane {
                     .scratch
                     .device_addr()
                     .ok_or_else(|| EmuError::BadConfig("unmapped scratch".into()))?;
-                self.submit(
+                self.submit_other(
                     AgentCmd::atomic(0, a, op, scratch, FetchOrder::HostOrder),
                     &[],
                 )?;
@@ -420,7 +490,7 @@ impl Lane for AgentLane {
                 if self.relaxed {
                     self.relaxed_atomics.push(cmd);
                 } else {
-                    self.submit(cmd, &[])?;
+                    self.submit_other(cmd, &[])?;
                 }
                 Ok(())
             }
@@ -444,7 +514,7 @@ impl Lane for AgentLane {
             }
             Loc::Device(a) => {
                 self.release_relaxed()?;
-                self.submit(AgentCmd::cqe(0, a, 0), cqe).map(|_| ())
+                self.submit_other(AgentCmd::cqe(0, a, 0), cqe)
             }
         }
     }
@@ -455,6 +525,7 @@ impl Lane for AgentLane {
 
     fn mark(&mut self) -> Result<Mark, EmuError> {
         self.release_relaxed()?;
+        self.group.close();
         Ok(self.order.mark())
     }
 
@@ -467,6 +538,7 @@ impl Lane for AgentLane {
 
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError> {
         self.release_relaxed()?;
+        self.group.close();
         self.commands_landed(timeout)?;
         self.stream
             .wait(timeout, "a QP's copy-engine stream to drain")?;
@@ -476,11 +548,19 @@ impl Lane for AgentLane {
 
     fn flush(&mut self) -> Result<(), EmuError> {
         self.release_relaxed()?;
+        self.group.close();
         self.publish_ready().map(|_| ())
     }
 
     fn barrier(&mut self) -> Result<(), EmuError> {
-        self.release_relaxed()
+        self.release_relaxed()?;
+        self.group.close();
+        Ok(())
+    }
+
+    fn order_point(&mut self) -> Result<(), EmuError> {
+        self.group.close();
+        Ok(())
     }
 
     fn set_relaxed(&mut self, relaxed: bool) {
@@ -562,6 +642,42 @@ mod tests {
         let m3 = o.mark();
         o.all_landed();
         assert!(o.landed(m3, 0, 0));
+    }
+
+    #[test]
+    fn independent_copies_join_dependent_ones_start_a_group() {
+        let fresh = || {
+            let mut g = JoinGroup::default();
+            assert!(!g.join(0x1000, 0x9000, 64), "the first of a group");
+            g
+        };
+        let mut g = fresh();
+        assert!(
+            g.join(0x1040, 0x9000, 64),
+            "disjoint destination, same source"
+        );
+        assert!(g.join(0x2000, 0, 8), "a payload copy");
+        assert!(!fresh().join(0x1020, 0x8000, 8), "write after write");
+        assert!(!fresh().join(0x9010, 0x3000, 8), "write after read");
+        assert!(!fresh().join(0x4000, 0x1008, 8), "read after write");
+        let mut g = fresh();
+        assert!(!g.join(0x1020, 0x8000, 8));
+        assert!(
+            g.join(0x1000, 0x7000, 8),
+            "the dependent copy started a new group"
+        );
+        g.close();
+        assert!(
+            !g.join(0x5000, 0x6000, 8),
+            "nothing joins across an order point"
+        );
+        for k in 1..MAX_JOIN as u64 {
+            assert!(g.join(0x5000 + 64 * k, 0x6000, 8));
+        }
+        assert!(
+            !g.join(0x7000_0000, 0x6000, 8),
+            "a group is at most one batch"
+        );
     }
 
     #[test]
