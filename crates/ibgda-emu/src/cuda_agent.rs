@@ -240,7 +240,7 @@ impl AgentLane {
     }
 
     /// Numbers `cmd` and publishes it, or holds it while earlier copy-engine work (or an earlier
-    /// held command) has not landed. Returns its number.
+    /// held command) has not landed.
     fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<(), EmuError> {
         cmd.lane = self.index;
         if let Some(cmd) = self
