@@ -71,12 +71,12 @@ def main() -> None:
     ref_c = (x_cpu.float() * copies[:, None]).to(torch.bfloat16)
     ok = ok and torch.allclose(combined.cpu().float(), ref_c.float(), rtol=1e-2, atol=1e-2)
 
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         round_trip()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
     dt = (time.perf_counter() - t0) / max(args.rounds, 1)
     print(
         f"[rank {rank}/{world} cuda:{dev.index}] received {recv_x.shape[0]} rows "

@@ -50,7 +50,7 @@ def _entry(rank, body, world, port, args):
     try:
         t0 = time.time()
         body(rank, world, *args)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         sys.stderr.write(
             f"[rank {rank}/{world} on cuda:{rank % gpus} of {gpus}] {body.__name__} passed in "
             f"{time.time() - t0:.1f} s\n"

@@ -1,6 +1,9 @@
 //! `cargo xtask build-kernels`: every `.cu` under `crates/ep-kernels/cuda/` becomes one fatbin
 //! in `target/kernels/`, named by its path without `.cu` (`intranode`, `tests/wire`), plus a
-//! `manifest.txt` that `ep-kernels`' build script reads to embed them.
+//! `manifest.txt` that `ep-kernels`' build script reads to embed them. The emulated NIC's GPU
+//! agent (`crates/ibgda-emu/cuda/`) is built the same way into `target/kernels/emu/`, with a
+//! manifest of its own that `ibgda-emu`'s build script reads (`ibgda-emu` sits below
+//! `ep-kernels` and cannot embed through it).
 
 use crate::util::{self, root, step, target_dir};
 use anyhow::{bail, Context, Result};
@@ -40,6 +43,23 @@ fn include_dirs() -> Vec<PathBuf> {
         root().join("crates/ibgda-device/include"),
         source_dir().join("include"),
     ]
+}
+
+/// Where the emulated NIC's agent kernel sources live.
+pub fn emu_source_dir() -> PathBuf {
+    root().join("crates/ibgda-emu/cuda")
+}
+
+/// Where its fatbins and manifest go (`ibgda-emu`'s build script looks here).
+pub fn emu_out_dir() -> PathBuf {
+    out_dir().join("emu")
+}
+
+/// One folder of `.cu` files built into one folder of fatbins with one manifest.
+struct KernelSet {
+    src: PathBuf,
+    out: PathBuf,
+    includes: Vec<PathBuf>,
 }
 
 /// Finds nvcc: `$NVCC`, then PATH, then `/usr/local/cuda/bin`, then the pinned PyPI toolchain
@@ -123,17 +143,34 @@ fn fingerprint(files: &[PathBuf], flags: &[String]) -> Result<u64> {
     Ok(h)
 }
 
-/// Builds every kernel module; returns the output folder. Unchanged modules are not rebuilt
-/// (the key covers the source, every header in the include folders, and the flags).
+/// Builds every kernel module (`ep-kernels`' and the emulated NIC's agent); returns
+/// `ep-kernels`' output folder. Unchanged modules are not rebuilt (the key covers the source,
+/// every header in the include folders, and the flags).
 pub fn build_kernels(force: bool) -> Result<PathBuf> {
-    let src = source_dir();
+    let ep = KernelSet {
+        src: source_dir(),
+        out: out_dir(),
+        includes: include_dirs(),
+    };
+    let emu = KernelSet {
+        src: emu_source_dir(),
+        out: emu_out_dir(),
+        includes: vec![emu_source_dir()],
+    };
+    build_set(&emu, force)?;
+    build_set(&ep, force)?;
+    Ok(ep.out)
+}
+
+fn build_set(set: &KernelSet, force: bool) -> Result<()> {
+    let src = set.src.clone();
     let sources = util::files_with_suffix(&src, ".cu")?;
-    let out = out_dir();
+    let out = set.out.clone();
     std::fs::create_dir_all(&out)?;
     let mut headers = Vec::new();
-    for d in include_dirs() {
-        headers.extend(util::files_with_suffix(&d, ".cuh")?);
-        headers.extend(util::files_with_suffix(&d, ".h")?);
+    for d in &set.includes {
+        headers.extend(util::files_with_suffix(d, ".cuh")?);
+        headers.extend(util::files_with_suffix(d, ".h")?);
     }
     let nvcc = nvcc()?;
     step(&format!(
@@ -150,7 +187,7 @@ pub fn build_kernels(force: bool) -> Result<PathBuf> {
         "-Werror=all-warnings".into(),
     ];
     flags.extend(GENCODE.iter().map(|s| s.to_string()));
-    for d in include_dirs() {
+    for d in &set.includes {
         flags.push(format!("-I{}", d.display()));
     }
     if std::env::var_os("EP_PTXAS_VERBOSE").is_some() {
@@ -222,7 +259,7 @@ pub fn build_kernels(force: bool) -> Result<PathBuf> {
         bail!("kernel compilation failed: {}", failures.join(", "));
     }
     write_if_changed(&out.join("manifest.txt"), &manifest)?;
-    Ok(out)
+    Ok(())
 }
 
 /// `crates/ep-kernels/cuda/tests/wire.cu` → `tests/wire`.

@@ -39,8 +39,15 @@ use crate::rendezvous::Exchange;
 /// for it. Seen on one H200 on 2026-12-02 (EP2 as threads, 66 SMs each): both NIC threads
 /// waiting on their copies while both ranks' send kernels spun in quiet, until the bound; it
 /// came and went with timing. Four leave room for several copies at once (DESIGN.md, "Testing
-/// without a NIC": an SM left free); a real NIC needs none.
+/// without a NIC": an SM left free); a real NIC needs none. The NIC's GPU agent
+/// ([`ibgda_emu::AGENT_SMS`]: one block, launched when the first NIC on the GPU is made and
+/// resident from then on) counts against them; at least one more stays for copy kernels.
 pub const EMULATED_NIC_SMS: u32 = 4;
+
+const _: () = assert!(
+    EMULATED_NIC_SMS > ibgda_emu::AGENT_SMS,
+    "an SM for same-device copy kernels besides the emulated NIC's agent"
+);
 
 /// Streams a rank's operations use (communication and compute), for the hardware-queue check.
 const STREAMS_PER_RANK: usize = 2;

@@ -25,7 +25,12 @@ fn scribble(ctx: &Arc<CudaContext>, addr: u64, words: &[i32]) {
     unsafe { cudarc::driver::result::memcpy_htod_sync(addr, words) }.expect("cuMemcpyHtoD");
     // A copy from pageable memory may still be in flight when it returns; the low-latency
     // stream does not wait for the legacy stream.
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
 }
 
 fn bf16_rows(rng: &mut Rng, n: usize) -> Vec<Bf16> {
@@ -191,7 +196,12 @@ fn ll_inputs(ctx: &Arc<CudaContext>) -> LlInputs {
             .unwrap(),
     };
     // The uploads ran on the legacy stream, which the low-latency stream does not wait for.
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
     inputs
 }
 
@@ -243,7 +253,12 @@ fn ll_combine_after(
         Some(v) => Tensor::from_host(ctx, v, &[LL_TOKENS, LL_TOPK]).unwrap(),
         None => inp.ids.clone(),
     };
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
     let cargs = ll_combine_args(LlCombineX::ZeroCopy, &ids, &inp.weights, &out.handle);
     buf.combine(&cargs)?;
     buf.synchronize()
@@ -411,7 +426,12 @@ fn gpu_ll_a_bad_expert_id_is_named_with_its_place() {
     let mut ids = ll_ids();
     ids[5 * LL_TOPK + 1] = 99;
     let ids = Tensor::from_host(ctx, &ids, &[LL_TOKENS, LL_TOPK]).unwrap();
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
     let out = buf
         .dispatch(&ll_dispatch_args(&inp.x, &ids))
         .expect("dispatch");

@@ -33,7 +33,12 @@ const SLACK: usize = 64 << 20;
 
 fn free_bytes(ctx: &Arc<CudaContext>) -> usize {
     ctx.bind_to_thread().expect("cuCtxSetCurrent");
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
     cudarc::driver::result::mem_get_info()
         .expect("cuMemGetInfo")
         .0

@@ -35,8 +35,9 @@ fn own_buffer(ctx: &Arc<CudaContext>, rank: usize, seed: u64) -> Res<DeviceBuffe
     let buf = DeviceBuffer::new(ctx, LEN)?;
     buf.upload(0, &pattern(rank, seed))?;
     // A copy from pageable memory may return before its DMA lands; peers read right after the
-    // exchange, so wait for it.
-    ctx.synchronize()?;
+    // exchange, so wait for it (the legacy stream it ran on, bounded: a context-wide
+    // synchronisation would wait forever for an emulated NIC's GPU agent).
+    ibgda_device::cuda::wait_legacy_stream(ctx, std::time::Duration::from_secs(60), "an upload")?;
     Ok(buf)
 }
 

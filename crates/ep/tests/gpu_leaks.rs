@@ -59,7 +59,12 @@ fn rss_bytes() -> usize {
 /// Free GPU memory on `ctx`'s device, once everything queued has finished.
 fn gpu_free(ctx: &Arc<CudaContext>) -> usize {
     ctx.bind_to_thread().expect("cuCtxSetCurrent");
-    ctx.synchronize().expect("cuCtxSynchronize");
+    ibgda_device::cuda::wait_legacy_stream(
+        ctx,
+        std::time::Duration::from_secs(60),
+        "the test's own copies and memsets",
+    )
+    .expect("the legacy stream");
     cudarc::driver::result::mem_get_info()
         .expect("cuMemGetInfo")
         .0

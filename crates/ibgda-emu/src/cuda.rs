@@ -1,7 +1,9 @@
-//! The CUDA backend: data moved by copy engines (peer copies between GPUs of a host) on one
-//! non-blocking stream per QP, words and CQEs written by stream memory operations behind the
-//! data, atomics computed by the host between stream operations, and no kernel launches
-//! anywhere, so the emulator progresses even when kernels fill every SM.
+//! The CUDA backend. With the GPU agent (the default where it starts; see the last section and
+//! [`crate::agent`]) small operations run on a persistent GPU block. Without it: data moved by
+//! copy engines (peer copies between GPUs of a host) on one non-blocking stream per QP, words
+//! and CQEs written by stream memory operations behind the data, atomics computed by the host
+//! between stream operations, and no kernel launches anywhere. Either way the emulator
+//! progresses when kernels fill every other SM.
 //!
 //! # Where the time goes (per WQE, on the NIC's one progress thread)
 //!
@@ -42,13 +44,15 @@
 //! ordered call each; the synchronous atomic of [`crate::cuda_atomic`] remains the fallback for
 //! atomics on host memory and where the driver refuses stream waits.
 //!
-//! # Why not a persistent agent kernel
+//! # The GPU agent
 //!
-//! A kernel started with the NIC that executes atomics from a command ring would make atomics
-//! native GPU atomics. But while any kernel runs in a context, many driver calls of that context
-//! wait for it (device and pinned allocations, frees, module loads: see `ep::residency`), and an
-//! agent never ends: every allocation or free in the process would hang for the life of the
-//! NIC. Copy engines and stream memory operations need neither an SM nor an idle context.
+//! Where it can be started ([`crate::agent`]; on by default, `IBGDA_EMU_AGENT=0` turns it off),
+//! lanes are [`AgentLane`](crate::cuda_agent::AgentLane)s: small device operations (copies up
+//! to [`AGENT_COPY_MAX`](crate::agent::AGENT_COPY_MAX), inline data, atomics, device CQEs) are
+//! commands a persistent GPU block executes, and only large copies and copies to or from host
+//! memory use the copy engines as described above. A kernel that never ends makes every
+//! context-wide synchronisation wait forever and, on some drivers, allocations and frees too:
+//! the agent's creation probes for that and falls back to the path above when it sees it.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -57,7 +61,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, DriverError};
 
+use crate::agent::Agent;
 use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
+use crate::cuda_agent::AgentLane;
 use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
 use crate::cuda_batch::{cqe_words, words_of, Batch};
 use crate::cuda_deferred::{Added, Deferred};
@@ -79,9 +85,9 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
 /// spins for the emulator's work cannot hold that work back. Pooled streams are shared (by
 /// lanes of this and other NICs) and never destroyed.
 #[derive(Debug)]
-struct Stream {
-    ctx: Arc<CudaContext>,
-    raw: sys::CUstream,
+pub(crate) struct Stream {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) raw: sys::CUstream,
     /// Keeps the pooled stream's wrapper (the pool keeps the stream itself).
     _pooled: Arc<cudarc::driver::CudaStream>,
 }
@@ -91,7 +97,7 @@ struct Stream {
 unsafe impl Send for Stream {}
 
 impl Stream {
-    fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
         let pooled = ibgda_device::stream_pool::service(ctx)?;
         ctx.bind_to_thread()
             .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
@@ -107,7 +113,7 @@ impl Stream {
     /// Pooled streams are shared, so this may wait for another lane's deferred atomics, which
     /// wait for a host thread to compute them: while it waits it computes every ready group of
     /// every lane ([`crate::cuda_deferred`]), so no two threads can wait for each other here.
-    fn wait(&self, timeout: Duration, what: &'static str) -> Result<(), EmuError> {
+    pub(crate) fn wait(&self, timeout: Duration, what: &'static str) -> Result<(), EmuError> {
         let start = Instant::now();
         let mut polls = 0u32;
         loop {
@@ -165,6 +171,8 @@ pub struct CudaMemory {
     ctx: Arc<CudaContext>,
     ctrl: Mutex<Ctrl>,
     timeout: Duration,
+    /// The GPU's agent, shared with every other backend on this context in the process.
+    agent: Option<Arc<Agent>>,
 }
 
 impl CudaMemory {
@@ -173,20 +181,42 @@ impl CudaMemory {
         Self::with_timeout(ctx, Duration::from_secs(10))
     }
 
-    /// A backend whose waits (ring reads, atomics, fences) give up after `timeout`.
+    /// A backend whose waits (ring reads, atomics, fences) give up after `timeout`. Uses the
+    /// GPU agent ([`uses_agent`](Self::uses_agent)) unless [`AGENT_ENV`](crate::AGENT_ENV)`=0` or it cannot be
+    /// started here (logged once per context).
     pub fn with_timeout(ctx: &Arc<CudaContext>, timeout: Duration) -> Result<Self, EmuError> {
+        Self::build(ctx, timeout, crate::agent::shared(ctx))
+    }
+
+    /// A backend that never uses the GPU agent, whatever [`AGENT_ENV`](crate::AGENT_ENV) says (the copy-engine
+    /// path of the module docs), with a 10 s bound on its waits.
+    pub fn without_agent(ctx: &Arc<CudaContext>) -> Result<Self, EmuError> {
+        Self::build(ctx, Duration::from_secs(10), None)
+    }
+
+    fn build(
+        ctx: &Arc<CudaContext>,
+        timeout: Duration,
+        agent: Option<Arc<Agent>>,
+    ) -> Result<Self, EmuError> {
         let stream = Stream::new(ctx)?;
         let staging = HostBuffer::pinned(ctx, STAGING_BYTES)?;
         Ok(Self {
             ctx: ctx.clone(),
             ctrl: Mutex::new(Ctrl { stream, staging }),
             timeout,
+            agent,
         })
     }
 
     /// The context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Whether new QPs' small operations go through the GPU agent.
+    pub fn uses_agent(&self) -> bool {
+        self.agent.is_some()
     }
 }
 
@@ -196,6 +226,12 @@ impl MemoryBackend for CudaMemory {
     }
 
     fn new_lane(&self) -> Result<Box<dyn Lane>, EmuError> {
+        if let Some(agent) = &self.agent {
+            if let Some(lane) = AgentLane::new(agent, &self.ctx, self.timeout)? {
+                return Ok(Box::new(lane));
+            }
+            tracing::warn!("the GPU agent's lanes are all taken; this QP uses the copy engines");
+        }
         let mut deferred = match Deferred::new(&self.ctx) {
             Ok(d) => Some(d),
             Err(e) => {

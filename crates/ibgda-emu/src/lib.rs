@@ -58,8 +58,18 @@
 //! `cuMemcpyBatchAsync`, aligned 4- and 8-byte words — inline data, atomic replies — and CQEs in
 //! GPU memory as `cuStreamBatchMemOp` stores behind the data, owner word last); CQEs in host
 //! memory are written by the NIC thread once an event recorded after the data has completed.
-//! The emulator never launches a kernel, so it progresses even when spinning kernels fill every
-//! SM. The per-operation cost model is in the `cuda` module's source docs.
+//! The per-operation cost model is in the `cuda` module's source docs.
+//!
+//! **The GPU agent** (on by default where it can start; [`AGENT_ENV`]`=0` turns it off): one
+//! persistent block (eight warps) per GPU and process, launched when the first [`CudaMemory`]
+//! on that GPU is made and shared by every NIC there, executes the small operations (device
+//! copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from a command ring in
+//! pinned host memory, with GPU loads, stores and system-scope atomics; large copies and host
+//! memory keep the copy-engine path, ordered with the agent per QP. It holds its SM from
+//! creation, so it progresses when spinning kernels fill the rest of the GPU; atomics through
+//! it are GPU atomics, atomic with respect to every other atomic on the word. Its creation
+//! checks that module loads, allocations and frees still return while it runs, and falls back
+//! if they do not. Without the agent the emulator launches no kernel at all.
 //!
 //! Writes of one QP submitted together may land in any order among themselves, except that a
 //! write that depends on another (overlapping destination, or a source another one writes)
@@ -68,8 +78,10 @@
 //! once a later atomic, send or completion of the QP is seen. With strict mode off or at
 //! `checks` (below), every WQE's writes are a submission of their own and land in WQE order.
 //!
-//! **Atomicity on GPU memory.** CUDA 13.0 has no atomic stream memory operation, so an atomic on
-//! GPU memory is read into pinned host memory on the QP's stream (after the QP's earlier
+//! **Atomicity on GPU memory.** With the GPU agent an atomic on GPU memory is a system-scope GPU
+//! atomic: atomic with respect to every other atomic on the word, the emulator's from any NIC or
+//! process and GPU kernels' alike. Without it (what follows), CUDA 13.0 having no atomic stream
+//! memory operation, an atomic on GPU memory is read into pinned host memory on the QP's stream (after the QP's earlier
 //! writes), computed by the NIC thread, and written back on the same stream, which waits on a
 //! host-released counter in between; consecutive atomics of a QP share one read and one release
 //! (`cuda_deferred` module). The word's stripe (one of 256, by address) orders it after the last
@@ -127,9 +139,12 @@
 //! [`FaultPlan::die_after_wqes`]), and a bandwidth cap with per-operation latency
 //! ([`FaultPlan::nic_400g`]).
 
+mod agent;
+mod agent_cmd;
 mod backend;
 mod cq;
 mod cuda;
+mod cuda_agent;
 mod cuda_atomic;
 mod cuda_batch;
 mod cuda_deferred;
@@ -148,6 +163,7 @@ mod nic;
 mod qp;
 mod strict;
 
+pub use agent::{agent_built, agent_refusal, AGENT_COPY_MAX, AGENT_ENV, AGENT_SMS};
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
 pub use cuda::CudaMemory;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext};
 use ep_kernels::testing::{gpus, seed, Rng};
-use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
+use ibgda_device::cuda::{enable_peer_access, wait_legacy_stream, DeviceBuffer};
 use ibgda_device::wire::{
     cqe_opcode, CompareSwap64, Cqe64, FenceMode, FetchAdd64, InlineWrite, LocalAddr,
     MaskedFetchAdd32, Nop, RdmaWrite, RemoteAddr, Sge, WqeBB,
@@ -55,10 +55,12 @@ fn wait_cqe(qp: &HostQp, cons: u64) -> Cqe64 {
 
 /// Waits until everything the test enqueued on these GPUs has run. `cuMemsetD8` returns before
 /// it runs and a pageable `cuMemcpyHtoD` before its last DMA, both on the legacy stream, while
-/// the NIC works on streams of its own that do not wait for it.
+/// the NIC works on streams of its own that do not wait for it. Only the legacy stream, bounded:
+/// a context-wide synchronisation would wait forever for the NIC's GPU agent, which runs until
+/// the last NIC on the GPU is dropped.
 fn settle(ctxs: &[Arc<CudaContext>]) {
     for c in ctxs {
-        c.synchronize().expect("synchronizing a GPU");
+        wait_legacy_stream(c, T, "the test's memsets and uploads").expect("synchronizing a GPU");
     }
 }
 
@@ -89,15 +91,16 @@ impl Gpu2 {
     }
 
     fn new(ctxs: Vec<Arc<CudaContext>>) -> Self {
+        Self::with(ctxs, NicConfig::named)
+    }
+
+    /// As [`new`](Self::new), the NICs configured by `cfg` from their names.
+    fn with(ctxs: Vec<Arc<CudaContext>>, cfg: impl Fn(&'static str) -> NicConfig) -> Self {
         enable_peer_access(&ctxs[0], &ctxs[1]).expect("peer access 0 -> 1");
         enable_peer_access(&ctxs[1], &ctxs[0]).expect("peer access 1 -> 0");
         let fabric = Fabric::new();
-        let a = fabric
-            .cuda_nic(&ctxs[0], NicConfig::named("nic-a"))
-            .unwrap();
-        let b = fabric
-            .cuda_nic(&ctxs[1], NicConfig::named("nic-b"))
-            .unwrap();
+        let a = fabric.cuda_nic(&ctxs[0], cfg("nic-a")).unwrap();
+        let b = fabric.cuda_nic(&ctxs[1], cfg("nic-b")).unwrap();
         let qp = a.create_host_qp(256, CqMode::Ring, 256).unwrap();
         let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
         a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
@@ -748,10 +751,228 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
     eprintln!(
         "{blocks} blocks x 1024 threads on {sms} SMs; the flag write completed in {write_done:?}"
     );
+    // The NICs first: with them goes the GPU agent, which a module unload might wait for.
+    drop(g);
     // SAFETY: the module's kernel has finished (the pool keeps the stream).
     unsafe {
         let _ = sys::cuModuleUnload(module);
     }
+}
+
+// ---- the GPU agent -------------------------------------------------------------------------
+
+/// Whether this run must have the GPU agent: unless switched off, it is built into every bundle.
+fn agent_expected() -> bool {
+    std::env::var(ibgda_emu::AGENT_ENV).map_or(true, |v| v.trim() != "0")
+}
+
+/// The CUDA backend starts the GPU agent by default, and allocations and frees (which on some
+/// drivers wait for every running kernel) still return while it runs.
+#[test]
+fn gpu_agent_runs_and_allocations_still_return() {
+    let Some(ctxs) = gpus(1) else { return };
+    let mem = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
+    if !agent_expected() {
+        eprintln!("{}=0: the agent is off", ibgda_emu::AGENT_ENV);
+        assert!(!mem.uses_agent());
+        return;
+    }
+    assert!(
+        ibgda_emu::agent_built(),
+        "the agent kernel is not embedded: run `cargo xtask build-kernels` before building"
+    );
+    assert!(
+        mem.uses_agent(),
+        "the GPU agent did not start: {}",
+        ibgda_emu::agent_refusal(&ctxs[0]).unwrap_or_default()
+    );
+    let ctx = ctxs[0].clone();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for _ in 0..16 {
+            let b = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
+            drop(b);
+        }
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("device allocations and frees hang while the GPU agent runs");
+    // A second backend on the same GPU shares the agent.
+    let again = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
+    assert!(again.uses_agent());
+}
+
+/// One QP, strict mode off (writes land in WQE order): writes that go to the copy engines
+/// (larger than `AGENT_COPY_MAX`) and small and inline writes that go to the agent, each
+/// overlapping or reading what the one before wrote, posted under one doorbell. Every byte must
+/// be what WQE order says.
+#[test]
+fn gpu_agent_keeps_qp_order_across_small_and_large_writes() {
+    let Some(ctxs) = gpus(1) else { return };
+    let mut g = Gpu2::with(vec![ctxs[0].clone(), ctxs[0].clone()], |n| {
+        NicConfig::named(n).strict(StrictMode::off())
+    });
+    const BIG: usize = 4 * ibgda_emu::AGENT_COPY_MAX as usize;
+    const SMALL: usize = 4096;
+    let ctx = g.ctxs[0].clone();
+    let src = Arc::new(DeviceBuffer::new(&ctx, BIG + SMALL).unwrap());
+    let mid = Arc::new(DeviceBuffer::new(&ctx, BIG).unwrap());
+    let dst = Arc::new(DeviceBuffer::new(&ctx, BIG + SMALL).unwrap());
+    let ls =
+        g.a.register_device(&src, 0, BIG + SMALL, Access::NONE)
+            .unwrap();
+    let lmid = g.a.register_device(&mid, 0, BIG, Access::NONE).unwrap();
+    let rmid =
+        g.b.register_device(&mid, 0, BIG, Access::REMOTE_WRITE)
+            .unwrap();
+    let rdst =
+        g.b.register_device(&dst, 0, BIG + SMALL, Access::REMOTE_WRITE)
+            .unwrap();
+    let s = seed();
+    for round in 0..8u64 {
+        let data = pattern(s ^ round, BIG + SMALL);
+        src.upload(0, &data).unwrap();
+        mid.fill_bytes(0).unwrap();
+        dst.fill_bytes(0).unwrap();
+        settle(&g.ctxs);
+        let q = g.qp.qpn();
+        let base = g.pi;
+        let sge = |m: &Mr, off: usize, len: usize| Sge {
+            addr: m.addr + off as u64,
+            len: len as u32,
+            lkey: m.lkey,
+        };
+        let inline = round.to_ne_bytes();
+        let wqes = [
+            // Copy engines: all of `src`'s first BIG bytes into `mid`.
+            RdmaWrite::new(q, base as u16, ra(&rmid, 0), sge(&ls, 0, BIG)).build(),
+            // The agent: over part of it.
+            RdmaWrite::new(q, (base + 1) as u16, ra(&rmid, 1000), sge(&ls, BIG, SMALL)).build(),
+            InlineWrite::new(q, (base + 2) as u16, ra(&rmid, 8), &inline).build(),
+            // Copy engines, reading what the three above wrote.
+            RdmaWrite::new(q, (base + 3) as u16, ra(&rdst, 0), sge(&lmid, 0, BIG)).build(),
+            // The agent, reading what the copy engines wrote into `mid`.
+            RdmaWrite::new(
+                q,
+                (base + 4) as u16,
+                ra(&rdst, BIG as u64),
+                sge(&lmid, 2000, SMALL),
+            )
+            .cqe(true)
+            .build(),
+        ];
+        for (k, w) in wqes.iter().enumerate() {
+            g.qp.post(base + k as u64, w);
+        }
+        g.pi += wqes.len() as u64;
+        g.qp.ring_dbr(g.pi);
+        let c = wait_cqe(&g.qp, g.cons);
+        g.cons += 1;
+        assert!(!c.is_error(), "{c}");
+        let mut want_mid = data[..BIG].to_vec();
+        want_mid[1000..1000 + SMALL].copy_from_slice(&data[BIG..]);
+        want_mid[8..16].copy_from_slice(&inline);
+        let mut want_dst = want_mid.clone();
+        want_dst.extend_from_slice(&want_mid[2000..2000 + SMALL]);
+        let got_mid: Vec<u8> = mid.download(0, BIG).unwrap();
+        let got_dst: Vec<u8> = dst.download(0, BIG + SMALL).unwrap();
+        if let Some(i) = (0..BIG).find(|&i| got_mid[i] != want_mid[i]) {
+            panic!(
+                "round {round}: mid byte {i} is {:#04x}, want {:#04x}",
+                got_mid[i], want_mid[i]
+            );
+        }
+        if let Some(i) = (0..BIG + SMALL).find(|&i| got_dst[i] != want_dst[i]) {
+            panic!(
+                "round {round}: dst byte {i} is {:#04x}, want {:#04x}",
+                got_dst[i], want_dst[i]
+            );
+        }
+    }
+}
+
+/// Four initiator NICs (four progress threads) of four QPs each, 1000 fetch-adds per QP on one
+/// shared word, each reply into a slot of its own: the word ends at the exact sum and every old
+/// value is fetched exactly once (atomic across QPs and NICs, no process-wide lock).
+#[test]
+fn gpu_agent_atomics_from_many_qps_and_nics_sum_exactly() {
+    let Some(ctxs) = gpus(1) else { return };
+    const NICS: usize = 4;
+    const QPS: usize = 4;
+    const PER_QP: u64 = 1000;
+    let ctx = &ctxs[0];
+    let fabric = Fabric::new();
+    let b = fabric.cuda_nic(ctx, NicConfig::named("target")).unwrap();
+    let target = Arc::new(DeviceBuffer::new(ctx, 64).unwrap());
+    target.fill_bytes(0).unwrap();
+    let rm = b
+        .register_device(&target, 0, 64, Access::REMOTE_ATOMIC)
+        .unwrap();
+    let mut nics = Vec::new();
+    let mut lanes = Vec::new();
+    for n in 0..NICS {
+        let a = fabric
+            .cuda_nic(ctx, NicConfig::named(format!("init-{n}")))
+            .unwrap();
+        let fetch = Arc::new(DeviceBuffer::new(ctx, QPS * PER_QP as usize * 8).unwrap());
+        fetch.fill_bytes(0xee).unwrap();
+        let lm = a
+            .register_device(&fetch, 0, fetch.len(), Access::LOCAL_WRITE)
+            .unwrap();
+        for k in 0..QPS {
+            let qp = a.create_host_qp(1024, CqMode::Ring, 1024).unwrap();
+            let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+            a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+                .unwrap();
+            lanes.push((qp, peer, lm, k));
+        }
+        nics.push((a, fetch));
+    }
+    settle(&ctxs);
+    for (qp, _, lm, k) in &lanes {
+        for i in 0..PER_QP {
+            let w = FetchAdd64::new(
+                qp.qpn(),
+                i as u16,
+                ra(&rm, 0),
+                LocalAddr {
+                    addr: lm.addr + 8 * (*k as u64 * PER_QP + i),
+                    lkey: lm.lkey,
+                },
+                1,
+            )
+            .cqe(i + 1 == PER_QP)
+            .build();
+            qp.post(i, &w);
+        }
+    }
+    let t0 = Instant::now();
+    let mut rung = 0;
+    while rung < PER_QP {
+        rung = (rung + 100).min(PER_QP);
+        for (qp, ..) in &lanes {
+            qp.ring_dbr(rung);
+        }
+    }
+    for (qp, ..) in &lanes {
+        let c = wait_cqe(qp, 0);
+        assert!(!c.is_error(), "{c}");
+    }
+    let took = t0.elapsed();
+    let total = lanes.len() as u64 * PER_QP;
+    assert_eq!(target.download::<u64>(0, 1).unwrap()[0], total, "the word");
+    let mut seen = Vec::new();
+    for (_, fetch) in &nics {
+        seen.extend(fetch.download::<u64>(0, QPS * PER_QP as usize).unwrap());
+    }
+    seen.sort_unstable();
+    let want: Vec<u64> = (0..total).collect();
+    assert!(seen == want, "old values are not 0..{total} once each");
+    eprintln!(
+        "{total} fetch-adds from {} QPs on {NICS} NICs on one word: exact, {:.2} M/s",
+        lanes.len(),
+        total as f64 / took.as_secs_f64() / 1e6
+    );
 }
 
 // ---- two processes ------------------------------------------------------------------------
@@ -814,7 +1035,7 @@ fn gpu_two_process_child() {
         dst.fill_bytes(GUARD).unwrap();
         dst.upload(MAX, &[0u64; 8]).unwrap();
         // cuMemsetD8 returns before it has run: the parent writes as soon as it hears back.
-        ctx.synchronize().expect("synchronizing the child's GPU");
+        settle(std::slice::from_ref(&ctx));
     };
     reset();
     nic.register_device(&dst, 0, MAX + GUARD_BYTES, Access::ALL)
@@ -1064,7 +1285,7 @@ fn gpu_two_process_writes_and_atomics() {
         let sd = s ^ (k as u64 + 1);
         src.upload(0, &pattern(sd, len)).unwrap();
         // A pageable upload may return before its last DMA; the NIC's copy runs on its own stream.
-        ctxs[0].synchronize().unwrap();
+        settle(&ctxs[..1]);
         let w = RdmaWrite::new(
             qp.qpn(),
             pi as u16,

@@ -9,7 +9,9 @@
 //!
 //! Prints a table; with `--json`, writes one record per measurement, each with `bench`, `qps`,
 //! `bytes`, `ranks` (emulated NICs: 2), `gpus`, `strict` (the NICs' strict mode), `date`,
-//! `machine`, `progress_threads` (of the sending NIC: `--threads`, default 1), and:
+//! `machine`, `progress_threads` (of the sending NIC: `--threads`, default 1), `agent` (whether
+//! the NICs' small operations ran on the GPU agent: the default; `IBGDA_EMU_AGENT=0` measures
+//! the copy-engine path), and:
 //! - `emu_small_ops`: `mops` (million WQEs/s, all QPs together), `inline` (inline WQE or a
 //!   gather from GPU memory);
 //! - `emu_atomics`: `mops` of 8-byte fetch-adds, `shared` (every QP on one word, or each on its
@@ -36,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaContext;
-use ibgda_device::cuda::{enable_peer_access, DeviceBuffer};
+use ibgda_device::cuda::{enable_peer_access, wait_legacy_stream, DeviceBuffer};
 use ibgda_device::wire::{Cqe64, FetchAdd64, InlineWrite, LocalAddr, RdmaWrite, RemoteAddr, Sge};
 use ibgda_emu::{Access, CqMode, Fabric, FaultPlan, HostQp, Mr, Nic, NicConfig, StrictMode};
 
@@ -346,7 +348,7 @@ impl Bench {
             (MAX_QPS, true),
         ] {
             self.atom_buf.fill_bytes(0)?;
-            self.atom_buf.context().synchronize()?;
+            settle(self.atom_buf.context())?;
             // Each QP's own word on its own 64-byte line, or all on word 0.
             let off = move |k: usize| Op::FetchAdd(if shared { 0 } else { 64 * k as u64 });
             let t = batches(
@@ -491,6 +493,13 @@ fn contexts(gpus: usize) -> Result<(Arc<CudaContext>, Arc<CudaContext>)> {
     Ok((c0, c1))
 }
 
+/// Waits (bounded) for the memsets on `ctx`'s legacy stream. Not a context-wide synchronisation:
+/// that would wait forever for the NICs' GPU agent, which runs as long as they live.
+fn settle(ctx: &CudaContext) -> Result<()> {
+    wait_legacy_stream(ctx, TIMEOUT, "a memset before a measurement")?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = args()?;
     let (c0, c1) = contexts(args.gpus)?;
@@ -504,10 +513,19 @@ fn main() -> Result<()> {
     );
     let cfg = |name: &str| NicConfig::named(name);
     let strict = strict_name(&cfg("x").strict);
+    // The NICs below share this GPU's agent, if it runs (it lives while any backend holds it).
+    let holder = ibgda_emu::CudaMemory::new(&c0)?;
+    let agent = holder.uses_agent();
+    if let Some(why) = ibgda_emu::agent_refusal(&c0) {
+        println!("GPU agent refused: {why}");
+    }
     println!(
         "emulated NICs: 2 on {} GPU(s), {} progress thread(s) on the sender; strict mode {strict} \
-         (IBGDA_EMU_STRICT=0 turns it off)",
-        args.gpus, args.threads
+         (IBGDA_EMU_STRICT=0 turns it off); GPU agent {} ({}=0 turns it off)",
+        args.gpus,
+        args.threads,
+        if agent { "on" } else { "off" },
+        ibgda_emu::AGENT_ENV
     );
 
     let fabric = Fabric::new();
@@ -518,7 +536,7 @@ fn main() -> Result<()> {
     let atom_buf = Arc::new(DeviceBuffer::new(&c1, 64 * MAX_QPS)?);
     let fetch = Arc::new(DeviceBuffer::new(&c0, 8 * 512)?);
     src.fill_bytes(0x5a)?;
-    c0.synchronize()?;
+    settle(&c0)?;
     let mem = Mem {
         src: a.register_device(&src, 0, MAX_BYTES, Access::NONE)?,
         dst: b.register_device(&dst, 0, MAX_QPS * MAX_BYTES, Access::REMOTE_WRITE)?,
@@ -557,6 +575,7 @@ fn main() -> Result<()> {
     bench.write_latency(iters)?;
     bench.bandwidth()?;
     bench.shaped(iters / 5)?;
+    drop(holder);
     for l in &bench.lanes {
         let st = bench.a.qp_status(l.qp.qpn())?;
         if st.first_error.is_some() {
@@ -574,6 +593,7 @@ fn main() -> Result<()> {
                 f.push(format!("\"ranks\": 2, \"gpus\": {}", args.gpus));
                 f.push(format!("\"progress_threads\": {}", args.threads));
                 f.push(format!("\"strict\": {}", json_str(&strict)));
+                f.push(format!("\"agent\": {agent}"));
                 f.push(format!("\"date\": {}", json_str(&date)));
                 f.push(format!("\"machine\": {}", json_str(&machine)));
                 format!("  {{{}}}", f.join(", "))
