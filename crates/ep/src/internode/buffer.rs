@@ -246,10 +246,13 @@ impl InternodeBuffer {
         group: Arc<dyn Exchange>,
         topo: &Topology,
         opts: &InternodeOptions,
-        intra: Buffer,
+        mut intra: Buffer,
         nic: Arc<dyn RankTransport>,
     ) -> Result<InternodeBuffer, EpError> {
         let rank = group.rank();
+        // The NVLink hop is ordered by this buffer through the intranode buffer's compute
+        // stream: it must be this rank's alone (ranks of other nodes may share the GPU).
+        intra.private_compute_stream()?;
         let world = topo.world();
         let (my_node, _) = topo
             .locate(rank)

@@ -88,6 +88,8 @@ pub struct InternodeDispatchOutput {
     pub num_recv_tokens: usize,
     /// Tokens per local expert, rounded up to the alignment; `None` cached.
     pub num_recv_tokens_per_expert: Option<Vec<usize>>,
+    /// The same per-expert counts on the GPU, `[num_local_experts]`; `None` cached.
+    pub recv_tokens_per_expert: Option<Tensor<i32>>,
     /// What combine and cached dispatch need.
     pub handle: InternodeHandle,
     /// Recorded after the dispatch on the communication stream.
@@ -848,6 +850,15 @@ impl InternodeBuffer {
         let a = args.expert_alignment;
         per_expert.iter_mut().for_each(|c| *c = c.div_ceil(a) * a);
         let outs = self.gather_outputs(&parts, out_rows, received, &rows, fp8, kk)?;
+        let counts: Vec<i32> = per_expert
+            .iter()
+            .map(|&c| c.min(i32::MAX as usize) as i32)
+            .collect();
+        let dev_counts =
+            DeviceBuffer::from_slice(&self.ctx, &counts).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
         let event = self.finish(&args.order)?;
         Ok(InternodeDispatchOutput {
             x: outs.0,
@@ -855,6 +866,7 @@ impl InternodeBuffer {
             topk_weights: outs.2,
             num_recv_tokens: received,
             num_recv_tokens_per_expert: Some(per_expert),
+            recv_tokens_per_expert: Some(Tensor::view(Arc::new(dev_counts), 0, vec![local])),
             handle: InternodeHandle {
                 buffer_id: self.id,
                 node_pos: layout.node_pos.clone(),
@@ -1029,6 +1041,7 @@ impl InternodeBuffer {
             topk_weights: None,
             num_recv_tokens: received,
             num_recv_tokens_per_expert: None,
+            recv_tokens_per_expert: None,
             handle: handle.clone(),
             event,
         })
