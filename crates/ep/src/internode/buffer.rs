@@ -225,6 +225,10 @@ impl InternodeBuffer {
                 format!("num_experts {e} is not a positive multiple of {world} ranks"),
             ));
         }
+        if e > 48 * 1024 / 4 {
+            // The layout kernel keeps a histogram of every expert in shared memory.
+            return Err(invalid(0, format!("num_experts {e} above 12288")));
+        }
         if opts.buffer.max_tokens_per_rank > i32::MAX as usize / 2 {
             return Err(invalid(0, "max_tokens_per_rank out of range"));
         }
@@ -496,6 +500,47 @@ impl Drop for InternodeBuffer {
                 rank = self.rank,
                 "internode buffer dropped without a clean teardown: {e}"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(tokens: usize, experts: usize) -> InternodeOptions {
+        InternodeOptions::new(BufferOptions::new(tokens, 1024, 8, experts))
+    }
+
+    #[test]
+    fn options_are_checked_before_anything_is_built() {
+        let t22 = Topology::virtual_nodes(2, 2).unwrap();
+        assert!(InternodeBuffer::check_options(&t22, 4, &opts(128, 16)).is_ok());
+        let bad = [
+            (t22, 3, opts(128, 16), "contexts"),
+            (
+                Topology::virtual_nodes(1, 4).unwrap(),
+                4,
+                opts(128, 16),
+                "2 or more nodes",
+            ),
+            (
+                Topology::virtual_nodes(4, 4).unwrap(),
+                16,
+                opts(128, 16),
+                "at most 8",
+            ),
+            (t22, 4, opts(128, 6), "multiple"),
+            (t22, 4, opts(128, 16 * 1024), "12288"),
+            (t22, 4, opts(usize::MAX / 4, 16), "max_tokens_per_rank"),
+        ];
+        for (topo, ctxs, o, want) in bad {
+            match InternodeBuffer::check_options(&topo, ctxs, &o) {
+                Err(EpError::InvalidArgument { what, .. }) => {
+                    assert!(what.contains(want), "{what}")
+                }
+                other => panic!("{want}: expected InvalidArgument, got {other:?}"),
+            }
         }
     }
 }

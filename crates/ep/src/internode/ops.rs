@@ -223,6 +223,9 @@ impl InternodeBuffer {
         if bytes == 0 {
             return Ok(());
         }
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.cuda("cuCtxSetCurrent"))?;
         // SAFETY: callers pass ranges inside live allocations of this context (sizes checked
         // against the tensors' shapes and the plan), ordered on this rank's stream.
         unsafe {
@@ -236,6 +239,9 @@ impl InternodeBuffer {
         if bytes == 0 {
             return Ok(());
         }
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.cuda("cuCtxSetCurrent"))?;
         // SAFETY: as in `copy`: a range inside a live allocation of this context.
         unsafe { cudarc::driver::sys::cuMemsetD8Async(dst, value, bytes, self.stream.cu_stream()) }
             .result()
