@@ -725,7 +725,7 @@ impl InternodeBuffer {
         r: &Rows,
         fp8: bool,
         kk: usize,
-    ) -> (ForwarderInput, Option<(Tensor<i32>, Tensor<f32>)>) {
+    ) -> (ForwarderInput, Option<ForwarderTopK>) {
         let reg = self
             .net
             .as_ref()
@@ -889,7 +889,6 @@ impl InternodeBuffer {
 
     /// Concatenates the NVLink hop's outputs (node by node) into fresh tensors of `out_rows`
     /// rows; rows past `received` get top-k id -1 and weight 0.
-    #[allow(clippy::type_complexity)]
     fn gather_outputs(
         &self,
         parts: &[crate::intranode::DispatchOutput],
@@ -898,7 +897,7 @@ impl InternodeBuffer {
         rows: &Rows,
         fp8: bool,
         kk: usize,
-    ) -> Result<(RecvX, Option<Tensor<i32>>, Option<Tensor<f32>>), EpError> {
+    ) -> Result<Gathered, EpError> {
         let dev = |source| EpError::Device {
             rank: self.rank,
             source,
@@ -1277,6 +1276,12 @@ impl InternodeBuffer {
         self.sync("the internode stream")
     }
 }
+
+/// The NVLink hop's input ids and weights (views of a dispatch receive slot).
+type ForwarderTopK = (Tensor<i32>, Tensor<f32>);
+
+/// A dispatch's concatenated outputs: rows, ids, weights.
+type Gathered = (RecvX, Option<Tensor<i32>>, Option<Tensor<f32>>);
 
 /// The NVLink hop's input rows (views of a dispatch receive slot).
 enum ForwarderInput {
