@@ -39,6 +39,8 @@ struct Case {
     alignment: usize,
     handler: HandlerChoice,
     iterations: usize,
+    /// Every CQE of every NIC delayed by this much (quiet must wait for the NIC all the same).
+    delay_completions: Option<Duration>,
 }
 
 impl Case {
@@ -56,6 +58,7 @@ impl Case {
             alignment: 1,
             handler: HandlerChoice::Gpu,
             iterations: 2,
+            delay_completions: None,
         }
     }
 }
@@ -597,6 +600,12 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
     let mut o = options(c, Duration::from_secs(20));
     o.buffer.num_experts = world * c.experts_per_rank;
     let mut bufs = InternodeBuffer::create_group(ctxs, topo, &o).expect("create internode buffers");
+    if let Some(d) = c.delay_completions {
+        for b in &bufs {
+            b.set_fault_plan(ibgda_emu::FaultPlan::default().delay_completions(d))
+                .expect("fault plan");
+        }
+    }
     let mut rngs: Vec<Rng> = (0..world)
         .map(|r| Rng::new(s ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
         .collect();
@@ -693,6 +702,18 @@ fn gpu_internode_cpu_host_memory() {
         handler: HandlerChoice::CpuHostMemory,
         biases: 1,
         ..Case::new("cpu_host_memory")
+    });
+}
+
+/// Every completion arrives late: each quiet must still wait for the NIC before a slot is
+/// rewritten (three rounds back to back reuse every slot).
+#[test]
+fn gpu_internode_delayed_completions() {
+    run_case(&Case {
+        iterations: 3,
+        cached: true,
+        delay_completions: Some(Duration::from_millis(2)),
+        ..Case::new("delayed_completions")
     });
 }
 

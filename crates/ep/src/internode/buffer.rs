@@ -456,6 +456,21 @@ impl InternodeBuffer {
         &self.intra
     }
 
+    /// Replaces the fault plan of this rank's emulated NIC (from its next round): delayed
+    /// completions, error CQEs, shaping to a line rate ([`ibgda_emu::FaultPlan::nic_400g`]).
+    /// With ranks as threads each rank has its own NIC, so the plan touches only the WQEs this
+    /// rank posts. `Err` on a real NIC.
+    pub fn set_fault_plan(&self, plan: ibgda_emu::FaultPlan) -> Result<(), EpError> {
+        let nic = self.net.as_ref().and_then(|n| n._nic.emulated_nic());
+        match nic {
+            Some(nic) => {
+                nic.set_fault_plan(plan);
+                Ok(())
+            }
+            None => Err(invalid(self.rank, "a fault plan needs the emulated NIC")),
+        }
+    }
+
     /// Waits (bounded) for the stream, meets every rank (bounded), then closes the QPs: no peer's
     /// NIC writes into this rank's buffer any more. On a failure the net buffer is leaked.
     fn teardown(&mut self) -> Result<(), EpError> {
