@@ -774,3 +774,56 @@ fn gpu_internode_missing_rank_times_out() {
     assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
     drop_all(bufs);
 }
+
+/// An error completion on rank 0's QP to its rail peer: rank 0's dispatch is an `Err` that
+/// carries the syndrome; every other rank returns an `Err` within the bound.
+#[test]
+fn gpu_internode_error_cqe_is_an_err_with_its_syndrome() {
+    let topo = Topology::virtual_nodes(2, 1).expect("topology");
+    let Some(ctxs) = rank_gpus(topo.world()) else {
+        return;
+    };
+    let c = Case::new("error_cqe");
+    let mut o = options(&c, Duration::from_secs(2));
+    o.buffer.num_experts = topo.world() * c.experts_per_rank;
+    let mut bufs =
+        InternodeBuffer::create_group(&ctxs, &topo, &o).expect("create internode buffers");
+    let peer = topo.rdma_peer(0, 1).expect("rail peer");
+    let qpns = bufs[0].transport_qps();
+    assert!(!qpns[peer].is_empty(), "{qpns:?}");
+    let plan = qpns[peer]
+        .iter()
+        .fold(ibgda_emu::FaultPlan::default(), |p, &q| {
+            p.fail_wqe(q, 1, ibgda_device::wire::syndrome::REMOTE_ACCESS_ERR)
+        });
+    bufs[0].set_fault_plan(plan).expect("fault plan");
+    let s = seed();
+    let mut rngs: Vec<Rng> = (0..topo.world())
+        .map(|r| Rng::new(s ^ (r as u64 + 3)))
+        .collect();
+    let round = Round::generate(&c, &topo, &mut rngs);
+    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
+        let joins: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, buf)| {
+                let (round, ctx, c) = (&round, ctxs[r].clone(), &c);
+                sc.spawn(move || rank_round(c, r, buf, &ctx, round, &format!("rank {r}")))
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().unwrap_or_else(|_| Err("panicked".into())))
+            .collect()
+    });
+    for (r, res) in results.iter().enumerate() {
+        let e = res.as_ref().expect_err("an error CQE must fail every rank");
+        eprintln!("rank {r}: {e}");
+    }
+    let e0 = results[0].as_ref().unwrap_err();
+    assert!(
+        e0.contains("REMOTE_ACCESS_ERR") || e0.contains("syndrome 0x13"),
+        "rank 0: {e0}"
+    );
+    drop_all(bufs);
+}

@@ -456,6 +456,21 @@ impl InternodeBuffer {
         &self.intra
     }
 
+    /// QP numbers of this rank's QPs to each rank (empty for itself), for fault plans that name
+    /// QPs ([`ibgda_emu::FaultPlan::fail_wqe`]).
+    pub fn transport_qps(&self) -> Vec<Vec<u32>> {
+        self.net
+            .as_ref()
+            .and_then(|n| n.mesh.as_ref())
+            .map(|m| {
+                m.sets
+                    .iter()
+                    .map(|g| g.as_ref().map_or(Vec::new(), |g| g.qpns()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Replaces the fault plan of this rank's emulated NIC (from its next round): delayed
     /// completions, error CQEs, shaping to a line rate ([`ibgda_emu::FaultPlan::nic_400g`]).
     /// With ranks as threads each rank has its own NIC, so the plan touches only the WQEs this
