@@ -297,7 +297,7 @@ impl InternodeBuffer {
         // Signal words start at zero; slots are written before they are read.
         net_buf.fill_bytes(0).map_err(dev)?;
         let (stream, lease) = ibgda_device::stream_pool::waiting(ctx).map_err(dev)?;
-        let mut leases = vec![lease];
+        let leases = vec![lease];
         let share = GpuShare::gather(ctx, &*group)?;
         let reserved = match nic.nic() {
             NicKind::Emulated | NicKind::EmulatedVerbs => EMULATED_NIC_SMS,
@@ -307,13 +307,10 @@ impl InternodeBuffer {
         // beside a one-block internode kernel each: they must all fit.
         let budget = share.default_budget("an internode buffer", reserved)?;
         let intra_sms = budget.saturating_sub(1).clamp(1, 24);
-        let compute = if share.gate().is_some() {
-            let (s, lease) = ibgda_device::stream_pool::waiting(ctx).map_err(dev)?;
-            leases.push(lease);
-            s
-        } else {
-            ctx.default_stream()
-        };
+        // The NVLink hop's compute stream (this rank's own) is this buffer's too: one hardware
+        // queue fewer per rank (eight ranks sharing a GPU lease 24 waiting queues of 32: each
+        // one's intranode communication and compute streams and this buffer's stream).
+        let compute = intra.compute_stream().clone();
         let mapped = Arc::new(MappedHost::new(ctx, MAPPED_BYTES, rank)?);
         let errors = Arc::new(ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?);
 
@@ -442,8 +439,9 @@ impl InternodeBuffer {
     pub fn comm_stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
-    /// The stream operations order against by default (see
-    /// [`Buffer::compute_stream`]).
+    /// The stream operations order against by default: a stream of this rank's own (the node's
+    /// intranode buffer's compute stream). Queue work that feeds an operation here, or pass an
+    /// event.
     pub fn compute_stream(&self) -> &Arc<CudaStream> {
         &self.compute
     }

@@ -256,9 +256,9 @@ impl InternodeBuffer {
     }
 
     fn finish(&self, order: &StreamOrder<'_>) -> Result<Event, EpError> {
+        // The NVLink hop's next operation is ordered after this stream's work by `hand_to_intra`
+        // (the intranode outputs this operation copied from are reused only then).
         let e = Event::record(&self.stream, self.rank)?;
-        // The NVLink hop's next operation orders after everything this one queued here.
-        e.wait_on(self.intra.compute_stream())?;
         if !order.async_finish {
             e.wait_on(&self.compute)?;
         }
