@@ -41,6 +41,8 @@ struct Case {
     iterations: usize,
     /// Every CQE of every NIC delayed by this much (quiet must wait for the NIC all the same).
     delay_completions: Option<Duration>,
+    /// Three tokens in four go to expert 0 alone (imbalanced routing).
+    hot_expert: bool,
 }
 
 impl Case {
@@ -59,6 +61,7 @@ impl Case {
             handler: HandlerChoice::Gpu,
             iterations: 2,
             delay_completions: None,
+            hot_expert: false,
         }
     }
 }
@@ -102,6 +105,11 @@ fn route(rng: &mut Rng, c: &Case, topo: &Topology, rank: usize) -> Vec<i32> {
     let per_node = experts / topo.nodes();
     let my_node = rank / topo.ranks_per_node();
     let mut row: Vec<i32> = Vec::new();
+    if c.hot_expert && rng.below(4) != 0 {
+        row.push(0);
+        row.resize(c.topk, -1);
+        return row;
+    }
     let kind = rng.below(4);
     let push = |row: &mut Vec<i32>, e: i32| {
         if !row.contains(&e) {
@@ -702,6 +710,16 @@ fn gpu_internode_cpu_host_memory() {
         handler: HandlerChoice::CpuHostMemory,
         biases: 1,
         ..Case::new("cpu_host_memory")
+    });
+}
+
+/// Imbalanced routing: most tokens of every rank go to one expert on node 0.
+#[test]
+fn gpu_internode_imbalanced() {
+    run_case(&Case {
+        hot_expert: true,
+        iterations: 1,
+        ..Case::new("imbalanced")
     });
 }
 

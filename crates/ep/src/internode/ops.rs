@@ -622,18 +622,18 @@ impl InternodeBuffer {
         let mut put = self.put_params(Words::DispatchData);
         for n in (0..nodes).filter(|&n| n != me) {
             let c = node_counts[n];
-            let padded = c.max(1);
-            let (src, dst) = (plan.d_stage_slot(n), plan.d_recv_slot(me));
-            let segs = [
-                (0, c * rows.row_bytes),
-                (plan.d_scales, c * rows.scale_words * 4),
-                (plan.d_idx, padded * kk * 4),
-                (plan.d_w, padded * kk * 4),
-            ];
-            for (s, (off, bytes)) in segs.into_iter().enumerate() {
-                put.seg_local[n][s] = (src + off) as u64;
-                put.seg_remote[n][s] = (dst + off) as u64;
-                put.seg_bytes[n][s] = up16(bytes).unwrap_or(0) as u64;
+            let segs = plan
+                .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)
+                .ok_or_else(|| {
+                    invalid(
+                        self.rank,
+                        format!("{c} rows to node {n} do not fit its slot"),
+                    )
+                })?;
+            for (s, (src, dst, bytes)) in segs.into_iter().enumerate() {
+                put.seg_local[n][s] = src as u64;
+                put.seg_remote[n][s] = dst as u64;
+                put.seg_bytes[n][s] = bytes as u64;
             }
             let value = (seq << 32) | c as u64;
             put.delta[n] = value.wrapping_sub(self.last_dispatch_word[n]);
@@ -1173,14 +1173,16 @@ impl InternodeBuffer {
                 )?;
             }
             if n != me {
-                let (src, to) = (plan.c_stage_slot(n), plan.c_recv_slot(me));
-                for (i, (off, bytes)) in [(0, c * hidden * 2), (plan.c_w, bytes_of::<f32>(c * kk))]
-                    .into_iter()
-                    .enumerate()
-                {
-                    put.seg_local[n][i] = (src + off) as u64;
-                    put.seg_remote[n][i] = (to + off) as u64;
-                    put.seg_bytes[n][i] = up16(bytes).unwrap_or(0) as u64;
+                let segs = plan.combine_segments(n, me, c, hidden, kk).ok_or_else(|| {
+                    invalid(
+                        self.rank,
+                        format!("{c} combined rows for node {n} do not fit its slot"),
+                    )
+                })?;
+                for (i, (src, dst, bytes)) in segs.into_iter().enumerate() {
+                    put.seg_local[n][i] = src as u64;
+                    put.seg_remote[n][i] = dst as u64;
+                    put.seg_bytes[n][i] = bytes as u64;
                 }
                 put.delta[n] = 1;
             }

@@ -120,6 +120,93 @@ impl StagedPlan {
     }
 }
 
+/// One RDMA write of a put: (offset in this rank's buffer, offset in the peer's, bytes).
+pub(crate) type Segment = (usize, usize, usize);
+
+impl StagedPlan {
+    /// The writes that carry `rows` dispatch rows (of `row_bytes`, `scale_words` scales and
+    /// `topk` ids and weights each) from this rank's stage slot for node `to` into the receive
+    /// slot for node `from` at the peer: rows, scales, then ids and weights of at least one row
+    /// (a node sent nothing still gets one padding row of ids -1). Every write is rounded up to
+    /// 16 bytes and stays inside its section. `None` when the sizes exceed the slot.
+    pub(crate) fn dispatch_segments(
+        &self,
+        to: usize,
+        from: usize,
+        rows: usize,
+        row_bytes: usize,
+        scale_words: usize,
+        topk: usize,
+    ) -> Option<[Segment; 4]> {
+        if to >= self.nodes || from >= self.nodes || rows > self.cap {
+            return None;
+        }
+        let padded = rows.max(1);
+        let sections = [
+            (0, self.d_scales, rows.checked_mul(row_bytes)?),
+            (
+                self.d_scales,
+                self.d_idx,
+                rows.checked_mul(scale_words)?.checked_mul(4)?,
+            ),
+            (
+                self.d_idx,
+                self.d_w,
+                padded.checked_mul(topk)?.checked_mul(4)?,
+            ),
+            (
+                self.d_w,
+                self.d_slot,
+                padded.checked_mul(topk)?.checked_mul(4)?,
+            ),
+        ];
+        let (src, dst) = (self.d_stage_slot(to), self.d_recv_slot(from));
+        let mut out = [(0, 0, 0); 4];
+        for (o, (start, end, bytes)) in out.iter_mut().zip(sections) {
+            let bytes = up16(bytes)?;
+            if bytes > end - start {
+                return None;
+            }
+            *o = (src + start, dst + start, bytes);
+        }
+        Some(out)
+    }
+
+    /// The writes that carry `rows` combined rows (BF16 of `hidden`, `topk` weights each) from
+    /// this rank's combine stage slot for node `to` into the peer's receive slot for node
+    /// `from`; as [`dispatch_segments`](Self::dispatch_segments).
+    pub(crate) fn combine_segments(
+        &self,
+        to: usize,
+        from: usize,
+        rows: usize,
+        hidden: usize,
+        topk: usize,
+    ) -> Option<[Segment; 2]> {
+        if to >= self.nodes || from >= self.nodes || rows > self.cap {
+            return None;
+        }
+        let sections = [
+            (0, self.c_w, rows.checked_mul(hidden)?.checked_mul(2)?),
+            (
+                self.c_w,
+                self.c_slot,
+                rows.checked_mul(topk)?.checked_mul(4)?,
+            ),
+        ];
+        let (src, dst) = (self.c_stage_slot(to), self.c_recv_slot(from));
+        let mut out = [(0, 0, 0); 2];
+        for (o, (start, end, bytes)) in out.iter_mut().zip(sections) {
+            let bytes = up16(bytes)?;
+            if bytes > end - start {
+                return None;
+            }
+            *o = (src + start, dst + start, bytes);
+        }
+        Some(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,5 +251,55 @@ mod tests {
         assert_eq!(up16(1), Some(16));
         assert_eq!(up16(32), Some(32));
         assert_eq!(up16(usize::MAX), None);
+    }
+
+    #[test]
+    fn segments_stay_inside_their_slots() {
+        let (cap, h, k, nodes) = (33, 1024, 6, 4);
+        let p = StagedPlan::new(cap, h, k, nodes).unwrap();
+        for rows in [0, 1, 7, cap] {
+            for (row_bytes, sw) in [(h * 2, 0), (h, h / 128), (16, 0)] {
+                let segs = p.dispatch_segments(1, 2, rows, row_bytes, sw, k).unwrap();
+                for (i, &(src, dst, bytes)) in segs.iter().enumerate() {
+                    assert_eq!(bytes % 16, 0);
+                    let (lo, hi) = [
+                        (0, p.d_scales),
+                        (p.d_scales, p.d_idx),
+                        (p.d_idx, p.d_w),
+                        (p.d_w, p.d_slot),
+                    ][i];
+                    assert!(
+                        src >= p.d_stage_slot(1) + lo && src + bytes <= p.d_stage_slot(1) + hi,
+                        "{i}"
+                    );
+                    assert!(
+                        dst >= p.d_recv_slot(2) + lo && dst + bytes <= p.d_recv_slot(2) + hi,
+                        "{i}"
+                    );
+                }
+                // Ids of at least one row travel, so a node that sent nothing has a padding row.
+                assert!(segs[2].2 >= k * 4);
+            }
+            let segs = p.combine_segments(3, 0, rows, h, k).unwrap();
+            assert!(
+                segs[0].0 >= p.c_stage_slot(3)
+                    && segs[1].0 + segs[1].2 <= p.c_stage_slot(3) + p.c_slot
+            );
+            assert!(
+                segs[0].1 >= p.c_recv_slot(0)
+                    && segs[1].1 + segs[1].2 <= p.c_recv_slot(0) + p.c_slot
+            );
+            assert_eq!(segs[0].2, up16(rows * h * 2).unwrap());
+        }
+        assert!(p.dispatch_segments(0, 1, cap + 1, h * 2, 0, k).is_none());
+        assert!(
+            p.dispatch_segments(0, 1, cap, h * 4, 0, k).is_none(),
+            "rows wider than the plan's"
+        );
+        assert!(p.dispatch_segments(nodes, 1, 1, 16, 0, k).is_none());
+        assert!(p.combine_segments(0, nodes, 1, h, k).is_none());
+        assert!(p
+            .combine_segments(0, 1, 1, h, k + 1)
+            .is_some_and(|s| s[1].2 <= p.c_slot - p.c_w));
     }
 }
