@@ -93,6 +93,13 @@ pub(super) struct Net {
 /// the QPs carrying it were quieted; every wait is bounded and a timeout names rank, peer, what
 /// and the sequence number. Ranks are threads of one process, built together by
 /// [`create_group`](Self::create_group).
+///
+/// Limits of this first version: every dispatch waits on the host (for the rows each node
+/// sent, and inside the NVLink hop), so it cannot be captured in a CUDA graph, and
+/// `num_worst_tokens` only pads the outputs; the NVLink hop runs once per source node; the
+/// compute stream is the intranode buffer's and also orders the NVLink hop, so `async_finish`
+/// leaves it waiting for that hop; ranks as processes (launchers) are not supported yet; at most
+/// 8 ranks.
 pub struct InternodeBuffer {
     pub(super) id: u64,
     pub(super) rank: usize,
