@@ -49,6 +49,12 @@ const SMOKE_EXAMPLES: &[(&str, &str)] = &[
         "low_latency",
         "--ranks 2 --no-nvlink --handler cpu_host_memory",
     ),
+    ("internode", ""),
+    ("internode", "--nodes 2 --ranks-per-node 4 --fp8"),
+    (
+        "internode",
+        "--nodes 4 --ranks-per-node 2 --handler cpu_host_memory",
+    ),
 ];
 
 /// Libraries every Linux system has (glibc and the C++ runtime): never bundled.

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DriverError};
 
+pub mod internode;
 pub mod intranode;
 pub mod low_latency;
 pub mod profile_names;

@@ -239,6 +239,28 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// Rows `start .. start + n` of a tensor of two or more dimensions (the same storage).
+    ///
+    /// # Panics
+    ///
+    /// When the rows are not inside the tensor.
+    pub(crate) fn rows(&self, start: usize, n: usize) -> Self {
+        assert!(
+            !self.shape.is_empty() && start + n <= self.shape[0],
+            "rows out of range"
+        );
+        let row: usize = self.shape[1..].iter().product();
+        let mut shape = self.shape.clone();
+        shape[0] = n;
+        Self {
+            storage: self.storage.clone(),
+            offset: self.offset + start * row * std::mem::size_of::<T>(),
+            shape,
+            read_only: self.read_only,
+            _t: PhantomData,
+        }
+    }
+
     /// The same view, refusing [`copy_from_host`](Self::copy_from_host): routing that kernels
     /// read and must not be edited out of agreement with what the buffer keeps privately.
     pub(crate) fn read_only(mut self) -> Self {

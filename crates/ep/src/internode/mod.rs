@@ -5,12 +5,21 @@
 //! there ([`Topology::rdma_peer`]), which forwards it over NVLink to the ranks of that node that
 //! need it; combine reduces inside each node before the one copy crosses back, then across nodes.
 //!
-//! This module holds what needs no GPU: the [`Topology`] the kernels read, the CPU
-//! [`reference`](mod@reference) of layout, dispatch and combine they must reproduce, and the byte budget of
-//! their buffers ([`plan`]).
+//! [`InternodeBuffer`] is the GPU path (first version: staged, see its docs). The rest needs no
+//! GPU: the [`Topology`] the kernels read, the CPU [`reference`](mod@reference) of layout,
+//! dispatch and combine they must reproduce, and the byte budget of a pipelined ring design
+//! ([`plan`]).
 
+mod buffer;
+mod ops;
 pub mod plan;
 pub mod reference;
+mod staged_plan;
 mod topology;
 
+pub use buffer::{InternodeBuffer, InternodeOptions};
+pub use ops::{
+    InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput, InternodeHandle,
+    InternodeLayout,
+};
 pub use topology::{NodeKind, Topology, TopologyError, MAX_RANKS_PER_NODE};

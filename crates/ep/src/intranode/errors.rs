@@ -7,7 +7,7 @@ use crate::error::{invalid, EpError};
 use super::plan::MAX_EXPERT_ALIGNMENT;
 
 /// The error the layout kernel's [`k::LayoutInvalid`] report (`words`) describes, if any.
-pub(super) fn layout_invalid_error(
+pub(crate) fn layout_invalid_error(
     rank: usize,
     words: &[i32],
     topk: usize,

@@ -27,7 +27,7 @@
 use crate::bootstrap::exchange_buffers;
 
 mod args;
-mod errors;
+pub(crate) mod errors;
 mod launch;
 mod ops;
 mod plan;

@@ -529,6 +529,23 @@ impl Buffer {
         Ok(())
     }
 
+    /// Gives this rank a compute stream of its own where it had the context's default stream:
+    /// for a buffer whose operations another layer orders (the internode path), so that ranks
+    /// of other groups on this GPU, which share the default stream, never chain behind it.
+    pub(crate) fn private_compute_stream(&mut self) -> Result<(), EpError> {
+        if self.gate.is_none() {
+            let (s, lease) = ibgda_device::stream_pool::waiting(&self.ctx).map_err(|source| {
+                EpError::Device {
+                    rank: self.rank,
+                    source,
+                }
+            })?;
+            self._stream_leases.push(lease);
+            self.compute = s;
+        }
+        Ok(())
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

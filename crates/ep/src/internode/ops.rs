@@ -1,0 +1,1301 @@
+//! The staged internode operations: layout, dispatch (fresh and cached) and combine.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use ep_kernels::internode as k;
+use ep_kernels::intranode as ik;
+use ibgda_device::cuda::DeviceBuffer;
+
+use super::buffer::{InternodeBuffer, COUNTS_OFFSET, ERROR_OFFSET};
+use super::staged_plan::{up16, Words};
+use crate::config::Config;
+use crate::dtype::{Bf16, Element, Fp8E4M3};
+use crate::error::{invalid, EpError};
+use crate::event::Event;
+use crate::intranode::{
+    CombineArgs, CombineOutput, DispatchArgs, DispatchX, Handle, RecvX, StreamOrder, TopK,
+    FP8_BLOCK,
+};
+use crate::tensor::Tensor;
+
+/// Where each token goes, across nodes: [`InternodeBuffer::get_dispatch_layout`]'s result.
+#[derive(Debug, Clone)]
+pub struct InternodeLayout {
+    tokens_per_rank: Tensor<i32>,
+    tokens_per_node: Tensor<i32>,
+    tokens_per_expert: Tensor<i32>,
+    is_token_in_rank: Tensor<u8>,
+    /// `[tokens][nodes]`: position among the tokens sent to each node, or -1.
+    node_pos: Tensor<i32>,
+    node_counts: Vec<usize>,
+    num_tokens: usize,
+    buffer_id: u64,
+}
+
+impl InternodeLayout {
+    /// Tokens this rank sends to each rank, `[ranks]`.
+    pub fn tokens_per_rank(&self) -> &Tensor<i32> {
+        &self.tokens_per_rank
+    }
+    /// Tokens this rank sends to each node (DeepEP's `num_tokens_per_rdma_rank`), `[nodes]`.
+    pub fn tokens_per_rdma_rank(&self) -> &Tensor<i32> {
+        &self.tokens_per_node
+    }
+    /// Tokens per expert, `[num_experts]`.
+    pub fn tokens_per_expert(&self) -> &Tensor<i32> {
+        &self.tokens_per_expert
+    }
+    /// Whether each token goes to each rank (0/1), `[tokens][ranks]`.
+    pub fn is_token_in_rank(&self) -> &Tensor<u8> {
+        &self.is_token_in_rank
+    }
+    /// Tokens the layout was computed for.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+}
+
+/// The arguments of [`InternodeBuffer::dispatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct InternodeDispatchArgs<'a> {
+    /// The tokens.
+    pub x: DispatchX<'a>,
+    /// Where they go.
+    pub layout: &'a InternodeLayout,
+    /// Top-k ids (global) and weights: required (the forwarders route by them).
+    pub topk: TopK<'a>,
+    /// Return exactly this many rows (rows past the received ones have top-k id -1 and weight
+    /// 0); more received rows is [`EpError::WorstTokensExceeded`]. In this staged version the
+    /// host still waits for the counts.
+    pub num_worst_tokens: Option<usize>,
+    /// Per-expert counts are rounded up to a multiple of this (at least 1).
+    pub expert_alignment: usize,
+    /// Stream ordering.
+    pub order: StreamOrder<'a>,
+}
+
+/// What [`InternodeBuffer::dispatch`] returns. Rows are ordered by source rank, then token.
+#[derive(Debug)]
+pub struct InternodeDispatchOutput {
+    /// The received rows.
+    pub x: RecvX,
+    /// Local expert ids `[rows][k]` (-1 where the expert is not on this rank); `None` cached.
+    pub topk_idx: Option<Tensor<i32>>,
+    /// Weights `[rows][k]` (0 where the id is -1); `None` cached.
+    pub topk_weights: Option<Tensor<f32>>,
+    /// Rows received.
+    pub num_recv_tokens: usize,
+    /// Tokens per local expert, rounded up to the alignment; `None` cached.
+    pub num_recv_tokens_per_expert: Option<Vec<usize>>,
+    /// The same per-expert counts on the GPU, `[num_local_experts]`; `None` cached.
+    pub recv_tokens_per_expert: Option<Tensor<i32>>,
+    /// What combine and cached dispatch need.
+    pub handle: InternodeHandle,
+    /// Recorded after the dispatch on the communication stream.
+    pub event: Event,
+}
+
+/// How a dispatch routed tokens: the input of [`InternodeBuffer::combine`] and cached dispatch.
+#[derive(Debug, Clone)]
+pub struct InternodeHandle {
+    buffer_id: u64,
+    node_pos: Tensor<i32>,
+    /// Tokens this rank sent to each node.
+    node_counts: Vec<usize>,
+    /// Tokens each node's rail peer sent this rank (the forwarder inputs, before padding).
+    recv_counts: Vec<usize>,
+    /// The NVLink hop of each source node.
+    sub: Vec<Handle>,
+    /// Rows of this rank's output that came through each source node.
+    block_rows: Vec<usize>,
+    num_tokens: usize,
+    rows: usize,
+}
+
+impl InternodeHandle {
+    /// Tokens the source side sent (rows of the combine output).
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+    /// Rows of the dispatch output (and of the combine input).
+    pub fn num_rows(&self) -> usize {
+        self.rows
+    }
+    /// Rows actually received (`num_rows` less any worst-token padding).
+    pub fn num_recv_tokens(&self) -> usize {
+        self.block_rows.iter().sum()
+    }
+}
+
+/// The arguments of [`InternodeBuffer::combine`].
+#[derive(Debug, Clone, Copy)]
+pub struct InternodeCombineArgs<'a> {
+    /// Expert outputs, BF16 `[rows][hidden]`, one row per dispatch output row.
+    pub x: &'a Tensor<Bf16>,
+    /// The dispatch's handle.
+    pub handle: &'a InternodeHandle,
+    /// Weights `[rows][k]` to sum per token, or none.
+    pub topk_weights: Option<&'a Tensor<f32>>,
+    /// Up to two BF16 `[tokens][hidden]` tensors added to the sum.
+    pub bias: [Option<&'a Tensor<Bf16>>; 2],
+    /// Stream ordering.
+    pub order: StreamOrder<'a>,
+}
+
+/// The dispatch input's geometry.
+struct Rows {
+    tokens: usize,
+    hidden: usize,
+    row_bytes: usize,
+    scale_words: usize,
+}
+
+fn bytes_of<T>(n: usize) -> usize {
+    n * std::mem::size_of::<T>()
+}
+
+impl InternodeBuffer {
+    fn cuda(&self, call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
+        move |source| EpError::Cuda {
+            rank: self.rank,
+            call,
+            source,
+        }
+    }
+
+    fn usable(&self) -> Result<(), EpError> {
+        match &self.poisoned {
+            Some(first) => Err(EpError::Poisoned {
+                rank: self.rank,
+                first: first.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn nodes(&self) -> usize {
+        self.topo.nodes()
+    }
+
+    fn my_node(&self) -> usize {
+        self.rank / self.topo.ranks_per_node()
+    }
+
+    fn timeout_ns(&self) -> u64 {
+        ibgda_device::timeout::device_ns(self.opts.buffer.timeout)
+    }
+
+    fn peer_ranks(&self) -> [i32; k::MAX_NODES] {
+        let mut p = [-1; k::MAX_NODES];
+        for (n, v) in p.iter_mut().enumerate().take(self.nodes()) {
+            *v = self.topo.rdma_peer(self.rank, n).map_or(-1, |r| r as i32);
+        }
+        p
+    }
+
+    fn launch<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        p: &P,
+        call: &'static str,
+    ) -> Result<(), EpError> {
+        let mut b = self.stream.launch_builder(f);
+        b.arg(p);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: each internode kernel takes exactly one by-value parameter struct and `P` is
+        // its #[repr(C)] mirror (layouts asserted on both sides; the caller pairs them); every
+        // address in it is a live allocation of this rank, its registered buffer, or a QP
+        // descriptor of its live mesh.
+        unsafe { b.launch(cfg) }.map_err(self.cuda(call))?;
+        Ok(())
+    }
+
+    /// An asynchronous device-to-device copy on the internode stream.
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), EpError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.cuda("cuCtxSetCurrent"))?;
+        // SAFETY: callers pass ranges inside live allocations of this context (sizes checked
+        // against the tensors' shapes and the plan), ordered on this rank's stream.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream.cu_stream())
+        }
+        .result()
+        .map_err(self.cuda("cuMemcpyDtoDAsync"))
+    }
+
+    fn memset(&self, dst: u64, value: u8, bytes: usize) -> Result<(), EpError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.cuda("cuCtxSetCurrent"))?;
+        // SAFETY: as in `copy`: a range inside a live allocation of this context.
+        unsafe { cudarc::driver::sys::cuMemsetD8Async(dst, value, bytes, self.stream.cu_stream()) }
+            .result()
+            .map_err(self.cuda("cuMemsetD8Async"))
+    }
+
+    fn start(&self, order: &StreamOrder<'_>) -> Result<(), EpError> {
+        match order.previous_event {
+            Some(e) => e.wait_on(&self.stream),
+            None => Event::record(&self.compute, self.rank)?.wait_on(&self.stream),
+        }
+    }
+
+    fn finish(&self, order: &StreamOrder<'_>) -> Result<Event, EpError> {
+        // The NVLink hop's next operation is ordered after this stream's work by `hand_to_intra`
+        // (the intranode outputs this operation copied from are reused only then).
+        let e = Event::record(&self.stream, self.rank)?;
+        if !order.async_finish {
+            e.wait_on(&self.compute)?;
+        }
+        Ok(e)
+    }
+
+    /// Makes the NVLink hop's next operation start after this stream's work so far.
+    fn hand_to_intra(&self) -> Result<(), EpError> {
+        Event::record(&self.stream, self.rank)?.wait_on(self.intra.compute_stream())
+    }
+
+    /// Makes this stream wait for the NVLink hop's work so far.
+    fn take_from_intra(&self) -> Result<(), EpError> {
+        Event::record(self.intra.compute_stream(), self.rank)?.wait_on(&self.stream)
+    }
+
+    /// Waits (bounded) for this stream on the host, then reports any device error.
+    fn sync(&mut self, what: &'static str) -> Result<(), EpError> {
+        let e = Event::record(&self.stream, self.rank)?;
+        let r = e.wait_host(self.opts.buffer.timeout.saturating_mul(2), what);
+        self.check_device_error()?;
+        if let Err(e) = &r {
+            self.poisoned = Some(e.to_string());
+        }
+        r
+    }
+
+    /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
+    pub(super) fn check_device_error(&mut self) -> Result<(), EpError> {
+        let Some(w) = self.mapped.read_error(ERROR_OFFSET) else {
+            return Ok(());
+        };
+        let timeout = self.opts.buffer.timeout;
+        let err = match w.code {
+            ik::error_code::TIMEOUT => EpError::PeerTimeout {
+                rank: self.rank,
+                peer: w.peer as usize,
+                what: match w.what {
+                    k::wait_what::DISPATCH_DATA => {
+                        "internode dispatch rows from the peer's node (RDMA)"
+                    }
+                    k::wait_what::DISPATCH_ACK => {
+                        "internode dispatch ack: the peer freeing its receive slot"
+                    }
+                    k::wait_what::COMBINE_DATA => {
+                        "internode combine sums from the peer's node (RDMA)"
+                    }
+                    k::wait_what::COMBINE_ACK => {
+                        "internode combine ack: the peer freeing its receive slot"
+                    }
+                    _ => "internode wait",
+                },
+                expert: None,
+                epoch: w.epoch,
+                seen: w.detail,
+                timeout,
+            },
+            k::error_code::TRANSPORT => {
+                let source = self
+                    .net
+                    .as_ref()
+                    .and_then(|n| n.mesh.as_ref())
+                    .and_then(|m| m.first_failure(Some(w.peer as usize)))
+                    .map(|(_, e)| Box::new(e));
+                EpError::Transport {
+                    rank: self.rank,
+                    peer: Some(w.peer as usize),
+                    what: format!(
+                        "internode {} to node {} failed with status {}",
+                        match w.what {
+                            21 => "put",
+                            22 => "signal",
+                            _ => "quiet",
+                        },
+                        w.detail,
+                        w.epoch as i64
+                    ),
+                    source,
+                }
+            }
+            ik::error_code::BAD_ROUTING => EpError::CorruptRouting {
+                rank: self.rank,
+                what: "node send position (token, node)",
+                index: w.epoch,
+                value: w.detail as i64,
+                limit: u64::from(w.peer),
+            },
+            other => EpError::Poisoned {
+                rank: self.rank,
+                first: format!(
+                    "internode device error code {other} (peer {}, what {})",
+                    w.peer, w.what
+                ),
+            },
+        };
+        self.poisoned = Some(err.to_string());
+        Err(err)
+    }
+
+    fn on_this_gpu<T: Element>(&self, t: &Tensor<T>, name: &str) -> Result<(), EpError> {
+        crate::checks::on_gpu(self.rank, self.ctx.ordinal(), t, name)
+    }
+
+    fn shape_is<T: Element>(
+        &self,
+        t: &Tensor<T>,
+        want: &[usize],
+        name: &str,
+    ) -> Result<(), EpError> {
+        crate::checks::shape_is(self.rank, self.ctx.ordinal(), t, want, name)
+    }
+
+    /// From top-k expert ids `[tokens][k]` (global, -1 for none): tokens per rank, per node and
+    /// per expert, `is_token_in_rank`, and the send order to each node. Waits (bounded).
+    pub fn get_dispatch_layout(
+        &mut self,
+        topk_idx: &Tensor<i32>,
+    ) -> Result<InternodeLayout, EpError> {
+        self.usable()?;
+        self.on_this_gpu(topk_idx, "topk_idx")?;
+        if topk_idx.shape().len() != 2 {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "topk_idx has shape {:?}, expected [tokens, k]",
+                    topk_idx.shape()
+                ),
+            ));
+        }
+        let (t, kk) = (topk_idx.dim(0), topk_idx.dim(1));
+        let o = &self.opts.buffer;
+        if t > o.max_tokens_per_rank || kk > o.max_topk || kk == 0 {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{t} tokens, top-{kk}: limits are {} tokens, top-1..={}",
+                    o.max_tokens_per_rank, o.max_topk
+                ),
+            ));
+        }
+        let (r, n, e) = (self.topo.world(), self.nodes(), o.num_experts);
+        // Sections, each 16-byte aligned: small (bounded by the options), sized exactly.
+        let sizes = [
+            4 * r,
+            4 * n,
+            4 * e,
+            4 * e,
+            16,
+            16,
+            t * r,
+            t * n,
+            4 * t * r,
+            4 * t * n,
+        ];
+        let mut at = [0usize; 10];
+        let mut total = 0usize;
+        for (a, s) in at.iter_mut().zip(sizes) {
+            *a = total;
+            total += up16(s).ok_or_else(|| invalid(self.rank, "layout size overflows"))?;
+        }
+        let [per_rank, per_node, per_expert, scratch_expert, invalid_r, invalid_n, in_rank, in_node, send_pos, node_pos] =
+            at;
+        let buf =
+            Arc::new(
+                DeviceBuffer::new(&self.ctx, total).map_err(|source| EpError::Device {
+                    rank: self.rank,
+                    source,
+                })?,
+            );
+        self.start(&StreamOrder::default())?;
+        let b = buf.ptr();
+        for (ranks, tpr, tpe, inr, pos, inv) in [
+            (r, per_rank, per_expert, in_rank, send_pos, invalid_r),
+            (n, per_node, scratch_expert, in_node, node_pos, invalid_n),
+        ] {
+            let p = ik::LayoutParams {
+                topk_idx: topk_idx.device_address(),
+                tokens_per_rank: b + tpr as u64,
+                tokens_per_expert: b + tpe as u64,
+                is_token_in_rank: b + inr as u64,
+                send_pos: b + pos as u64,
+                invalid: b + inv as u64,
+                num_tokens: t as i32,
+                topk: kk as i32,
+                ranks: ranks as i32,
+                num_experts: e as i32,
+            };
+            self.launch(
+                &self.kernels.layout,
+                ranks as u32 + 1,
+                ik::LAYOUT_THREADS,
+                (4 * e) as u32,
+                &p,
+                "cuLaunchKernel(ep_dispatch_layout)",
+            )?;
+        }
+        self.sync("the internode dispatch layout")?;
+        let dev = |source| EpError::Device {
+            rank: self.rank,
+            source,
+        };
+        let bad: Vec<i32> = buf.download(invalid_r, 4).map_err(dev)?;
+        if let Some(err) = crate::intranode::errors::layout_invalid_error(self.rank, &bad, kk, e) {
+            return Err(err);
+        }
+        let counts: Vec<i32> = buf.download(per_node, n).map_err(dev)?;
+        Ok(InternodeLayout {
+            tokens_per_rank: Tensor::view(buf.clone(), per_rank, vec![r]).read_only(),
+            tokens_per_node: Tensor::view(buf.clone(), per_node, vec![n]).read_only(),
+            tokens_per_expert: Tensor::view(buf.clone(), per_expert, vec![e]).read_only(),
+            is_token_in_rank: Tensor::view(buf.clone(), in_rank, vec![t, r]).read_only(),
+            node_pos: Tensor::view(buf, node_pos, vec![t, n]).read_only(),
+            node_counts: counts
+                .into_iter()
+                .map(|c| c.clamp(0, t as i32) as usize)
+                .collect(),
+            num_tokens: t,
+            buffer_id: self.id,
+        })
+    }
+
+    fn check_x(&self, x: &DispatchX<'_>, tokens: usize) -> Result<Rows, EpError> {
+        let (shape, elem, scales) = match x {
+            DispatchX::Bf16(t) => {
+                self.on_this_gpu(*t, "x")?;
+                (t.shape().to_vec(), 2, None)
+            }
+            DispatchX::Fp8 { x, scales } => {
+                self.on_this_gpu(*x, "x")?;
+                self.on_this_gpu(*scales, "scales")?;
+                (x.shape().to_vec(), 1, Some(*scales))
+            }
+        };
+        if shape.len() != 2 || shape[0] != tokens {
+            return Err(invalid(
+                self.rank,
+                format!("x has shape {shape:?}, expected [{tokens}, hidden]"),
+            ));
+        }
+        let hidden = shape[1];
+        let row_bytes = hidden * elem;
+        if hidden == 0 || hidden > self.opts.buffer.max_hidden || row_bytes % 16 != 0 {
+            return Err(invalid(
+                self.rank,
+                format!("hidden {hidden}: rows must be a positive multiple of 16 bytes, hidden at most {}", self.opts.buffer.max_hidden),
+            ));
+        }
+        let mut scale_words = 0;
+        if let Some(s) = scales {
+            if hidden % FP8_BLOCK != 0 {
+                return Err(invalid(
+                    self.rank,
+                    format!("FP8 hidden {hidden} is not a multiple of {FP8_BLOCK}"),
+                ));
+            }
+            scale_words = hidden / FP8_BLOCK;
+            self.shape_is(s, &[tokens, scale_words], "scales")?;
+        }
+        Ok(Rows {
+            tokens,
+            hidden,
+            row_bytes,
+            scale_words,
+        })
+    }
+
+    fn intra_config(&self) -> Config {
+        Config {
+            num_sms: self.intra_sms,
+            ..Config::default_for(self.topo.ranks_per_node())
+        }
+    }
+
+    /// The RDMA hop of a dispatch: waits for the receivers' acks of the previous dispatch,
+    /// packs, writes and signals, waits for every node's rows; returns the rows each node's rail
+    /// peer sent (this rank's own node: `node_counts[my node]`).
+    fn rdma_dispatch(
+        &mut self,
+        x: &DispatchX<'_>,
+        rows: &Rows,
+        topk: Option<&TopK<'_>>,
+        node_pos: &Tensor<i32>,
+        node_counts: &[usize],
+        tokens_per_node: u64,
+    ) -> Result<Vec<usize>, EpError> {
+        let (nodes, me) = (self.nodes(), self.my_node());
+        let plan = self.plan.clone();
+        self.dispatch_seq += 1;
+        let seq = self.dispatch_seq;
+        let peer_rank = self.peer_ranks();
+        let error = self.errors.kernel_addr();
+        if seq > 1 {
+            let p = k::WaitParams {
+                words: self.base + plan.word(Words::DispatchAck, 0) as u64,
+                counts_out: 0,
+                error,
+                timeout_ns: self.timeout_ns(),
+                target: seq - 1,
+                rank: self.rank as i32,
+                nodes: nodes as i32,
+                my_node: me as i32,
+                shift: 0,
+                what: k::wait_what::DISPATCH_ACK as i32,
+                cap: plan.cap as i32,
+                peer_rank,
+            };
+            self.launch(
+                &self.kernels.wait,
+                1,
+                k::WAIT_THREADS,
+                0,
+                &p,
+                "cuLaunchKernel(ep_internode_wait)",
+            )?;
+        }
+        let kk = topk.map_or(0, |t| t.idx.dim(1));
+        let (xa, sa) = match x {
+            DispatchX::Bf16(t) => (t.device_address(), 0),
+            DispatchX::Fp8 { x, scales } => (x.device_address(), scales.device_address()),
+        };
+        let mut slot = [0u64; k::MAX_NODES];
+        for (n, s) in slot.iter_mut().enumerate().take(nodes) {
+            *s = self.base
+                + if n == me {
+                    plan.d_recv_slot(n)
+                } else {
+                    plan.d_stage_slot(n)
+                } as u64;
+        }
+        let pack = k::PackParams {
+            x: xa,
+            scales: sa,
+            topk_idx: topk.map_or(0, |t| t.idx.device_address()),
+            weights: topk.map_or(0, |t| t.weights.device_address()),
+            node_pos: node_pos.device_address(),
+            tokens_per_node,
+            slot,
+            off_scales: plan.d_scales as u64,
+            off_idx: plan.d_idx as u64,
+            off_w: plan.d_w as u64,
+            error,
+            num_tokens: rows.tokens as i32,
+            row_bytes: rows.row_bytes as i32,
+            scale_words: rows.scale_words as i32,
+            topk: kk as i32,
+            nodes: nodes as i32,
+            experts_per_node: (self.opts.buffer.num_experts / nodes) as i32,
+            cap: plan.cap as i32,
+            rank: self.rank as i32,
+        };
+        let warps = (k::THREADS / 32) as usize;
+        let grid = rows.tokens.div_ceil(warps).clamp(1, 264) as u32;
+        self.launch(
+            &self.kernels.pack,
+            grid,
+            k::THREADS,
+            0,
+            &pack,
+            "cuLaunchKernel(ep_internode_pack)",
+        )?;
+        let mut put = self.put_params(Words::DispatchData);
+        for n in (0..nodes).filter(|&n| n != me) {
+            let c = node_counts[n];
+            let segs = plan
+                .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)
+                .ok_or_else(|| {
+                    invalid(
+                        self.rank,
+                        format!("{c} rows to node {n} do not fit its slot"),
+                    )
+                })?;
+            for (s, (src, dst, bytes)) in segs.into_iter().enumerate() {
+                put.seg_local[n][s] = src as u64;
+                put.seg_remote[n][s] = dst as u64;
+                put.seg_bytes[n][s] = bytes as u64;
+            }
+            let value = (seq << 32) | c as u64;
+            put.delta[n] = value.wrapping_sub(self.last_dispatch_word[n]);
+            self.last_dispatch_word[n] = value;
+        }
+        self.launch(
+            &self.kernels.put,
+            1,
+            k::THREADS,
+            0,
+            &put,
+            "cuLaunchKernel(ep_internode_put)",
+        )?;
+        let wait = k::WaitParams {
+            words: self.base + plan.word(Words::DispatchData, 0) as u64,
+            counts_out: self.mapped.device_addr(COUNTS_OFFSET),
+            error,
+            timeout_ns: self.timeout_ns(),
+            target: seq,
+            rank: self.rank as i32,
+            nodes: nodes as i32,
+            my_node: me as i32,
+            shift: 32,
+            what: k::wait_what::DISPATCH_DATA as i32,
+            cap: plan.cap as i32,
+            peer_rank,
+        };
+        self.launch(
+            &self.kernels.wait,
+            1,
+            k::WAIT_THREADS,
+            0,
+            &wait,
+            "cuLaunchKernel(ep_internode_wait)",
+        )?;
+        self.sync("the internode dispatch's RDMA hop")?;
+        Ok((0..nodes)
+            .map(|n| {
+                if n == me {
+                    node_counts[n]
+                } else {
+                    self.mapped
+                        .read_i32(COUNTS_OFFSET + 4 * n)
+                        .clamp(0, plan.cap as i32) as usize
+                }
+            })
+            .collect())
+    }
+
+    /// Put parameters with no segments and no signals, the word array `w` as the target.
+    fn put_params(&self, w: Words) -> k::PutParams {
+        let me = self.my_node();
+        k::PutParams {
+            descs: self.descs,
+            rbase: self.rbase,
+            rkey: self.rkey,
+            local_base: self.base,
+            signal_off: self.plan.word(w, me) as u64,
+            error: self.errors.kernel_addr(),
+            rank: self.rank as i32,
+            nodes: self.nodes() as i32,
+            my_node: me as i32,
+            peer_rank: self.peer_ranks(),
+            ..Default::default()
+        }
+    }
+
+    /// Tells every other node's rail peer that this rank is done with what it sent (`w`).
+    fn ack(&self, w: Words) -> Result<(), EpError> {
+        let mut put = self.put_params(w);
+        for n in (0..self.nodes()).filter(|&n| n != self.my_node()) {
+            put.delta[n] = 1;
+        }
+        self.launch(
+            &self.kernels.put,
+            1,
+            k::THREADS,
+            0,
+            &put,
+            "cuLaunchKernel(ep_internode_put)",
+        )
+    }
+
+    /// Views of node `n`'s dispatch receive slot as the NVLink hop's input: `rows` rows.
+    fn forwarder_input(
+        &self,
+        n: usize,
+        rows: usize,
+        r: &Rows,
+        fp8: bool,
+        kk: usize,
+    ) -> (ForwarderInput, Option<ForwarderTopK>) {
+        let reg = self
+            .net
+            .as_ref()
+            .and_then(|n| n.registration.device().cloned());
+        let reg = reg.expect("a live buffer keeps its registration");
+        let slot = self.plan.d_recv_slot(n);
+        let x = if fp8 {
+            ForwarderInput::Fp8(
+                Tensor::view(reg.clone(), slot, vec![rows, r.hidden]),
+                Tensor::view(
+                    reg.clone(),
+                    slot + self.plan.d_scales,
+                    vec![rows, r.scale_words],
+                ),
+            )
+        } else {
+            ForwarderInput::Bf16(Tensor::view(reg.clone(), slot, vec![rows, r.hidden]))
+        };
+        let topk = (kk > 0).then(|| {
+            (
+                Tensor::view(reg.clone(), slot + self.plan.d_idx, vec![rows, kk]),
+                Tensor::view(reg.clone(), slot + self.plan.d_w, vec![rows, kk]),
+            )
+        });
+        (x, topk)
+    }
+
+    /// Sends each token to every rank holding one of its experts, through its rail peer on each
+    /// node. Rows arrive ordered by source rank, then token. Every rank calls this together.
+    pub fn dispatch(
+        &mut self,
+        args: &InternodeDispatchArgs<'_>,
+    ) -> Result<InternodeDispatchOutput, EpError> {
+        self.usable()?;
+        let layout = args.layout;
+        if layout.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "layout",
+            });
+        }
+        let rows = self.check_x(&args.x, layout.num_tokens)?;
+        let kk = args.topk.idx.dim(1);
+        self.on_this_gpu(args.topk.idx, "topk_idx")?;
+        self.on_this_gpu(args.topk.weights, "topk_weights")?;
+        self.shape_is(args.topk.idx, &[rows.tokens, kk], "topk_idx")?;
+        self.shape_is(args.topk.weights, &[rows.tokens, kk], "topk_weights")?;
+        if kk == 0 || kk > self.opts.buffer.max_topk {
+            return Err(invalid(
+                self.rank,
+                format!("top-{kk}: expected 1..={}", self.opts.buffer.max_topk),
+            ));
+        }
+        if args.expert_alignment == 0 || args.expert_alignment > 1 << 20 {
+            return Err(invalid(
+                self.rank,
+                format!("expert_alignment {} out of 1..=2^20", args.expert_alignment),
+            ));
+        }
+        let cap_rows = self.topo.world() * self.opts.buffer.max_tokens_per_rank;
+        if let Some(w) = args.num_worst_tokens {
+            if w == 0 || w > cap_rows {
+                return Err(invalid(
+                    self.rank,
+                    format!("num_worst_tokens {w} out of 1..={cap_rows}"),
+                ));
+            }
+        }
+        self.start(&args.order)?;
+        let recv_counts = self.rdma_dispatch(
+            &args.x,
+            &rows,
+            Some(&args.topk),
+            &layout.node_pos,
+            &layout.node_counts,
+            layout.tokens_per_node.device_address(),
+        )?;
+        let fp8 = matches!(args.x, DispatchX::Fp8 { .. });
+        let cfg = self.intra_config();
+        let mut parts = Vec::with_capacity(self.nodes());
+        for (n, &c) in recv_counts.iter().enumerate() {
+            let (input, topk) = self.forwarder_input(n, c.max(1), &rows, fp8, kk);
+            let (idx, w) = topk.expect("top-k is given");
+            self.hand_to_intra()?;
+            let l = self.intra.get_dispatch_layout(&idx)?;
+            let out = self.intra.dispatch(&DispatchArgs {
+                x: input.as_x(),
+                layout: &l,
+                topk: Some(TopK {
+                    idx: &idx,
+                    weights: &w,
+                }),
+                num_worst_tokens: None,
+                expert_alignment: 1,
+                config: cfg,
+                order: StreamOrder::default(),
+            })?;
+            parts.push(out);
+        }
+        self.take_from_intra()?;
+        self.ack(Words::DispatchAck)?;
+        let block_rows: Vec<usize> = parts
+            .iter()
+            .map(|p| p.num_recv_tokens.unwrap_or(0))
+            .collect();
+        let received: usize = block_rows.iter().sum();
+        let out_rows = match args.num_worst_tokens {
+            Some(w) if received > w => {
+                return Err(EpError::WorstTokensExceeded {
+                    rank: self.rank,
+                    received,
+                    worst: w,
+                });
+            }
+            Some(w) => w,
+            None => received,
+        };
+        let local = self.num_local_experts();
+        let mut per_expert = vec![0usize; local];
+        for p in &parts {
+            for (a, c) in per_expert
+                .iter_mut()
+                .zip(p.num_recv_tokens_per_expert.iter().flatten())
+            {
+                *a += c;
+            }
+        }
+        let a = args.expert_alignment;
+        per_expert.iter_mut().for_each(|c| *c = c.div_ceil(a) * a);
+        let outs = self.gather_outputs(&parts, out_rows, received, &rows, fp8, kk)?;
+        let counts: Vec<i32> = per_expert
+            .iter()
+            .map(|&c| c.min(i32::MAX as usize) as i32)
+            .collect();
+        let dev_counts =
+            DeviceBuffer::from_slice(&self.ctx, &counts).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
+        let event = self.finish(&args.order)?;
+        Ok(InternodeDispatchOutput {
+            x: outs.0,
+            topk_idx: outs.1,
+            topk_weights: outs.2,
+            num_recv_tokens: received,
+            num_recv_tokens_per_expert: Some(per_expert),
+            recv_tokens_per_expert: Some(Tensor::view(Arc::new(dev_counts), 0, vec![local])),
+            handle: InternodeHandle {
+                buffer_id: self.id,
+                node_pos: layout.node_pos.clone(),
+                node_counts: layout.node_counts.clone(),
+                recv_counts,
+                sub: parts.into_iter().map(|p| p.handle).collect(),
+                block_rows,
+                num_tokens: rows.tokens,
+                rows: out_rows,
+            },
+            event,
+        })
+    }
+
+    /// Concatenates the NVLink hop's outputs (node by node) into fresh tensors of `out_rows`
+    /// rows; rows past `received` get top-k id -1 and weight 0.
+    fn gather_outputs(
+        &self,
+        parts: &[crate::intranode::DispatchOutput],
+        out_rows: usize,
+        received: usize,
+        rows: &Rows,
+        fp8: bool,
+        kk: usize,
+    ) -> Result<Gathered, EpError> {
+        let dev = |source| EpError::Device {
+            rank: self.rank,
+            source,
+        };
+        let alloc = |bytes: usize| -> Result<Arc<DeviceBuffer>, EpError> {
+            let b = Arc::new(DeviceBuffer::new(&self.ctx, bytes).map_err(dev)?);
+            if self.opts.buffer.poison_outputs {
+                self.memset(b.ptr(), 0xAB, bytes)?;
+            }
+            Ok(b)
+        };
+        let xb = alloc(out_rows * rows.row_bytes)?;
+        let sb = alloc(bytes_of::<f32>(out_rows * rows.scale_words))?;
+        let want_topk = kk > 0 && parts.iter().all(|p| p.topk_idx.is_some());
+        let ib = alloc(bytes_of::<i32>(out_rows * kk))?;
+        let wb = alloc(bytes_of::<f32>(out_rows * kk))?;
+        let mut at = 0usize;
+        for p in parts {
+            let r = p.num_recv_tokens.unwrap_or(0);
+            let (xs, ss) = match &p.x {
+                RecvX::Bf16(t) => (t.device_address(), 0),
+                RecvX::Fp8 { x, scales } => (x.device_address(), scales.device_address()),
+            };
+            self.copy(
+                xb.ptr() + (at * rows.row_bytes) as u64,
+                xs,
+                r * rows.row_bytes,
+            )?;
+            if fp8 {
+                self.copy(
+                    sb.ptr() + bytes_of::<f32>(at * rows.scale_words) as u64,
+                    ss,
+                    bytes_of::<f32>(r * rows.scale_words),
+                )?;
+            }
+            if want_topk {
+                if let (Some(i), Some(w)) = (&p.topk_idx, &p.topk_weights) {
+                    self.copy(
+                        ib.ptr() + bytes_of::<i32>(at * kk) as u64,
+                        i.device_address(),
+                        bytes_of::<i32>(r * kk),
+                    )?;
+                    self.copy(
+                        wb.ptr() + bytes_of::<f32>(at * kk) as u64,
+                        w.device_address(),
+                        bytes_of::<f32>(r * kk),
+                    )?;
+                }
+            }
+            at += r;
+        }
+        if want_topk && out_rows > received {
+            self.memset(
+                ib.ptr() + bytes_of::<i32>(received * kk) as u64,
+                0xFF,
+                bytes_of::<i32>((out_rows - received) * kk),
+            )?;
+            self.memset(
+                wb.ptr() + bytes_of::<f32>(received * kk) as u64,
+                0,
+                bytes_of::<f32>((out_rows - received) * kk),
+            )?;
+        }
+        let x = if fp8 {
+            RecvX::Fp8 {
+                x: Tensor::<Fp8E4M3>::view(xb, 0, vec![out_rows, rows.hidden]),
+                scales: Tensor::view(sb, 0, vec![out_rows, rows.scale_words]),
+            }
+        } else {
+            RecvX::Bf16(Tensor::<Bf16>::view(xb, 0, vec![out_rows, rows.hidden]))
+        };
+        Ok((
+            x,
+            want_topk.then(|| Tensor::view(ib, 0, vec![out_rows, kk])),
+            want_topk.then(|| Tensor::view(wb, 0, vec![out_rows, kk])),
+        ))
+    }
+
+    /// Sends `x` along the routes of an earlier dispatch (no layout, no top-k). Every rank calls
+    /// this together.
+    pub fn dispatch_cached(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &InternodeHandle,
+        order: &StreamOrder<'_>,
+    ) -> Result<InternodeDispatchOutput, EpError> {
+        self.usable()?;
+        if handle.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "handle",
+            });
+        }
+        let rows = self.check_x(&x, handle.num_tokens)?;
+        self.start(order)?;
+        // The counts the layout downloaded are what the pack kernel pads by.
+        let counts: Vec<i32> = handle.node_counts.iter().map(|&c| c as i32).collect();
+        let tpn =
+            DeviceBuffer::from_slice(&self.ctx, &counts).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
+        let recv = self.rdma_dispatch(
+            &x,
+            &rows,
+            None,
+            &handle.node_pos,
+            &handle.node_counts,
+            tpn.ptr(),
+        )?;
+        if recv != handle.recv_counts {
+            let e = invalid(
+                self.rank,
+                format!(
+                    "cached dispatch: the nodes sent {recv:?} rows, the handle's dispatch {:?}",
+                    handle.recv_counts
+                ),
+            );
+            self.poisoned = Some(e.to_string());
+            return Err(e);
+        }
+        let fp8 = matches!(x, DispatchX::Fp8 { .. });
+        let cfg = self.intra_config();
+        let mut parts = Vec::with_capacity(self.nodes());
+        for (n, &c) in recv.iter().enumerate() {
+            let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
+            self.hand_to_intra()?;
+            let mut out = self.intra.dispatch_cached(
+                input.as_x(),
+                &handle.sub[n],
+                &cfg,
+                &StreamOrder::default(),
+            )?;
+            out.num_recv_tokens = Some(handle.block_rows[n]);
+            parts.push(out);
+        }
+        self.take_from_intra()?;
+        self.ack(Words::DispatchAck)?;
+        let received = handle.num_recv_tokens();
+        let outs = self.gather_outputs(&parts, handle.rows, received, &rows, fp8, 0)?;
+        drop(tpn);
+        let event = self.finish(order)?;
+        Ok(InternodeDispatchOutput {
+            x: outs.0,
+            topk_idx: None,
+            topk_weights: None,
+            num_recv_tokens: received,
+            num_recv_tokens_per_expert: None,
+            recv_tokens_per_expert: None,
+            handle: handle.clone(),
+            event,
+        })
+    }
+
+    /// Reduces each token's copies back to its rank: inside each node at the rail peer (f32,
+    /// ascending rank, rounded to BF16), then across nodes here (f32, ascending node), then the
+    /// biases. Every rank calls this together.
+    pub fn combine(&mut self, args: &InternodeCombineArgs<'_>) -> Result<CombineOutput, EpError> {
+        self.usable()?;
+        let h = args.handle;
+        if h.buffer_id != self.id {
+            return Err(EpError::ForeignHandle {
+                rank: self.rank,
+                what: "handle",
+            });
+        }
+        self.on_this_gpu(args.x, "x")?;
+        if args.x.shape().len() != 2 || args.x.dim(0) != h.rows {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "combine x has shape {:?}, expected [{}, hidden]",
+                    args.x.shape(),
+                    h.rows
+                ),
+            ));
+        }
+        let hidden = args.x.dim(1);
+        if hidden == 0 || hidden > self.opts.buffer.max_hidden || hidden % 8 != 0 {
+            return Err(invalid(
+                self.rank,
+                format!("combine hidden {hidden}: a multiple of 8 up to max_hidden"),
+            ));
+        }
+        let kk = match args.topk_weights {
+            Some(w) => {
+                self.on_this_gpu(w, "topk_weights")?;
+                let kk = if w.shape().len() == 2 { w.dim(1) } else { 0 };
+                if kk == 0 || kk > self.opts.buffer.max_topk {
+                    return Err(invalid(
+                        self.rank,
+                        format!("combine topk_weights shape {:?}", w.shape()),
+                    ));
+                }
+                self.shape_is(w, &[h.rows, kk], "topk_weights")?;
+                kk
+            }
+            None => 0,
+        };
+        for b in args.bias.iter().flatten() {
+            self.on_this_gpu(*b, "bias")?;
+            self.shape_is(*b, &[h.num_tokens, hidden], "bias")?;
+        }
+        let (nodes, me) = (self.nodes(), self.my_node());
+        let plan = self.plan.clone();
+        self.combine_seq += 1;
+        let seq = self.combine_seq;
+        let error = self.errors.kernel_addr();
+        let peer_rank = self.peer_ranks();
+        self.start(&args.order)?;
+        if seq > 1 {
+            let p = k::WaitParams {
+                words: self.base + plan.word(Words::CombineAck, 0) as u64,
+                counts_out: 0,
+                error,
+                timeout_ns: self.timeout_ns(),
+                target: seq - 1,
+                rank: self.rank as i32,
+                nodes: nodes as i32,
+                my_node: me as i32,
+                shift: 0,
+                what: k::wait_what::COMBINE_ACK as i32,
+                cap: plan.cap as i32,
+                peer_rank,
+            };
+            self.launch(
+                &self.kernels.wait,
+                1,
+                k::WAIT_THREADS,
+                0,
+                &p,
+                "cuLaunchKernel(ep_internode_wait)",
+            )?;
+        }
+        // NVLink hop, node by node: the rail peer's sums of this node's rows.
+        let cfg = self.intra_config();
+        let mut sums = Vec::with_capacity(nodes);
+        let mut at = 0usize;
+        for n in 0..nodes {
+            let r = h.block_rows[n];
+            let x = args.x.rows(at, r);
+            let w = args.topk_weights.map(|w| w.rows(at, r));
+            at += r;
+            self.hand_to_intra()?;
+            let out = self.intra.combine(&CombineArgs {
+                x: &x,
+                handle: &h.sub[n],
+                topk_weights: w.as_ref(),
+                bias: [None, None],
+                config: cfg,
+                order: StreamOrder::default(),
+            })?;
+            sums.push(out);
+        }
+        self.take_from_intra()?;
+        // Stage each node's sums (this rank's own node: straight into its receive slot), then
+        // one put per node and a signal behind it.
+        let mut put = self.put_params(Words::CombineData);
+        for (n, s) in sums.iter().enumerate() {
+            let c = h.recv_counts[n].min(plan.cap);
+            let dst = self.base
+                + if n == me {
+                    plan.c_recv_slot(n)
+                } else {
+                    plan.c_stage_slot(n)
+                } as u64;
+            self.copy(dst, s.x.device_address(), c * hidden * 2)?;
+            if let Some(w) = &s.topk_weights {
+                self.copy(
+                    dst + plan.c_w as u64,
+                    w.device_address(),
+                    bytes_of::<f32>(c * kk),
+                )?;
+            }
+            if n != me {
+                let segs = plan.combine_segments(n, me, c, hidden, kk).ok_or_else(|| {
+                    invalid(
+                        self.rank,
+                        format!("{c} combined rows for node {n} do not fit its slot"),
+                    )
+                })?;
+                for (i, (src, dst, bytes)) in segs.into_iter().enumerate() {
+                    put.seg_local[n][i] = src as u64;
+                    put.seg_remote[n][i] = dst as u64;
+                    put.seg_bytes[n][i] = bytes as u64;
+                }
+                put.delta[n] = 1;
+            }
+        }
+        self.launch(
+            &self.kernels.put,
+            1,
+            k::THREADS,
+            0,
+            &put,
+            "cuLaunchKernel(ep_internode_put)",
+        )?;
+        let wait = k::WaitParams {
+            words: self.base + plan.word(Words::CombineData, 0) as u64,
+            counts_out: 0,
+            error,
+            timeout_ns: self.timeout_ns(),
+            target: seq,
+            rank: self.rank as i32,
+            nodes: nodes as i32,
+            my_node: me as i32,
+            shift: 0,
+            what: k::wait_what::COMBINE_DATA as i32,
+            cap: plan.cap as i32,
+            peer_rank,
+        };
+        self.launch(
+            &self.kernels.wait,
+            1,
+            k::WAIT_THREADS,
+            0,
+            &wait,
+            "cuLaunchKernel(ep_internode_wait)",
+        )?;
+        let t = h.num_tokens;
+        let dev = |source| EpError::Device {
+            rank: self.rank,
+            source,
+        };
+        let out_x = Arc::new(DeviceBuffer::new(&self.ctx, t * hidden * 2).map_err(dev)?);
+        let out_w = if kk > 0 {
+            Some(Arc::new(
+                DeviceBuffer::new(&self.ctx, bytes_of::<f32>(t * kk)).map_err(dev)?,
+            ))
+        } else {
+            None
+        };
+        let mut slot = [0u64; k::MAX_NODES];
+        let mut rows = [0i32; k::MAX_NODES];
+        for n in 0..nodes {
+            slot[n] = self.base + plan.c_recv_slot(n) as u64;
+            rows[n] = h.node_counts[n].min(plan.cap) as i32;
+        }
+        let p = k::ReduceParams {
+            slot,
+            off_w: plan.c_w as u64,
+            node_pos: h.node_pos.device_address(),
+            bias0: args.bias[0].map_or(0, |b| b.device_address()),
+            bias1: args.bias[1].map_or(0, |b| b.device_address()),
+            out_x: out_x.ptr(),
+            out_w: out_w.as_ref().map_or(0, |b| b.ptr()),
+            error,
+            num_tokens: t as i32,
+            hidden: hidden as i32,
+            topk: kk as i32,
+            nodes: nodes as i32,
+            rank: self.rank as i32,
+            pad: 0,
+            rows,
+        };
+        if t > 0 {
+            self.launch(
+                &self.kernels.reduce,
+                t.min(1024) as u32,
+                k::THREADS,
+                0,
+                &p,
+                "cuLaunchKernel(ep_internode_reduce)",
+            )?;
+        }
+        self.ack(Words::CombineAck)?;
+        let event = self.finish(&args.order)?;
+        drop(sums);
+        Ok(CombineOutput {
+            x: Tensor::view(out_x, 0, vec![t, hidden]),
+            topk_weights: out_w.map(|b| Tensor::view(b, 0, vec![t, kk])),
+            event,
+        })
+    }
+
+    /// Waits (bounded) for everything queued, then reports any device error.
+    pub fn synchronize(&mut self) -> Result<(), EpError> {
+        self.sync("the internode stream")
+    }
+}
+
+/// The NVLink hop's input ids and weights (views of a dispatch receive slot).
+type ForwarderTopK = (Tensor<i32>, Tensor<f32>);
+
+/// A dispatch's concatenated outputs: rows, ids, weights.
+type Gathered = (RecvX, Option<Tensor<i32>>, Option<Tensor<f32>>);
+
+/// The NVLink hop's input rows (views of a dispatch receive slot).
+enum ForwarderInput {
+    Bf16(Tensor<Bf16>),
+    Fp8(Tensor<Fp8E4M3>, Tensor<f32>),
+}
+
+impl ForwarderInput {
+    fn as_x(&self) -> DispatchX<'_> {
+        match self {
+            ForwarderInput::Bf16(t) => DispatchX::Bf16(t),
+            ForwarderInput::Fp8(x, scales) => DispatchX::Fp8 { x, scales },
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Where everything lives in a rank's registered net buffer of the staged internode path
+//! ([`InternodeBuffer`](super::InternodeBuffer)); mirrored by the comment at the top of
+//! `ep-kernels/cuda/internode.cu`. Offsets are equal on every rank (peers write at them).
+
+use ep_kernels::internode::MAX_NODES;
+
+/// The four signal-word arrays at the start of the buffer, each `u64 [MAX_NODES]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Words {
+    /// `(seq << 32) | rows`: a node's rail peer's dispatch rows have landed.
+    DispatchData = 0,
+    /// A node's rail peer has consumed the previous dispatch (its receive slot is free).
+    DispatchAck = 1,
+    /// A node's partial sums of this rank's tokens have landed.
+    CombineData = 2,
+    /// A node's rail peer has reduced the previous combine.
+    CombineAck = 3,
+}
+
+/// Bytes of the signal words.
+pub(crate) const WORDS_BYTES: usize = 4 * MAX_NODES * 8;
+
+/// Rounds up to 16 bytes (the granularity of every section and every put).
+pub(crate) fn up16(n: usize) -> Option<usize> {
+    n.checked_add(15).map(|v| v & !15)
+}
+
+/// The layout of one rank's net buffer for `nodes` nodes, slots of `cap` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StagedPlan {
+    /// Rows per slot (`max_tokens_per_rank`: a rank sends a node at most all its tokens).
+    pub cap: usize,
+    /// Nodes.
+    pub nodes: usize,
+    /// In a dispatch slot: scales, ids and weights after the rows.
+    pub d_scales: usize,
+    pub d_idx: usize,
+    pub d_w: usize,
+    /// Bytes of a dispatch slot.
+    pub d_slot: usize,
+    /// In a combine slot: the weights after the BF16 rows.
+    pub c_w: usize,
+    /// Bytes of a combine slot.
+    pub c_slot: usize,
+    /// Where the four slot arrays start.
+    pub d_recv: usize,
+    pub d_stage: usize,
+    pub c_recv: usize,
+    pub c_stage: usize,
+    /// Total bytes.
+    pub bytes: usize,
+}
+
+impl StagedPlan {
+    /// The plan for rows of up to `max_hidden` BF16 elements (the widest row: FP8 rows and their
+    /// scales fit in the same slot), top-`max_topk`; `None` when a size overflows.
+    pub(crate) fn new(
+        cap: usize,
+        max_hidden: usize,
+        max_topk: usize,
+        nodes: usize,
+    ) -> Option<Self> {
+        if nodes == 0 || nodes > MAX_NODES || cap == 0 {
+            return None;
+        }
+        let rows = |row: usize| cap.checked_mul(row).and_then(up16);
+        let x = rows(max_hidden.checked_mul(2)?)?;
+        let scales = rows(max_hidden.div_ceil(crate::FP8_BLOCK).checked_mul(4)?)?;
+        let ids = rows(max_topk.checked_mul(4)?)?;
+        let d_scales = x;
+        let d_idx = d_scales.checked_add(scales)?;
+        let d_w = d_idx.checked_add(ids)?;
+        let d_slot = d_w.checked_add(ids)?;
+        let c_w = x;
+        let c_slot = c_w.checked_add(ids)?;
+        let d_all = d_slot.checked_mul(nodes)?;
+        let c_all = c_slot.checked_mul(nodes)?;
+        let d_recv = WORDS_BYTES;
+        let d_stage = d_recv.checked_add(d_all)?;
+        let c_recv = d_stage.checked_add(d_all)?;
+        let c_stage = c_recv.checked_add(c_all)?;
+        let bytes = c_stage.checked_add(c_all)?;
+        Some(Self {
+            cap,
+            nodes,
+            d_scales,
+            d_idx,
+            d_w,
+            d_slot,
+            c_w,
+            c_slot,
+            d_recv,
+            d_stage,
+            c_recv,
+            c_stage,
+            bytes,
+        })
+    }
+
+    /// Offset of signal word `node` of array `w`.
+    pub(crate) fn word(&self, w: Words, node: usize) -> usize {
+        (w as usize * MAX_NODES + node) * 8
+    }
+
+    /// Offset of node `n`'s dispatch receive slot.
+    pub(crate) fn d_recv_slot(&self, n: usize) -> usize {
+        self.d_recv + n * self.d_slot
+    }
+    /// Offset of node `n`'s dispatch stage slot.
+    pub(crate) fn d_stage_slot(&self, n: usize) -> usize {
+        self.d_stage + n * self.d_slot
+    }
+    /// Offset of node `n`'s combine receive slot.
+    pub(crate) fn c_recv_slot(&self, n: usize) -> usize {
+        self.c_recv + n * self.c_slot
+    }
+    /// Offset of node `n`'s combine stage slot.
+    pub(crate) fn c_stage_slot(&self, n: usize) -> usize {
+        self.c_stage + n * self.c_slot
+    }
+}
+
+/// One RDMA write of a put: (offset in this rank's buffer, offset in the peer's, bytes).
+pub(crate) type Segment = (usize, usize, usize);
+
+impl StagedPlan {
+    /// The writes that carry `rows` dispatch rows (of `row_bytes`, `scale_words` scales and
+    /// `topk` ids and weights each) from this rank's stage slot for node `to` into the receive
+    /// slot for node `from` at the peer: rows, scales, then ids and weights of at least one row
+    /// (a node sent nothing still gets one padding row of ids -1). Every write is rounded up to
+    /// 16 bytes and stays inside its section. `None` when the sizes exceed the slot.
+    pub(crate) fn dispatch_segments(
+        &self,
+        to: usize,
+        from: usize,
+        rows: usize,
+        row_bytes: usize,
+        scale_words: usize,
+        topk: usize,
+    ) -> Option<[Segment; 4]> {
+        if to >= self.nodes || from >= self.nodes || rows > self.cap {
+            return None;
+        }
+        let padded = rows.max(1);
+        let sections = [
+            (0, self.d_scales, rows.checked_mul(row_bytes)?),
+            (
+                self.d_scales,
+                self.d_idx,
+                rows.checked_mul(scale_words)?.checked_mul(4)?,
+            ),
+            (
+                self.d_idx,
+                self.d_w,
+                padded.checked_mul(topk)?.checked_mul(4)?,
+            ),
+            (
+                self.d_w,
+                self.d_slot,
+                padded.checked_mul(topk)?.checked_mul(4)?,
+            ),
+        ];
+        let (src, dst) = (self.d_stage_slot(to), self.d_recv_slot(from));
+        let mut out = [(0, 0, 0); 4];
+        for (o, (start, end, bytes)) in out.iter_mut().zip(sections) {
+            let bytes = up16(bytes)?;
+            if bytes > end - start {
+                return None;
+            }
+            *o = (src + start, dst + start, bytes);
+        }
+        Some(out)
+    }
+
+    /// The writes that carry `rows` combined rows (BF16 of `hidden`, `topk` weights each) from
+    /// this rank's combine stage slot for node `to` into the peer's receive slot for node
+    /// `from`; as [`dispatch_segments`](Self::dispatch_segments).
+    pub(crate) fn combine_segments(
+        &self,
+        to: usize,
+        from: usize,
+        rows: usize,
+        hidden: usize,
+        topk: usize,
+    ) -> Option<[Segment; 2]> {
+        if to >= self.nodes || from >= self.nodes || rows > self.cap {
+            return None;
+        }
+        let sections = [
+            (0, self.c_w, rows.checked_mul(hidden)?.checked_mul(2)?),
+            (
+                self.c_w,
+                self.c_slot,
+                rows.checked_mul(topk)?.checked_mul(4)?,
+            ),
+        ];
+        let (src, dst) = (self.c_stage_slot(to), self.c_recv_slot(from));
+        let mut out = [(0, 0, 0); 2];
+        for (o, (start, end, bytes)) in out.iter_mut().zip(sections) {
+            let bytes = up16(bytes)?;
+            if bytes > end - start {
+                return None;
+            }
+            *o = (src + start, dst + start, bytes);
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_are_aligned_disjoint_and_inside() {
+        for (cap, h, k, nodes) in [
+            (1, 8, 1, 2),
+            (4096, 7168, 8, 2),
+            (33, 136, 3, 8),
+            (7, 128, 2, 4),
+        ] {
+            let p = StagedPlan::new(cap, h, k, nodes).unwrap();
+            for off in [
+                p.d_scales, p.d_idx, p.d_w, p.d_slot, p.c_w, p.c_slot, p.d_recv, p.bytes,
+            ] {
+                assert_eq!(off % 16, 0, "{p:?}");
+            }
+            // Each section holds cap rows of its widest element.
+            assert!(p.d_scales >= cap * h * 2);
+            assert!(p.d_idx - p.d_scales >= cap * h.div_ceil(128) * 4);
+            assert!(p.d_w - p.d_idx >= cap * k * 4 && p.d_slot - p.d_w >= cap * k * 4);
+            assert!(p.c_slot - p.c_w >= cap * k * 4);
+            assert_eq!(p.d_stage_slot(nodes - 1) + p.d_slot, p.c_recv);
+            assert_eq!(p.c_stage_slot(nodes - 1) + p.c_slot, p.bytes);
+            assert!(p.word(Words::CombineAck, MAX_NODES - 1) + 8 <= p.d_recv);
+            assert!(p.d_recv_slot(0) >= WORDS_BYTES);
+        }
+    }
+
+    #[test]
+    fn overflow_and_bad_shapes_are_none() {
+        assert!(StagedPlan::new(usize::MAX / 2, 7168, 8, 2).is_none());
+        assert!(StagedPlan::new(16, 7168, 8, 0).is_none());
+        assert!(StagedPlan::new(16, 7168, 8, MAX_NODES + 1).is_none());
+        assert!(StagedPlan::new(0, 7168, 8, 2).is_none());
+    }
+
+    #[test]
+    fn rounding_to_16() {
+        assert_eq!(up16(0), Some(0));
+        assert_eq!(up16(1), Some(16));
+        assert_eq!(up16(32), Some(32));
+        assert_eq!(up16(usize::MAX), None);
+    }
+
+    #[test]
+    fn segments_stay_inside_their_slots() {
+        let (cap, h, k, nodes) = (33, 1024, 6, 4);
+        let p = StagedPlan::new(cap, h, k, nodes).unwrap();
+        for rows in [0, 1, 7, cap] {
+            for (row_bytes, sw) in [(h * 2, 0), (h, h / 128), (16, 0)] {
+                let segs = p.dispatch_segments(1, 2, rows, row_bytes, sw, k).unwrap();
+                for (i, &(src, dst, bytes)) in segs.iter().enumerate() {
+                    assert_eq!(bytes % 16, 0);
+                    let (lo, hi) = [
+                        (0, p.d_scales),
+                        (p.d_scales, p.d_idx),
+                        (p.d_idx, p.d_w),
+                        (p.d_w, p.d_slot),
+                    ][i];
+                    assert!(
+                        src >= p.d_stage_slot(1) + lo && src + bytes <= p.d_stage_slot(1) + hi,
+                        "{i}"
+                    );
+                    assert!(
+                        dst >= p.d_recv_slot(2) + lo && dst + bytes <= p.d_recv_slot(2) + hi,
+                        "{i}"
+                    );
+                }
+                // Ids of at least one row travel, so a node that sent nothing has a padding row.
+                assert!(segs[2].2 >= k * 4);
+            }
+            let segs = p.combine_segments(3, 0, rows, h, k).unwrap();
+            assert!(
+                segs[0].0 >= p.c_stage_slot(3)
+                    && segs[1].0 + segs[1].2 <= p.c_stage_slot(3) + p.c_slot
+            );
+            assert!(
+                segs[0].1 >= p.c_recv_slot(0)
+                    && segs[1].1 + segs[1].2 <= p.c_recv_slot(0) + p.c_slot
+            );
+            assert_eq!(segs[0].2, up16(rows * h * 2).unwrap());
+        }
+        assert!(p.dispatch_segments(0, 1, cap + 1, h * 2, 0, k).is_none());
+        assert!(
+            p.dispatch_segments(0, 1, cap, h * 4, 0, k).is_none(),
+            "rows wider than the plan's"
+        );
+        assert!(p.dispatch_segments(nodes, 1, 1, 16, 0, k).is_none());
+        assert!(p.combine_segments(0, nodes, 1, h, k).is_none());
+        assert!(p
+            .combine_segments(0, 1, 1, h, k + 1)
+            .is_some_and(|s| s[1].2 <= p.c_slot - p.c_w));
+    }
+}

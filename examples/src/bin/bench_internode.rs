@@ -1,0 +1,392 @@
+//! Internode dispatch/combine benchmark at DeepEP's internode sizes (4096 tokens per rank,
+//! hidden 7168, top-8 of 256 experts, uniform random), ranks as threads on virtual nodes (every
+//! inter-node byte through the emulated NIC, each rank's NIC shaped to a 400 Gb/s port: 50 GB/s,
+//! 2 µs per operation).
+//!
+//! Counted as DeepEP counts: RDMA GB/s = token rows this rank sent to other nodes × row bytes ÷
+//! time; NVL GB/s = rows this rank received × row bytes ÷ time (FP8 rows count 1 + 4/128 bytes
+//! per element); averaged over ranks. Times are host times of a whole operation (the staged
+//! version waits on the host inside dispatch), after one warm-up round. Writes one JSON record
+//! per (op, dtype) with `--json`.
+//!
+//! `bench_internode [--nodes N] [--ranks-per-node R] [--tokens T] [--hidden H] [--topk K]
+//!  [--experts E] [--dtype bf16|fp8|both] [--iters I] [--no-shape] [--json PATH]`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use ep::internode::reference;
+use ep::internode::{
+    InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, Topology,
+};
+use ep::transport::NicChoice;
+use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
+use ep_examples::bench::utc_date;
+use ep_kernels::testing::Rng;
+use ibgda_device::cuda::CudaContext;
+use ibgda_device::protocol::HandlerChoice;
+
+const USAGE: &str = "\
+usage: bench_internode [options]
+
+options:
+  --nodes N            nodes (default 2)
+  --ranks-per-node R   ranks per node, nodes x R at most 8 (default 2)
+  --tokens T           tokens per rank (default 4096)
+  --hidden H           hidden size (default 7168)
+  --topk K             experts per token (default 8)
+  --experts E          experts in all (default 256)
+  --dtype D            bf16, fp8 or both (default both)
+  --iters I            timed rounds per op (default 5)
+  --no-shape           leave the emulated NIC unshaped (default: 400 Gb/s, 2 us per op)
+  --json PATH          write the records there
+  -h, --help           this text
+";
+
+/// A 400 Gb/s port: what the emulated NIC is shaped to.
+const LINE_RATE_GBPS: f64 = 50.0;
+
+#[derive(Debug, Clone)]
+struct Args {
+    nodes: usize,
+    rpn: usize,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    dtypes: Vec<bool>,
+    iters: usize,
+    shape: bool,
+    json: Option<String>,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args {
+        nodes: 2,
+        rpn: 2,
+        tokens: 4096,
+        hidden: 7168,
+        topk: 8,
+        experts: 256,
+        dtypes: vec![false, true],
+        iters: 5,
+        shape: true,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
+        match f.as_str() {
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--no-shape" => {
+                a.shape = false;
+                continue;
+            }
+            _ => {}
+        }
+        let v = it.next().with_context(|| format!("{f} needs a value"))?;
+        match f.as_str() {
+            "--nodes" => a.nodes = v.parse()?,
+            "--ranks-per-node" => a.rpn = v.parse()?,
+            "--tokens" => a.tokens = v.parse()?,
+            "--hidden" => a.hidden = v.parse()?,
+            "--topk" => a.topk = v.parse()?,
+            "--experts" => a.experts = v.parse()?,
+            "--iters" => a.iters = v.parse()?,
+            "--json" => a.json = Some(v),
+            "--dtype" => {
+                a.dtypes = match v.as_str() {
+                    "bf16" => vec![false],
+                    "fp8" => vec![true],
+                    "both" => vec![false, true],
+                    other => bail!("unknown dtype {other}"),
+                }
+            }
+            other => bail!("unknown argument {other}\n{USAGE}"),
+        }
+    }
+    ensure!(
+        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
+        "nodes x ranks per node: 2..=8, 2+ nodes"
+    );
+    ensure!(
+        a.experts % (a.nodes * a.rpn) == 0 && a.topk <= a.experts,
+        "experts must be a multiple of the ranks"
+    );
+    ensure!(
+        a.hidden % 128 == 0 && a.iters >= 1,
+        "hidden a multiple of 128, iters at least 1"
+    );
+    Ok(a)
+}
+
+/// One rank's inputs.
+struct Input {
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+    x: Vec<Bf16>,
+    fp8: Vec<Fp8E4M3>,
+    scales: Vec<f32>,
+}
+
+fn gen(a: &Args, rng: &mut Rng) -> Input {
+    let mut ids = Vec::with_capacity(a.tokens * a.topk);
+    for _ in 0..a.tokens {
+        let mut row: Vec<i32> = Vec::new();
+        while row.len() < a.topk {
+            let e = rng.below(a.experts as u64) as i32;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        ids.extend(row);
+    }
+    Input {
+        ids,
+        weights: (0..a.tokens * a.topk)
+            .map(|_| rng.below(1000) as f32 / 1000.0)
+            .collect(),
+        x: (0..a.tokens * a.hidden)
+            .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
+            .collect(),
+        fp8: (0..a.tokens * a.hidden)
+            .map(|_| Fp8E4M3((rng.below(126) + 1) as u8))
+            .collect(),
+        scales: (0..a.tokens * a.hidden / 128).map(|_| 1.0).collect(),
+    }
+}
+
+/// One rank's mean times (µs) and bytes.
+struct Timing {
+    dispatch_us: f64,
+    combine_us: f64,
+    rdma_bytes: f64,
+    nvl_bytes: f64,
+}
+
+fn run_rank(
+    buf: &mut InternodeBuffer,
+    ctx: &Arc<CudaContext>,
+    a: &Args,
+    inp: &Input,
+    fp8: bool,
+    want_rows: usize,
+    rdma_tokens: usize,
+) -> Result<Timing> {
+    let r = buf.rank();
+    let t = a.tokens;
+    let ids = Tensor::from_host(ctx, &inp.ids, &[t, a.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
+    let (xb, xf, sf);
+    let x = if fp8 {
+        xf = Tensor::from_host(ctx, &inp.fp8, &[t, a.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
+        DispatchX::Fp8 {
+            x: &xf,
+            scales: &sf,
+        }
+    } else {
+        xb = Tensor::from_host(ctx, &inp.x, &[t, a.hidden])?;
+        DispatchX::Bf16(&xb)
+    };
+    let layout = buf.get_dispatch_layout(&ids)?;
+    let args = InternodeDispatchArgs {
+        x,
+        layout: &layout,
+        topk: TopK {
+            idx: &ids,
+            weights: &weights,
+        },
+        num_worst_tokens: None,
+        expert_alignment: 1,
+        order: StreamOrder::default(),
+    };
+    let (mut d_total, mut c_total) = (Duration::ZERO, Duration::ZERO);
+    for round in 0..=a.iters {
+        let t0 = Instant::now();
+        let out = buf.dispatch(&args)?;
+        buf.synchronize()?;
+        let d = t0.elapsed();
+        ensure!(
+            out.num_recv_tokens == want_rows,
+            "rank {r}: received {} rows, reference {want_rows}",
+            out.num_recv_tokens
+        );
+        let rows = out.handle.num_rows();
+        let cx = Tensor::<Bf16>::filled(ctx, Bf16::from_f32(0.5), &[rows, a.hidden])?;
+        let t1 = Instant::now();
+        let comb = buf.combine(&InternodeCombineArgs {
+            x: &cx,
+            handle: &out.handle,
+            topk_weights: None,
+            bias: [None, None],
+            order: StreamOrder::default(),
+        })?;
+        buf.synchronize()?;
+        let c = t1.elapsed();
+        drop(comb);
+        if round > 0 {
+            d_total += d;
+            c_total += c;
+        }
+    }
+    let elem = if fp8 { 1.0 + 4.0 / 128.0 } else { 2.0 };
+    let n = a.iters as f64;
+    Ok(Timing {
+        dispatch_us: d_total.as_secs_f64() * 1e6 / n,
+        combine_us: c_total.as_secs_f64() * 1e6 / n,
+        rdma_bytes: rdma_tokens as f64 * a.hidden as f64 * elem,
+        nvl_bytes: want_rows as f64 * a.hidden as f64 * elem,
+    })
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let a = parse()?;
+    let gpus = ep_kernels::testing::visible_gpus();
+    if gpus == 0 {
+        eprintln!("bench_internode: no GPU visible; nothing to run");
+        std::process::exit(2);
+    }
+    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let world = topo.world();
+    let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
+    let used_gpus = gpus.min(world);
+    let machine = format!("{}x {}", used_gpus, ctxs[0].name().unwrap_or_default());
+    println!(
+        "bench_internode: {} nodes x {} ranks ({}), {} tokens x {}, top-{} of {} experts, NIC {}",
+        a.nodes,
+        a.rpn,
+        ep_kernels::testing::mapping(world, gpus),
+        a.tokens,
+        a.hidden,
+        a.topk,
+        a.experts,
+        if a.shape {
+            "shaped to 400 Gb/s (50 GB/s, 2 us)"
+        } else {
+            "unshaped"
+        }
+    );
+    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    bo.timeout = Duration::from_secs(60);
+    bo.max_live_outputs = 1;
+    let opts = InternodeOptions {
+        buffer: bo,
+        nic: NicChoice::Emulated,
+        nic_handler: HandlerChoice::Gpu,
+    };
+    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &opts)?;
+    if a.shape {
+        for b in &bufs {
+            b.set_fault_plan(ibgda_emu::FaultPlan::nic_400g())?;
+        }
+    }
+    let sms = bufs[0].nvl_sms();
+    let mut rng = Rng::new(0x5eed);
+    let inputs: Vec<Input> = (0..world).map(|_| gen(&a, &mut rng)).collect();
+    // Rows each rank receives and tokens it sends to other nodes, from the reference layout.
+    let rpn = a.rpn;
+    let mut want_rows = vec![0usize; world];
+    let mut rdma_tokens = vec![0usize; world];
+    for (s, inp) in inputs.iter().enumerate() {
+        let l = reference::layout(&inp.ids, a.topk, &topo, a.experts)?;
+        for (d, c) in l.tokens_per_rank.iter().enumerate() {
+            want_rows[d] += *c as usize;
+        }
+        rdma_tokens[s] = l
+            .tokens_per_rdma_rank
+            .iter()
+            .enumerate()
+            .filter(|(n, _)| *n != s / rpn)
+            .map(|(_, c)| *c as usize)
+            .sum();
+    }
+    let date = utc_date();
+    let mut records = Vec::new();
+    println!(
+        "{:<20} {:<5} {:>4} {:>10} {:>10} {:>10}",
+        "bench", "dtype", "sms", "us", "rdma GB/s", "nvl GB/s"
+    );
+    for &fp8 in &a.dtypes {
+        let timings: Vec<Result<Timing>> = std::thread::scope(|s| {
+            let joins: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, buf)| {
+                    let (ctx, a, inp, wr, rt) = (
+                        ctxs[r].clone(),
+                        &a,
+                        &inputs[r],
+                        want_rows[r],
+                        rdma_tokens[r],
+                    );
+                    s.spawn(move || run_rank(buf, &ctx, a, inp, fp8, wr, rt))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
+                })
+                .collect()
+        });
+        let timings: Vec<Timing> = timings.into_iter().collect::<Result<_>>()?;
+        let dtype = if fp8 { "fp8" } else { "bf16" };
+        for (bench, us_of) in [
+            (
+                "internode_dispatch",
+                (|t: &Timing| t.dispatch_us) as fn(&Timing) -> f64,
+            ),
+            ("internode_combine", |t: &Timing| t.combine_us),
+        ] {
+            // Combine moves BF16 rows back whatever the dispatch dtype.
+            let scale = if bench == "internode_combine" && fp8 {
+                2.0 / (1.0 + 4.0 / 128.0)
+            } else {
+                1.0
+            };
+            let n = timings.len() as f64;
+            let us = timings.iter().map(us_of).sum::<f64>() / n;
+            let rdma = timings
+                .iter()
+                .map(|t| t.rdma_bytes * scale / us_of(t) / 1e3)
+                .sum::<f64>()
+                / n;
+            let nvl = timings
+                .iter()
+                .map(|t| t.nvl_bytes * scale / us_of(t) / 1e3)
+                .sum::<f64>()
+                / n;
+            println!("{bench:<20} {dtype:<5} {sms:>4} {us:>10.1} {rdma:>10.2} {nvl:>10.2}");
+            records.push(format!(
+                "  {{\"bench\": \"{bench}\", \"dtype\": \"{dtype}\", \"rdma_gbps\": {rdma:.2}, \"nvl_gbps\": {nvl:.2}, \"line_rate_gbps\": {}, \"us\": {us:.1}, \"sms\": {sms}, \"nodes\": {}, \"ranks_per_node\": {}, \"gpus\": {used_gpus}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"shaped\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                if a.shape { format!("{LINE_RATE_GBPS:.1}") } else { "null".into() },
+                a.nodes,
+                a.rpn,
+                a.tokens,
+                a.hidden,
+                a.topk,
+                a.experts,
+                a.shape
+            ));
+        }
+    }
+    std::thread::scope(|s| {
+        for b in bufs {
+            s.spawn(move || drop(b));
+        }
+    });
+    if let Some(p) = &a.json {
+        std::fs::write(p, format!("[\n{}\n]\n", records.join(",\n")))
+            .with_context(|| format!("writing {p}"))?;
+        println!("wrote {p}");
+    }
+    Ok(())
+}

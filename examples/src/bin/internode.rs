@@ -1,0 +1,437 @@
+//! Internode dispatch and combine on virtual nodes: the ranks (threads of this process, spread
+//! round robin over the visible GPUs) are split into `--nodes` nodes of `--ranks-per-node`
+//! ranks, NVLink off between nodes, so every byte between nodes goes through the (emulated)
+//! NIC. Each rank draws random tokens and top-k routes, computes the layout, dispatches, returns
+//! random expert outputs and combines; dispatch must match `ep::internode::reference` bit for
+//! bit, combine within the rounding of the BF16 node sums. Prints host timings and the bytes each
+//! hop carried. With no GPU it exits with status 2 and says so.
+//!
+//! `internode [--nodes N] [--ranks-per-node R] [--tokens T] [--hidden H] [--topk K]
+//!  [--experts E] [--fp8] [--handler gpu|cpu_host_memory|auto] [--iters I] [--seed S]`
+//! (`--help` says what each does).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use ep::internode::reference::{self, InternodeDispatch};
+use ep::internode::{
+    InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, Topology,
+};
+use ep::reference::{CombineInput, RankInput};
+use ep::transport::NicChoice;
+use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
+use ep_kernels::testing::Rng;
+use ibgda_device::cuda::CudaContext;
+use ibgda_device::protocol::HandlerChoice;
+
+const USAGE: &str = "\
+usage: internode [options]
+
+Internode dispatch and combine on virtual nodes (every inter-node byte through the NIC), ranks as
+threads on the visible GPUs, checked against the CPU reference.
+
+options:
+  --nodes N            nodes, 2..=8 (default 2)
+  --ranks-per-node R   ranks per node, 1..=8, nodes x R at most 8 (default 2)
+  --tokens T           tokens per rank (default 512)
+  --hidden H           hidden size (default 7168)
+  --topk K             experts per token (default 8)
+  --experts E          experts in all, a multiple of the rank count (default 64)
+  --fp8                dispatch FP8 rows with one f32 scale per 128 channels (default BF16)
+  --handler M          NIC handler mode: gpu, cpu_host_memory, cpu or auto (default gpu)
+  --iters I            dispatch+combine rounds, each checked (default 2)
+  --seed S             seed of the random inputs (default: from the clock)
+  -h, --help           this text
+
+EP_NIC picks the NIC (default: the emulated NIC); IBGDA_NIC_HANDLER overrides --handler.
+";
+
+#[derive(Debug, Clone)]
+struct Args {
+    nodes: usize,
+    rpn: usize,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    fp8: bool,
+    handler: HandlerChoice,
+    iters: usize,
+    seed: u64,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args {
+        nodes: 2,
+        rpn: 2,
+        tokens: 512,
+        hidden: 7168,
+        topk: 8,
+        experts: 64,
+        fp8: false,
+        handler: HandlerChoice::Gpu,
+        iters: 2,
+        seed: 0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
+        match f.as_str() {
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--fp8" => {
+                a.fp8 = true;
+                continue;
+            }
+            _ => {}
+        }
+        let v = it.next().with_context(|| format!("{f} needs a value"))?;
+        match f.as_str() {
+            "--nodes" => a.nodes = v.parse()?,
+            "--ranks-per-node" => a.rpn = v.parse()?,
+            "--tokens" => a.tokens = v.parse()?,
+            "--hidden" => a.hidden = v.parse()?,
+            "--topk" => a.topk = v.parse()?,
+            "--experts" => a.experts = v.parse()?,
+            "--iters" => a.iters = v.parse()?,
+            "--seed" => a.seed = v.parse()?,
+            "--handler" => {
+                a.handler = match v.as_str() {
+                    "gpu" => HandlerChoice::Gpu,
+                    "cpu_host_memory" => HandlerChoice::CpuHostMemory,
+                    "cpu" => HandlerChoice::Cpu,
+                    "auto" => HandlerChoice::Auto,
+                    other => bail!("unknown handler mode {other}\n{USAGE}"),
+                }
+            }
+            other => bail!("unknown argument {other}\n{USAGE}"),
+        }
+    }
+    ensure!(
+        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
+        "nodes x ranks per node must be 2..=8 with 2+ nodes"
+    );
+    ensure!(
+        a.experts > 0 && a.experts % (a.nodes * a.rpn) == 0,
+        "experts must be a multiple of the rank count"
+    );
+    ensure!(
+        a.topk >= 1 && a.topk <= a.experts,
+        "topk must be 1..=experts"
+    );
+    ensure!(
+        a.hidden % if a.fp8 { 128 } else { 8 } == 0,
+        "hidden must be a multiple of 8 (128 with --fp8)"
+    );
+    if a.seed == 0 {
+        a.seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as u64;
+    }
+    Ok(a)
+}
+
+fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
+    (0..n)
+        .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
+        .collect()
+}
+
+fn gen(a: &Args, rng: &mut Rng) -> RankInput {
+    let mut ids = Vec::with_capacity(a.tokens * a.topk);
+    for _ in 0..a.tokens {
+        let mut row: Vec<i32> = Vec::new();
+        while row.len() < a.topk {
+            let e = rng.below(a.experts as u64) as i32;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        ids.extend(row);
+    }
+    let (row_bytes, x, scale_words, scales) = if a.fp8 {
+        let x = (0..a.tokens * a.hidden)
+            .map(|_| (rng.below(126) + 1) as u8)
+            .collect();
+        let sw = a.hidden / 128;
+        let s = (0..a.tokens * sw)
+            .map(|_| rng.below(1000) as f32 / 1000.0 + 0.5)
+            .collect();
+        (a.hidden, x, sw, s)
+    } else {
+        (
+            a.hidden * 2,
+            bytemuck_bytes(&random_bf16(rng, a.tokens * a.hidden)),
+            0,
+            Vec::new(),
+        )
+    };
+    RankInput {
+        tokens: a.tokens,
+        row_bytes,
+        x,
+        scale_words,
+        scales,
+        topk: a.topk,
+        topk_idx: ids,
+        weights: (0..a.tokens * a.topk)
+            .map(|_| rng.below(1000) as f32 / 1000.0)
+            .collect(),
+    }
+}
+
+fn bytemuck_bytes(x: &[Bf16]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.0.to_le_bytes()).collect()
+}
+
+struct Report {
+    received: usize,
+    dispatch: Duration,
+    combine: Duration,
+    worst_err: f32,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    buf: &mut InternodeBuffer,
+    ctx: &Arc<CudaContext>,
+    a: &Args,
+    inp: &RankInput,
+    want: &InternodeDispatch,
+    comb_in: &CombineInput,
+    want_out: &[Bf16],
+    scale: &[Bf16],
+) -> Result<Report> {
+    let r = buf.rank();
+    let t = inp.tokens;
+    let ids = Tensor::from_host(ctx, &inp.topk_idx, &[t, a.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
+    let (xb, xf, sf);
+    let x = if a.fp8 {
+        let fp8: Vec<Fp8E4M3> = inp.x.iter().map(|&b| Fp8E4M3(b)).collect();
+        xf = Tensor::from_host(ctx, &fp8, &[t, a.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
+        DispatchX::Fp8 {
+            x: &xf,
+            scales: &sf,
+        }
+    } else {
+        let v: Vec<Bf16> = inp
+            .x
+            .chunks_exact(2)
+            .map(|c| Bf16(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
+        xb = Tensor::from_host(ctx, &v, &[t, a.hidden])?;
+        DispatchX::Bf16(&xb)
+    };
+    let layout = buf.get_dispatch_layout(&ids)?;
+    let t0 = Instant::now();
+    let out = buf.dispatch(&InternodeDispatchArgs {
+        x,
+        layout: &layout,
+        topk: TopK {
+            idx: &ids,
+            weights: &weights,
+        },
+        num_worst_tokens: None,
+        expert_alignment: 1,
+        order: StreamOrder::default(),
+    })?;
+    buf.synchronize()?;
+    let dispatch = t0.elapsed();
+    let w = &want.received[r];
+    let n = out.num_recv_tokens;
+    ensure!(
+        n == w.sources.len(),
+        "rank {r}: received {n} rows, reference {}",
+        w.sources.len()
+    );
+    let got: Vec<u8> = match &out.x {
+        RecvX::Bf16(t) => bytemuck_bytes(&t.to_host()?),
+        RecvX::Fp8 { x, scales } => {
+            ensure!(
+                scales.to_host()? == w.scales,
+                "rank {r}: received scales differ from the reference"
+            );
+            x.to_host()?.iter().map(|v| v.0).collect()
+        }
+    };
+    ensure!(
+        got == w.x,
+        "rank {r}: received rows differ from the reference"
+    );
+    ensure!(
+        out.topk_idx.as_ref().context("ids")?.to_host()? == w.topk_idx,
+        "rank {r}: received top-k ids differ"
+    );
+    ensure!(
+        out.topk_weights.as_ref().context("weights")?.to_host()? == w.weights,
+        "rank {r}: received weights differ"
+    );
+    ensure!(
+        out.num_recv_tokens_per_expert.as_ref() == Some(&w.per_expert),
+        "rank {r}: per-expert counts differ"
+    );
+
+    let cx = Tensor::from_host(ctx, &comb_in.x, &[n, a.hidden])?;
+    let cw = Tensor::from_host(ctx, &comb_in.weights, &[n, a.topk])?;
+    let t1 = Instant::now();
+    let comb = buf.combine(&InternodeCombineArgs {
+        x: &cx,
+        handle: &out.handle,
+        topk_weights: Some(&cw),
+        bias: [None, None],
+        order: StreamOrder::default(),
+    })?;
+    buf.synchronize()?;
+    let combine = t1.elapsed();
+    let got = comb.x.to_host()?;
+    let mut worst_err = 0f32;
+    for (i, ((g, w), s)) in got.iter().zip(want_out).zip(scale).enumerate() {
+        let err = (g.to_f32() - w.to_f32()).abs();
+        ensure!(
+            err <= s.to_f32() / 64.0 + 1e-5,
+            "rank {r}: combined element {i} is {}, reference {}",
+            g.to_f32(),
+            w.to_f32()
+        );
+        worst_err = worst_err.max(err);
+    }
+    Ok(Report {
+        received: n,
+        dispatch,
+        combine,
+        worst_err,
+    })
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let a = parse()?;
+    let gpus = ep_kernels::testing::visible_gpus();
+    if gpus == 0 {
+        eprintln!("internode: no GPU visible; nothing to run");
+        std::process::exit(2);
+    }
+    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let world = topo.world();
+    println!(
+        "internode: {} nodes x {} ranks ({}), {} tokens x {} {}, top-{} of {} experts, handler {:?}, seed {}",
+        a.nodes,
+        a.rpn,
+        ep_kernels::testing::mapping(world, gpus),
+        a.tokens,
+        a.hidden,
+        if a.fp8 { "FP8" } else { "BF16" },
+        a.topk,
+        a.experts,
+        a.handler,
+        a.seed
+    );
+    let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
+    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    bo.timeout = Duration::from_secs(30);
+    bo.max_live_outputs = 2;
+    let opts = InternodeOptions {
+        buffer: bo,
+        nic: NicChoice::Emulated,
+        nic_handler: a.handler,
+    };
+    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &opts)?;
+    let mut rngs: Vec<Rng> = (0..world)
+        .map(|r| Rng::new(a.seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect();
+    for it in 0..a.iters {
+        let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(&a, rng)).collect();
+        let want = reference::dispatch(&topo, &inputs, a.experts, 1)?;
+        let comb_in: Vec<CombineInput> = (0..world)
+            .map(|d| CombineInput {
+                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.hidden),
+                weights: want.received[d].weights.clone(),
+            })
+            .collect();
+        let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
+        let nob = vec![[None, None]; world];
+        let want_out =
+            reference::combine(&topo, &want, &comb_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let abs_in: Vec<CombineInput> = comb_in
+            .iter()
+            .map(|c| CombineInput {
+                x: c.x
+                    .iter()
+                    .map(|v| Bf16::from_f32(v.to_f32().abs()))
+                    .collect(),
+                weights: c.weights.clone(),
+            })
+            .collect();
+        let scale = reference::combine(&topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let reports: Vec<Result<Report>> = std::thread::scope(|s| {
+            let joins: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, buf)| {
+                    let (ctx, a, inp, want, ci, wo, sc) = (
+                        ctxs[r].clone(),
+                        &a,
+                        &inputs[r],
+                        &want,
+                        &comb_in[r],
+                        &want_out[r].0,
+                        &scale[r].0,
+                    );
+                    s.spawn(move || run_rank(buf, &ctx, a, inp, want, ci, wo, sc))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
+                })
+                .collect()
+        });
+        let mut failed = false;
+        for (r, rep) in reports.iter().enumerate() {
+            match rep {
+                Ok(p) => println!(
+                    "  it {it} rank {r}: {} rows received; dispatch {:.1} ms, combine {:.1} ms (host, incl. syncs); combine max err {:e}",
+                    p.received,
+                    p.dispatch.as_secs_f64() * 1e3,
+                    p.combine.as_secs_f64() * 1e3,
+                    p.worst_err
+                ),
+                Err(e) => {
+                    failed = true;
+                    println!("  it {it} rank {r}: FAILED: {e:#}");
+                }
+            }
+        }
+        let row = inputs[0].row_bytes;
+        println!(
+            "  it {it}: {} token copies crossed the NIC ({:.1} MiB of rows), {} NVLink hand-overs",
+            want.rdma_copies.len(),
+            (want.rdma_copies.len() * row) as f64 / (1 << 20) as f64,
+            want.nvl_forwarded.iter().flatten().sum::<usize>()
+        );
+        if failed {
+            bail!(
+                "iteration {it} did not match the reference (seed {})",
+                a.seed
+            );
+        }
+    }
+    std::thread::scope(|s| {
+        for b in bufs {
+            s.spawn(move || drop(b));
+        }
+    });
+    println!(
+        "internode: OK, {} iteration(s) match the reference",
+        a.iters
+    );
+    Ok(())
+}
