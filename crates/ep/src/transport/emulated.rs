@@ -878,7 +878,13 @@ impl QpGroup {
             .proxy
             .as_ref()
             .and_then(|p| p.last_rung(r.qp_index as usize));
-        check_record(&r, rung).map_err(TransportError::from)
+        check_record(&r, rung).map_err(|mut f| {
+            f.nic_state = self
+                .qpns
+                .get(r.qp_index as usize)
+                .map(|&qpn| engine_state(&self.nic, qpn));
+            TransportError::from(f)
+        })
     }
 
     /// QP `i`'s counters (a copy from the device descriptor on CUDA: call after the kernels that
@@ -975,5 +981,23 @@ pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), Transport
             record: None,
         }),
         r => r.map_err(TransportError::Cuda),
+    }
+}
+
+/// How long a failure report waits for a QP's engine before saying its progress thread is busy
+/// inside the QP's round.
+const ENGINE_STATE_WAIT: Duration = Duration::from_millis(200);
+
+/// The emulated NIC's account of QP `qpn`, for a failure report: its status line, or why there
+/// is none (the progress thread held the QP's engine for all of [`ENGINE_STATE_WAIT`]: it is
+/// stuck inside that QP's round).
+pub(crate) fn engine_state(nic: &Nic, qpn: u32) -> String {
+    match nic.qp_status_within(qpn, ENGINE_STATE_WAIT) {
+        Ok(Some(st)) => st.to_string(),
+        Ok(None) => format!(
+            "qpn {qpn:#x}: the progress thread held the QP's engine for {ENGINE_STATE_WAIT:?} \
+             (inside its round: a backend wait)"
+        ),
+        Err(e) => format!("qpn {qpn:#x}: {e}"),
     }
 }
