@@ -157,7 +157,8 @@ fn auto_on_the_host_backend_picks_mode_gpu_and_says_why() {
     let (mode, why) = nic.select(HandlerChoice::Auto).unwrap();
     assert_eq!(mode, NicHandler::Gpu);
     assert!(why.contains("auto"), "{why}");
-    // Mode cpu needs GDRCopy, which the host backend never has: refused with the reason.
+    // Mode cpu keeps its producer slots in GPU memory, which the host backend does not have:
+    // refused with the reason.
     let e = nic.select(HandlerChoice::Cpu).unwrap_err().to_string();
     assert!(e.contains("cpu"), "{e}");
 }

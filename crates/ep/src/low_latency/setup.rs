@@ -293,7 +293,8 @@ impl LowLatencyBuffer {
                     .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
                 let (mode, why) = t.select(asked).map_err(|e| {
                     let need = if asked == HandlerChoice::Cpu {
-                        " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
+                        " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
+                         libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
                     } else {
                         ""
                     };
