@@ -173,8 +173,7 @@ pub(super) fn build_qp(
         mem.ring_umem.at((base + ring.cq_dbr) as u64),
         log,
     )
-    // The protocol polls the CQE of each completion's own index (`ibgda_quiet`).
-    .collapsed(false)
+    // A ring (the builder's default): the protocol polls each completion's own entry.
     .create()
     .map_err(verbs("creating a CQ"))?;
     let host_dev = Block::Host(mem.host.clone()).dev_addr();

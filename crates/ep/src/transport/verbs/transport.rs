@@ -317,7 +317,6 @@ impl RankTransport for VerbsTransport {
                 umem.at(base + layout.cq_dbr as u64),
                 RESPONDER_LOG_RING,
             )
-            .collapsed(false)
             .create()
             .map_err(|source| TransportError::Verbs {
                 doing: "creating a responder CQ",
