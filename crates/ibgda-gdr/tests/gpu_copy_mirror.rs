@@ -49,10 +49,8 @@ fn gpu_copy_mirror_follows_gpu_memory() {
     let r = unsafe { sys::cuMemsetD8_v2(dptr, 0, 4096) };
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     // SAFETY: context bound.
-    assert_eq!(
-        unsafe { sys::cuCtxSynchronize() },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let r = unsafe { sys::cuCtxSynchronize() };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
     let stream = ctx.new_stream().expect("stream");
     {
         // SAFETY: the allocation outlives the mirror (freed after this block).
@@ -76,8 +74,6 @@ fn gpu_copy_mirror_follows_gpu_memory() {
         assert!(m.copies() > 1 && m.error().is_none());
     }
     // SAFETY: allocated above; the mirror (and its pump) is gone.
-    assert_eq!(
-        unsafe { sys::cuMemFree_v2(dptr) },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let r = unsafe { sys::cuMemFree_v2(dptr) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
 }
