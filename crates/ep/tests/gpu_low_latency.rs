@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use ep::low_latency::{Fp8Options, LlDispatchArgs, LowLatencyBuffer, LowLatencyOptions};
+use ep::transport::RingPlacement;
 use ep::{EpError, Tensor};
 use ep_kernels::testing::{rank_gpus, seed, Rng};
 use gpu_low_latency_common::{
@@ -317,6 +318,51 @@ fn transport_matrix_matches_reference_in_every_mode() {
                 "EP{ranks} transport mode {}: {} cases passed",
                 mode.1.name(),
                 transport_cases().len()
+            );
+        }
+    }
+}
+
+/// The direct emulated transport with its rings and CQs in GPU memory (as the verbs path always
+/// places them; the default is pinned host memory), at EP2 and EP4 in every mode: the cases the
+/// verbs test runs. Tells a fault of the emulator's device-ring code (ring reads by copy, CQEs
+/// by stream stores) from one of the verbs/firmware path: the verbs path failed at EP4 in
+/// `cpu_host_memory` on 2026-12-02 while this transport, with host rings, passed.
+#[test]
+fn transport_with_rings_in_gpu_memory_matches_reference_in_every_mode() {
+    let mut rng = Rng::new(seed());
+    let cases = [
+        transport_cases()[0],
+        transport_cases()[5],
+        transport_cases()[10],
+    ];
+    for ranks in ep_kernels::testing::rank_counts(&[2, 4]) {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
+        for mode in TRANSPORT_MODES {
+            let mut o = transport_options(ranks, mode.0);
+            o.emulated_rings = RingPlacement::Device;
+            let mut bufs = LowLatencyBuffer::create_group(&ctxs, &o).unwrap_or_else(|e| {
+                panic!(
+                    "EP{ranks}, rings in GPU memory, mode {}: {e}",
+                    mode.1.name()
+                )
+            });
+            for c in cases {
+                let data = random_data(&mut rng, ranks, c.hidden, c.topk, None);
+                let res: Vec<RankResult> = on_ranks(&mut bufs, |b| {
+                    let r = b.rank();
+                    run_case(b, &data[r], &c).unwrap_or_else(|e| {
+                        panic!("rank {r}, rings in GPU memory, mode {}: {e}", mode.1.name())
+                    })
+                });
+                let what = format!("EP{ranks} device rings mode {} {c:?}", mode.1.name());
+                check(ranks, &c, &data, &res, &what);
+            }
+            shutdown_all(bufs);
+            eprintln!(
+                "EP{ranks} transport with rings in GPU memory, mode {}: {} cases passed",
+                mode.1.name(),
+                cases.len()
             );
         }
     }

@@ -471,6 +471,7 @@ impl LowLatencyBuffer {
                     handler,
                     nqps: QPS_PER_PEER,
                     nwqes: QP_RING_WQEBBS,
+                    placement: opts.emulated_rings,
                     timeout: opts.timeout,
                     peer_rank: r as u32,
                     ..Default::default()
