@@ -231,7 +231,7 @@ mod tests {
             true,
         );
         let mut fetched = 0u64;
-        let mut poll = |st: &mut DoorbellState, fetched: u64, announced: u64| {
+        let poll = |st: &mut DoorbellState, fetched: u64, announced: u64| {
             st.poll(
                 &crate::host::HostMemory,
                 us,
