@@ -17,6 +17,7 @@
 use std::fmt;
 use std::path::Path;
 
+use ibgda_device::protocol::{ModePlan, NicImpl, Requirement};
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_verbs::{Context, LinkLayer, PortState};
 
@@ -372,30 +373,35 @@ pub fn preflight() -> Preflight {
     };
     let ok = |r: &Result<String, Missing>| r.as_ref().map(|_| ()).map_err(Clone::clone);
     let (mem, uar, gdr) = (ok(&gpu_memory), ok(&uar), ok(&gdr));
+    // What each mode needs comes from its plan (`ModePlan::requires`), on top of what every mode
+    // needs from the NIC side: a ready device, a GPU and GPU memory it can reach (real NIC), or
+    // a GPU (the emulated NIC, which maps its doorbell page for the GPU itself, reaches GPU
+    // memory with copies, and reads mode cpu's slots through GDRCopy or the emulated GDR view).
+    let satisfies = |nic: NicImpl, need: Requirement| -> &Result<(), Missing> {
+        match (nic, need) {
+            (_, Requirement::GpuDoorbellMapping) => &uar,
+            (NicImpl::Mlx5, Requirement::GdrCopy) => &gdr,
+            (NicImpl::Emulated, Requirement::GdrCopy) => &gpu_ok,
+        }
+    };
     let mut modes = Vec::new();
-    for (mode, needs) in [
-        (NicHandler::Gpu, vec![&nic_ready, &gpu_ok, &mem, &uar]),
-        (NicHandler::Cpu, vec![&nic_ready, &gpu_ok, &mem, &gdr]),
-        (NicHandler::CpuHostMemory, vec![&nic_ready, &gpu_ok, &mem]),
+    for (side, nic) in [
+        (NicSide::Real, NicImpl::Mlx5),
+        (NicSide::Emulated, NicImpl::Emulated),
     ] {
-        modes.push(ModeVerdict {
-            nic: NicSide::Real,
-            mode,
-            result: first(&needs),
-        });
-    }
-    // The emulated NIC maps its doorbell page for the GPU itself and reaches GPU memory with
-    // copies: it needs a GPU, and mode cpu GDRCopy.
-    for (mode, needs) in [
-        (NicHandler::Gpu, vec![&gpu_ok]),
-        (NicHandler::Cpu, vec![&gpu_ok, &gdr]),
-        (NicHandler::CpuHostMemory, vec![&gpu_ok]),
-    ] {
-        modes.push(ModeVerdict {
-            nic: NicSide::Emulated,
-            mode,
-            result: first(&needs),
-        });
+        for mode in [NicHandler::Gpu, NicHandler::Cpu, NicHandler::CpuHostMemory] {
+            let plan = ModePlan::new(mode, nic);
+            let mut needs: Vec<&Result<(), Missing>> = match nic {
+                NicImpl::Mlx5 => vec![&nic_ready, &gpu_ok, &mem],
+                NicImpl::Emulated => vec![&gpu_ok],
+            };
+            needs.extend(plan.requires.iter().map(|&r| satisfies(nic, r)));
+            modes.push(ModeVerdict {
+                nic: side,
+                mode,
+                result: first(&needs),
+            });
+        }
     }
     Preflight {
         device: device.ok(),
@@ -461,6 +467,29 @@ mod tests {
             text.contains("handler modes:") && text.contains("cpu_host_memory"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn verdicts_follow_the_mode_plans() {
+        let p = preflight();
+        // On the emulated NIC mode cpu's plan requires a CPU view of GPU memory, which the
+        // emulated GDR view gives wherever there is a GPU: the same verdict as mode gpu.
+        assert_eq!(
+            p.mode(NicSide::Emulated, NicHandler::Cpu).unwrap().result,
+            p.mode(NicSide::Emulated, NicHandler::Gpu).unwrap().result
+        );
+        // On a real NIC it requires GDRCopy: when that is what is missing, the verdict says so.
+        let gdr = p.check(checks::GDRCOPY).unwrap().result.clone();
+        let real_cpu = &p.mode(NicSide::Real, NicHandler::Cpu).unwrap().result;
+        let real_chm = &p
+            .mode(NicSide::Real, NicHandler::CpuHostMemory)
+            .unwrap()
+            .result;
+        match (real_chm, &gdr) {
+            (Ok(()), Err(m)) => assert_eq!(real_cpu.as_ref().unwrap_err(), m),
+            (Ok(()), Ok(_)) => assert!(real_cpu.is_ok()),
+            (Err(m), _) => assert_eq!(real_cpu.as_ref().unwrap_err(), m),
+        }
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Low-latency dispatch/combine with NVLink disabled, every byte to another rank through QPs
 //! built by the real-NIC code path (`ep::transport::VerbsTransport`: `ibgda-verbs` objects, PRM
 //! firmware commands) on the emulated NIC's firmware (`NicChoice::EmulatedVerbs`), ranks as
-//! threads, in NIC-handler modes `gpu` and `cpu_host_memory`, against the CPU reference. The
-//! rings and CQs are GPU memory registered as umems, the registrations GPU memory, the UAR pages
-//! mapped into the GPU in mode `gpu`.
+//! threads, in NIC-handler modes `gpu`, `cpu_host_memory` and `cpu`, against the CPU reference.
+//! The rings and CQs are GPU memory registered as umems, the registrations GPU memory, the UAR
+//! pages mapped into the GPU in mode `gpu`; mode `cpu`'s producer slots are GPU memory, read by
+//! the proxy through GDRCopy or, without it, the emulated GDR view.
 
 mod gpu_low_latency_common;
 
@@ -64,7 +65,7 @@ fn group(ctxs: &[Arc<CudaContext>], mode: (HandlerChoice, NicHandler)) -> Vec<Lo
 }
 
 #[test]
-fn verbs_path_on_the_emulated_firmware_matches_reference_in_gpu_and_cpu_host_memory_modes() {
+fn verbs_path_on_the_emulated_firmware_matches_reference_in_every_mode() {
     let mut rng = Rng::new(seed());
     for ranks in RANK_COUNTS {
         let Some(ctxs) = rank_gpus(ranks) else { return };

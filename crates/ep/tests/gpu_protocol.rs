@@ -27,8 +27,9 @@ use ibgda_emu::{Fabric, FaultPlan};
 
 const MODULE: &str = "tests/protocol";
 
-/// The handler modes this machine can run: `gpu` and `cpu_host_memory` always on the emulated
-/// NIC, `cpu` only where GDRCopy works (said loudly when it does not).
+/// The handler modes this machine can run: all three on the emulated NIC with a GPU (`cpu`
+/// through GDRCopy, or the emulated GDR view where GDRCopy is absent); a mode refused is said
+/// loudly.
 fn modes(rank: &EmuRank) -> Vec<NicHandler> {
     let mut m = vec![NicHandler::Gpu, NicHandler::CpuHostMemory];
     match rank.select(HandlerChoice::Cpu) {

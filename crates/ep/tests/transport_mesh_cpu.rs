@@ -157,7 +157,8 @@ fn auto_on_the_host_backend_picks_mode_gpu_and_says_why() {
     let (mode, why) = nic.select(HandlerChoice::Auto).unwrap();
     assert_eq!(mode, NicHandler::Gpu);
     assert!(why.contains("auto"), "{why}");
-    // Mode cpu needs GDRCopy, which the host backend never has: refused with the reason.
+    // Mode cpu keeps its producer slots in GPU memory, which the host backend does not have:
+    // refused with the reason.
     let e = nic.select(HandlerChoice::Cpu).unwrap_err().to_string();
     assert!(e.contains("cpu"), "{e}");
 }
@@ -200,6 +201,7 @@ fn mesh_survives_many_rounds(
     mode: HandlerChoice,
     ranks: usize,
     rounds: usize,
+    quiet_each: bool,
     open: impl Fn(usize) -> Box<dyn RankTransport> + Sync,
 ) {
     const NQ: u32 = 4;
@@ -268,6 +270,19 @@ fn mesh_survives_many_rounds(
                                             .expect("put");
                                             qp.signal_add(remote(COUNTS + 8 * rank), 1, true, true)
                                                 .expect("signal");
+                                            if quiet_each {
+                                                // As a kernel's block quiets at its end while
+                                                // other blocks still post on the same QP.
+                                                if let Err(e) = qp.quiet() {
+                                                    panic!(
+                                                        "{name}/{mode}: round {round}: rank {rank} \
+                                                         → {dst} QP {q}: quiet while others post: \
+                                                         {e:?}: {:?}; {:?}",
+                                                        set.check(),
+                                                        qp.counters()
+                                                    );
+                                                }
+                                            }
                                         }
                                     }
                                 });
@@ -312,7 +327,7 @@ fn mesh_survives_many_rounds(
 fn the_verbs_transport_survives_many_rounds_at_4_ranks() {
     for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
         let subnet = EmuSubnet::new();
-        mesh_survives_many_rounds("verbs", mode, 4, 60, |r| {
+        mesh_survives_many_rounds("verbs", mode, 4, 60, false, |r| {
             Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
         });
     }
@@ -322,8 +337,18 @@ fn the_verbs_transport_survives_many_rounds_at_4_ranks() {
 fn the_emulated_transport_survives_many_rounds_at_4_ranks() {
     for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
         let fabric = Fabric::new();
-        mesh_survives_many_rounds("emulated", mode, 4, 60, |r| {
+        mesh_survives_many_rounds("emulated", mode, 4, 60, false, |r| {
             Box::new(EmulatedTransport::host(&fabric, r as u32).expect("host NIC"))
+        });
+    }
+}
+
+#[test]
+fn the_verbs_transport_survives_quiets_racing_posts_at_4_ranks() {
+    for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
+        let subnet = EmuSubnet::new();
+        mesh_survives_many_rounds("verbs", mode, 4, 60, true, |r| {
+            Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
         });
     }
 }
@@ -399,6 +424,14 @@ fn a_verbs_quiet_timeout_reports_how_far_the_nic_read() {
                             e.contains("ready_head=2")
                                 && e.contains("cons_idx=1")
                                 && e.contains(&format!("the NIC has consumed {want} WQEBBs")),
+                            "{mode}, lose_cqe {lose_cqe}: {e}"
+                        );
+                        // The engine's own account: how far the doorbells announced, how far it
+                        // fetched, how many CQEs it wrote.
+                        assert!(
+                            e.contains("emulated NIC: qpn")
+                                && e.contains(&format!("announced {want}, fetched {want}"))
+                                && e.contains("CQEs written 1,"),
                             "{mode}, lose_cqe {lose_cqe}: {e}"
                         );
                     }

@@ -212,6 +212,53 @@ impl DoorbellState {
 mod tests {
     use super::*;
 
+    /// A UAR page several QPs ring through (firmware UAR objects): the page's word is whichever
+    /// QP rang last, so another QP's word must neither be taken for ours nor hide our index,
+    /// which the doorbell record still carries, across 16-bit wraps of both.
+    #[test]
+    fn a_shared_page_never_loses_a_doorbell_the_record_carries() {
+        use ibgda_device::wire::{db_word, dbr_send_word};
+        let page = std::sync::Arc::new(HostBuffer::new(UAR_PAGE_BYTES));
+        let dbr = HostBuffer::new(8);
+        let (us, them, n) = (0x01_0005u32, 0x01_0006u32, 1024u32);
+        let mut st = DoorbellState::new(
+            DoorbellConfig {
+                dbr: Some(Loc::Host(dbr.addr())),
+                uar: true,
+                producer_slot: None,
+            },
+            Some(page.clone()),
+            true,
+        );
+        let mut fetched = 0u64;
+        let poll = |st: &mut DoorbellState, fetched: u64, announced: u64| {
+            st.poll(
+                &crate::host::HostMemory,
+                us,
+                fetched,
+                announced,
+                n,
+                Duration::ZERO,
+            )
+            .unwrap()
+            .pi
+        };
+        for round in 0..200u64 {
+            // Our proxy rings: record, then the page.
+            let pi = fetched + 1 + (round * 7919) % u64::from(n);
+            let word = dbr_send_word(pi);
+            dbr.write(DBR_SEND_OFFSET, &word.to_bytes());
+            page.store_u64(UAR_BF_OFFSET, db_word(us, pi));
+            // Another QP on the page rings right after, with an index that would look valid.
+            page.store_u64(UAR_BF_OFFSET, db_word(them, pi + 3));
+            assert_eq!(poll(&mut st, fetched, fetched), Some(pi), "round {round}");
+            // The NIC runs everything announced, then sees nothing new.
+            fetched = pi;
+            assert_eq!(poll(&mut st, fetched, fetched), None, "round {round}");
+        }
+        assert!(fetched > 1 << 16, "the indices crossed a 16-bit wrap");
+    }
+
     #[test]
     fn recovers_across_16_bit_wraps() {
         assert_eq!(recover_pi(0, 5, 64), Some(5));

@@ -834,6 +834,28 @@ impl Nic {
         Ok(e.status())
     }
 
+    /// [`qp_status`](Nic::qp_status) without waiting longer than `wait` for the QP's engine:
+    /// `Ok(None)` when the engine stayed busy that long (a progress thread is inside this QP's
+    /// round, for example blocked in a backend wait), which is itself what a diagnosis needs.
+    pub fn qp_status_within(&self, qpn: u32, wait: Duration) -> Result<Option<QpStatus>, EmuError> {
+        let slot = self.shared.slot(qpn)?;
+        let deadline = ibgda_device::timeout::deadline_after(Instant::now(), wait);
+        loop {
+            match slot.engine.try_lock() {
+                Ok(e) => return Ok(Some(e.status())),
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    return Ok(Some(p.into_inner().status()))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+    }
+
     /// Replaces the fault plan (applies from the next round).
     pub fn set_fault_plan(&self, plan: FaultPlan) {
         let mut p = self.shared.plan.write().expect("plan lock");

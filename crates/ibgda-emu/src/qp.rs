@@ -149,6 +149,31 @@ pub struct QpStatus {
     pub peer: Option<(NodeId, u32)>,
 }
 
+impl std::fmt::Display for QpStatus {
+    /// One line: the indices and counts that tell where a QP's work stopped.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "qpn {:#x} {:?}: doorbells {}, announced {}, fetched {}, executed {}, flushed {}, \
+             CQEs written {}, CQEs pending {}, in flight {}",
+            self.qpn,
+            self.state,
+            self.doorbells,
+            self.announced,
+            self.fetched,
+            self.wqes_executed,
+            self.wqes_flushed,
+            self.cqes_written,
+            self.pending_cqes,
+            self.in_flight
+        )?;
+        if let Some(e) = &self.first_error {
+            write!(f, ", first error at WQE {}: {}", e.wqe_index, e.reason)?;
+        }
+        Ok(())
+    }
+}
+
 /// The other end of a connected QP.
 #[derive(Debug, Clone)]
 pub(crate) struct Peer {

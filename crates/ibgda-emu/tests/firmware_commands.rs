@@ -38,6 +38,7 @@ fn fixture(subnet: &EmuSubnet, name: &str) -> Fixture {
     let umem = unsafe { Umem::register_host(&ctx, base, 1 << 16, Access::LOCAL_WRITE) };
     let umem = umem.unwrap();
     let cq = CqBuilder::new(&uar, umem.at(0), umem.at(0x8000), 6)
+        .collapsed(true)
         .create()
         .unwrap();
     Fixture {

@@ -74,10 +74,12 @@ impl Side {
             )
         }
         .unwrap();
+        // The builder's defaults: a ring CQ, each completion in the entry after the last, which
+        // is what the protocol polls (`HostQp::poll_cq`, `ibgda_poll_cq`).
         let cq = CqBuilder::new(&uar, umem.at(CQ_RING), umem.at(CQ_DBR), LOG_CQ)
-            .collapsed(false)
             .create()
             .unwrap();
+        assert!(!cq.is_collapsed(), "a CqBuilder's default CQ is a ring");
         let data = Arc::new(HostBuffer::new(DATA_BYTES));
         // SAFETY: as for `queues`: `data` outlives the registration.
         let mr = unsafe {
@@ -580,6 +582,7 @@ fn qps_share_a_collapsed_cq_and_a_uar_page() {
         unsafe { Umem::register_host(&a.ctx, mem.addr() as *mut u8, 16384, Access::LOCAL_WRITE) }
             .unwrap();
     let cq = CqBuilder::new(&a.uar, umem.at(0), umem.at(12288), 0)
+        .collapsed(true)
         .create()
         .unwrap();
     assert!(cq.is_collapsed());

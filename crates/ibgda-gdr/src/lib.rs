@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `cpu` | GPU memory, mapped to the CPU by GDRCopy | [`Mapping`] |
 //! | `cpu_host_memory` | pinned host memory mapped into the GPU | [`HostMapping`] |
+//! | `cpu` on the emulated NIC without GDRCopy | GPU memory, mirrored for the CPU by copy-engine reads | [`CopyMirror`] |
 //!
 //! Both implement [`CpuView`]: a CPU pointer, a GPU pointer, a length, and atomic 64-bit reads
 //! and writes (what a proxy polling GPU-raised producer slots needs).
@@ -43,6 +44,7 @@
 mod error;
 mod gdr;
 mod host;
+mod mirror;
 mod view;
 
 pub use error::{GdrError, Result};
@@ -51,4 +53,5 @@ pub use gdr::{
     GDRDRV_PATH, GPU_PAGE_SIZE, LIBRARY_ENV,
 };
 pub use host::{cuda_driver_present, gpu_count, HostMapping};
+pub use mirror::{CopyMirror, MirrorConfig};
 pub use view::CpuView;

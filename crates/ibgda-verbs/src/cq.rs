@@ -33,9 +33,13 @@ pub struct CqBuilder {
 }
 
 impl CqBuilder {
-    /// A CQ of 2^`log_cq_size` 64-byte CQEs with its ring at `ring` (4 KiB aligned) and its
-    /// 8-byte doorbell record at `dbr`, armed through `uar`. Collapsed and overrun-ignoring by
-    /// default, which is what the GPU poller wants.
+    /// A ring of 2^`log_cq_size` 64-byte CQEs at `ring` (4 KiB aligned) with its 8-byte doorbell
+    /// record at `dbr`, armed through `uar`, ignoring overrun.
+    ///
+    /// A ring by default: the n-th completion lands in entry `n mod 2^log_cq_size` with the
+    /// owner bit of its pass, which is what the submit/quiet protocol polls (`ibgda_poll_cq`
+    /// reads the entry at its own consumer index). [`collapsed`](Self::collapsed) asks for the
+    /// other layout, every CQE in entry 0, for a poller that only ever reads that entry.
     pub fn new(uar: &Arc<Uar>, ring: UmemAt, dbr: UmemAt, log_cq_size: u8) -> Self {
         Self {
             uar: uar.clone(),
@@ -44,12 +48,14 @@ impl CqBuilder {
             log_cq_size,
             eq_vector: 0,
             log_page_size: 0,
-            collapsed: true,
+            collapsed: false,
             overrun_ignore: true,
         }
     }
 
-    /// Every CQE to entry 0 (`cqc.cc`).
+    /// Every CQE to entry 0 (`cqc.cc`): a collapsed CQ, for pollers that read entry 0's
+    /// `wqe_counter` only (NVSHMEM's style). Off by default; the protocol of this project cannot
+    /// poll a collapsed CQ (its consumer index walks the ring).
     pub fn collapsed(mut self, on: bool) -> Self {
         self.collapsed = on;
         self

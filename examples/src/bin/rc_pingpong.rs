@@ -330,7 +330,9 @@ fn main() -> Result<()> {
     let umem = unsafe { Umem::register_host(&ctx, ctrl.ptr, CTRL_BYTES, Access::LOCAL_WRITE)? };
     // SAFETY: as above, for `data`.
     let mr = unsafe { MemoryRegion::register_host(&pd, data.ptr, DATA_BYTES, Access::rdma())? };
-    let cq = CqBuilder::new(&uar, umem.at(CQ_RING), umem.at(CQ_DBR), 0).create()?;
+    let cq = CqBuilder::new(&uar, umem.at(CQ_RING), umem.at(CQ_DBR), 0)
+        .collapsed(true)
+        .create()?;
     let qp = QpBuilder::new(
         &pd,
         &uar,

@@ -9,7 +9,7 @@ use super::plan::{Dims, NetPlan, OutPlan};
 #[cfg(doc)]
 use super::setup::LowLatencyBuffer;
 use crate::error::{invalid, EpError};
-use crate::transport::NicChoice;
+use crate::transport::{NicChoice, RingPlacement};
 
 /// Most experts a buffer holds: with the other bounds of [`check_options`] (tokens, hidden) every
 /// region size stays far inside a `u64` and every row index inside the kernels' `i32`/`i64`.
@@ -36,7 +36,8 @@ pub struct LowLatencyOptions {
     /// calling [`LowLatencyBuffer::new`] need `true`.
     pub allow_nvlink: bool,
     /// Who rings the NIC's doorbells when NVLink is disabled: `Gpu`, `CpuHostMemory`, `Cpu`
-    /// (GDRCopy; creation fails cleanly without it) or `Auto`.
+    /// (producer slots in GPU memory, read through GDRCopy, or on the emulated NIC without it
+    /// through the emulated GDR view; a real NIC without GDRCopy fails cleanly) or `Auto`.
     pub nic_handler: HandlerChoice,
     /// Which NIC carries the transport when NVLink is disabled (`Auto`: a real mlx5 device when
     /// one is usable, else the emulated NIC; `EP_NIC` overrides).
@@ -50,6 +51,10 @@ pub struct LowLatencyOptions {
     /// rank it waited for instead of failing the operation ([`LowLatencyBuffer::query_mask`]
     /// says who). Without it a timeout is an error.
     pub enable_shrink: bool,
+    /// Where the emulated NIC's send rings and CQs live when the transport builds QPs directly
+    /// (`EP_NIC=emulated`): pinned host memory (the default, the fastest for the emulator) or
+    /// GPU memory, as on real hardware and as the verbs path always places them.
+    pub emulated_rings: RingPlacement,
 }
 
 impl LowLatencyOptions {
@@ -74,6 +79,7 @@ impl LowLatencyOptions {
             allow_nvlink: true,
             nic_handler: HandlerChoice::Auto,
             nic: NicChoice::Auto,
+            emulated_rings: RingPlacement::HostPinned,
             timeout: Duration::from_secs(10),
             poison_outputs: false,
             enable_shrink: false,

@@ -293,7 +293,8 @@ impl LowLatencyBuffer {
                     .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
                 let (mode, why) = t.select(asked).map_err(|e| {
                     let need = if asked == HandlerChoice::Cpu {
-                        " (mode cpu needs GDRCopy: libgdrapi and the gdrdrv driver)"
+                        " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
+                         libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
                     } else {
                         ""
                     };
@@ -470,6 +471,7 @@ impl LowLatencyBuffer {
                     handler,
                     nqps: QPS_PER_PEER,
                     nwqes: QP_RING_WQEBBS,
+                    placement: opts.emulated_rings,
                     timeout: opts.timeout,
                     peer_rank: r as u32,
                     ..Default::default()

@@ -44,14 +44,13 @@ use ibgda_emu::{
 use super::backend::Registration;
 use super::doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 use super::error::TransportError;
+use super::gpu_slots::GpuSlots;
 
 /// Bytes at the end of every [`Arena`] for the fetched values of non-fetching atomics (the
 /// descriptor's `scratch`), one 64-byte line.
 pub const ARENA_SCRATCH_BYTES: usize = 64;
 /// Send-ring size of the passive peer QPs: they never post.
 const PEER_RING: u32 = 64;
-/// GDRCopy maps whole 64 KiB GPU pages.
-const GDR_PAGE: u64 = 64 << 10;
 
 /// Where send rings and CQs live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -236,13 +235,13 @@ impl EmuRank {
 
     /// What the handler modes need, on this NIC: the emulated UAR page is host memory the GPU
     /// (or the submitting host thread) can store to, so mode `gpu` always works; mode `cpu`
-    /// needs GDRCopy.
+    /// needs GPU memory, read through GDRCopy or, without it, the emulated GDR view.
     pub fn probe(&self) -> HandlerProbe {
+        // Mode cpu's view of GPU memory: GDRCopy, or (this NIC being emulated) the emulated
+        // GDR view when GDRCopy is absent; either needs GPU memory.
         let gdrcopy = match &self.ctx {
             None => Err("the host backend has no GPU memory to map".to_string()),
-            Some(_) => ibgda_gdr::Gdr::open()
-                .map(|_| ())
-                .map_err(|e| e.to_string()),
+            Some(_) => Ok(()),
         };
         HandlerProbe {
             gpu_doorbell: Ok(()),
@@ -519,18 +518,6 @@ fn qp_infos(nic: &Nic, qpns: &[u32], ipc: bool) -> Result<Vec<QpInfo>, Transport
         .collect()
 }
 
-/// GPU-memory producer slots mapped for the CPU by GDRCopy (mode `cpu`).
-struct GdrSlots {
-    mapping: ibgda_gdr::Mapping,
-    _buf: Arc<DeviceBuffer>,
-}
-
-// SAFETY: the mapping is only read through raw pointers by the proxy (8-byte volatile loads);
-// GDRCopy's handle is internally locked, and the buffer is Send + Sync.
-unsafe impl Send for GdrSlots {}
-// SAFETY: as for Send.
-unsafe impl Sync for GdrSlots {}
-
 enum Descs {
     Device(DeviceBuffer),
     /// Host backend: the descriptors the host QPs point into.
@@ -559,7 +546,7 @@ pub struct QpGroup {
     proxy: Option<Proxy>,
     timeout: Duration,
     _rings: Option<Arc<DeviceBuffer>>,
-    _gdr: Option<Arc<GdrSlots>>,
+    _gdr: Option<Arc<GpuSlots>>,
 }
 
 impl std::fmt::Debug for QpGroup {
@@ -609,11 +596,8 @@ impl QpGroup {
                 .ctx
                 .as_ref()
                 .ok_or_else(|| TransportError::Config("mode cpu needs a GPU".into()))?;
-            let buf = Arc::new(DeviceBuffer::new(ctx, (GDR_PAGE * 2) as usize)?);
-            buf.fill_bytes(0)?;
-            let aligned = buf.ptr().div_ceil(GDR_PAGE) * GDR_PAGE;
-            let mapping = ibgda_gdr::Gdr::open()?.pin(aligned, 8 * n)?.map()?;
-            Some((aligned, Arc::new(GdrSlots { mapping, _buf: buf })))
+            let slots = GpuSlots::new(ctx, n, plan.emulated_gdr_view_allowed(), me.rank)?;
+            Some(Arc::new(slots))
         } else {
             None
         };
@@ -630,7 +614,7 @@ impl QpGroup {
             proxy: None,
             timeout: cfg.timeout,
             _rings: rings.clone(),
-            _gdr: gdr.as_ref().map(|(_, g)| g.clone()),
+            _gdr: gdr.clone(),
         };
 
         let wants_uar = plan.uar_in_gpu || cfg.proxy_doorbell == ProxyDoorbell::UarPage;
@@ -667,7 +651,7 @@ impl QpGroup {
             me.nic.connect(handle.qpn, peer_qp)?;
 
             let slot_dev = match &gdr {
-                Some((aligned, _)) => aligned + 8 * i as u64,
+                Some(g) => g.device_addr(i),
                 None => host_dev + (layout.slots + 8 * i) as u64,
             };
             let d = QpDesc {
@@ -737,16 +721,16 @@ impl QpGroup {
             let mut pqs = Vec::with_capacity(n);
             for (i, &qpn) in group.qpns.iter().enumerate() {
                 let slot_cpu = match &gdr {
-                    Some((_, g)) => g.cpu_ptr() + 8 * i as u64,
+                    Some(g) => g.cpu_addr(i),
                     None => host_cpu + (layout.slots + 8 * i) as u64,
                 };
-                // SAFETY: the slot is in `host` or the GDRCopy mapping, both kept alive by the
+                // SAFETY: the slot is in `host` or the view of GPU slots, both kept alive by the
                 // doorbell below for as long as the proxy thread holds it; the GPU writes it only
                 // as a whole 8-byte word.
                 let slot = unsafe { ProducerSlot::new(slot_cpu as *const u64) }
                     .map_err(|source| TransportError::Slot { qp: i, source })?;
                 let mut keep: Vec<Arc<dyn Any + Send + Sync>> = vec![host.clone()];
-                if let Some((_, g)) = &gdr {
+                if let Some(g) = &gdr {
                     keep.push(g.clone());
                 }
                 // SAFETY: the doorbell record is in `host` (kept); the UAR page belongs to the QP,
@@ -878,7 +862,17 @@ impl QpGroup {
             .proxy
             .as_ref()
             .and_then(|p| p.last_rung(r.qp_index as usize));
-        check_record(&r, rung).map_err(TransportError::from)
+        check_record(&r, rung).map_err(|mut f| {
+            f.nic_state = self
+                .qpns
+                .get(r.qp_index as usize)
+                .map(|&qpn| engine_state(&self.nic, qpn));
+            if let Some(why) = self._gdr.as_ref().and_then(|g| g.view_error()) {
+                let s = f.nic_state.take().unwrap_or_default();
+                f.nic_state = Some(format!("{s}; the emulated GDR view stopped: {why}"));
+            }
+            TransportError::from(f)
+        })
     }
 
     /// QP `i`'s counters (a copy from the device descriptor on CUDA: call after the kernels that
@@ -958,13 +952,6 @@ impl Drop for QpGroup {
     }
 }
 
-impl GdrSlots {
-    fn cpu_ptr(&self) -> u64 {
-        use ibgda_gdr::CpuView;
-        self.mapping.cpu_ptr() as u64
-    }
-}
-
 /// Polls `stream` until its work has finished, at most `bound` (then
 /// [`TransportError::StreamTimeout`]); a failed stream is a CUDA error.
 pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), TransportError> {
@@ -975,5 +962,23 @@ pub fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<(), Transport
             record: None,
         }),
         r => r.map_err(TransportError::Cuda),
+    }
+}
+
+/// How long a failure report waits for a QP's engine before saying its progress thread is busy
+/// inside the QP's round.
+const ENGINE_STATE_WAIT: Duration = Duration::from_millis(200);
+
+/// The emulated NIC's account of QP `qpn`, for a failure report: its status line, or why there
+/// is none (the progress thread held the QP's engine for all of [`ENGINE_STATE_WAIT`]: it is
+/// stuck inside that QP's round).
+pub(crate) fn engine_state(nic: &Nic, qpn: u32) -> String {
+    match nic.qp_status_within(qpn, ENGINE_STATE_WAIT) {
+        Ok(Some(st)) => st.to_string(),
+        Ok(None) => format!(
+            "qpn {qpn:#x}: the progress thread held the QP's engine for {ENGINE_STATE_WAIT:?} \
+             (inside its round: a backend wait)"
+        ),
+        Err(e) => format!("qpn {qpn:#x}: {e}"),
     }
 }

@@ -35,6 +35,7 @@ mod doorbell;
 mod emulated;
 mod emulated_transport;
 mod error;
+mod gpu_slots;
 mod mesh;
 mod nic;
 mod verbs;

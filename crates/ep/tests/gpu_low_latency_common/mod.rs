@@ -34,10 +34,13 @@ pub fn options(ranks: usize) -> LowLatencyOptions {
     o
 }
 
-/// The handler modes every machine runs on the emulated NIC (NVLink disabled).
-pub const TRANSPORT_MODES: [(HandlerChoice, NicHandler); 2] = [
+/// The handler modes every machine runs on the emulated NIC (NVLink disabled). Mode `cpu` keeps
+/// its producer slots in GPU memory; without GDRCopy the proxy reads them through the emulated
+/// GDR view (copy-engine reads into a host mirror, `ibgda_gdr::CopyMirror`).
+pub const TRANSPORT_MODES: [(HandlerChoice, NicHandler); 3] = [
     (HandlerChoice::Gpu, NicHandler::Gpu),
     (HandlerChoice::CpuHostMemory, NicHandler::CpuHostMemory),
+    (HandlerChoice::Cpu, NicHandler::Cpu),
 ];
 
 /// [`options`] with NVLink disabled: every byte to another rank through the transport, in mode

@@ -104,7 +104,9 @@ impl FromStr for HandlerChoice {
 pub struct HandlerProbe {
     /// Whether the NIC's doorbell register (UAR) can be mapped into the GPU: mode `gpu`.
     pub gpu_doorbell: Result<(), String>,
-    /// Whether GDRCopy can map GPU memory for the CPU: mode `cpu`.
+    /// Whether the CPU can read producer slots in GPU memory: mode `cpu`. GDRCopy on a real NIC;
+    /// on the emulated NIC, GDRCopy or the emulated GDR view (a GPU is all it needs).
+    /// [`ModePlan`](crate::protocol::ModePlan)'s `Requirement::GdrCopy` is checked against it.
     pub gdrcopy: Result<(), String>,
 }
 

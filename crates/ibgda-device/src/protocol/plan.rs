@@ -7,10 +7,10 @@
 //! |---|---|---|---|
 //! | send ring, CQ | GPU memory (emulated NIC: GPU or pinned host) | same | same |
 //! | doorbell record | GPU memory (emulated NIC: pinned host) | pinned host | pinned host |
-//! | producer slot | none | GPU memory mapped by GDRCopy | pinned host |
+//! | producer slot | none | GPU memory, read through GDRCopy (emulated NIC without GDRCopy: the emulated GDR view) | pinned host |
 //! | UAR in the GPU | yes | no | no |
 //! | proxy | no | yes | yes |
-//! | needs | the UAR mappable into the GPU (real NIC) | GDRCopy | nothing |
+//! | needs | the UAR mappable into the GPU (real NIC) | GDRCopy (emulated NIC: GPU memory) | nothing |
 //!
 //! ```
 //! use ibgda_device::protocol::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};
@@ -60,7 +60,9 @@ pub enum Requirement {
     /// The NIC's doorbell page mappable into the GPU (`cudaHostRegister(IoMemory)`, which needs
     /// `PeerMappingOverride=1`).
     GpuDoorbellMapping,
-    /// GDRCopy: `libgdrapi` and `/dev/gdrdrv`.
+    /// A CPU view of GPU memory for the producer slots: GDRCopy (`libgdrapi` and
+    /// `/dev/gdrdrv`); on the emulated NIC, GDRCopy or the emulated GDR view, which needs only
+    /// GPU memory ([`ModePlan::emulated_gdr_view_allowed`]). The probe answers for the NIC.
     GdrCopy,
 }
 
@@ -121,6 +123,14 @@ impl ModePlan {
         matches!(self.nic, NicImpl::Emulated)
     }
 
+    /// Mode `cpu` on the emulated NIC: when GDRCopy is absent, the proxy may read the producer
+    /// slots (still in GPU memory) through the emulated GDR view (copy-engine reads into a host
+    /// mirror, `ibgda_gdr::CopyMirror`). Never on a real NIC, where the mode requires GDRCopy.
+    pub const fn emulated_gdr_view_allowed(&self) -> bool {
+        matches!(self.nic, NicImpl::Emulated)
+            && matches!(self.producer_slot, Some(SlotPlacement::GpuViaGdrCopy))
+    }
+
     /// `Ok` when `probe` says the machine provides everything the mode requires, else the first
     /// thing missing, in the words the probe gave.
     pub fn check(&self, probe: &HandlerProbe) -> Result<(), HandlerUnavailable> {
@@ -172,6 +182,20 @@ mod tests {
             ModePlan::new(NicHandler::Gpu, NicImpl::Mlx5).doorbell_record,
             Placement::Gpu
         );
+    }
+
+    #[test]
+    fn only_mode_cpu_on_the_emulated_nic_may_use_the_emulated_gdr_view() {
+        for nic in NICS {
+            for mode in MODES {
+                let p = ModePlan::new(mode, nic);
+                assert_eq!(
+                    p.emulated_gdr_view_allowed(),
+                    mode == NicHandler::Cpu && nic == NicImpl::Emulated,
+                    "{p:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -92,6 +92,10 @@ pub struct DeviceFailure {
     /// `ready_head` and `cons_idx` it tells a doorbell the NIC never acted on (counter short of
     /// `ready_head`) from a completion that never came (counter at `ready_head`).
     pub nic_consumed: Option<u16>,
+    /// On an emulated NIC: the engine's own account of the QP (doorbells seen, producer index
+    /// announced, WQEBBs fetched, CQEs written and pending), or that its progress thread was
+    /// busy inside the QP's round and could not answer.
+    pub nic_state: Option<String>,
 }
 
 impl DeviceFailure {
@@ -124,6 +128,9 @@ impl fmt::Display for DeviceFailure {
         if let Some(c) = self.nic_consumed {
             write!(f, "; the NIC has consumed {c} WQEBBs (mod 2^16)")?;
         }
+        if let Some(n) = &self.nic_state {
+            write!(f, "; emulated NIC: {n}")?;
+        }
         if r.kind == ErrorKind::Cqe as u32 {
             write!(
                 f,
@@ -149,6 +156,7 @@ pub fn check_record(record: &ErrorRecord, proxy_rung: Option<u64>) -> Result<(),
             record: Box::new(*record),
             proxy_rung,
             nic_consumed: None,
+            nic_state: None,
         })
     }
 }

@@ -14,6 +14,8 @@ use crate::doorbell::DoorbellConfig;
 use crate::qp::{QpConfig, QpState};
 
 const CMD: &str = "CREATE_QP";
+/// How long `QUERY_QP` waits for the QP's engine before answering that the QP is busy.
+const QUERY_ENGINE_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// A `CREATE_QP` image, field by field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -286,8 +288,23 @@ impl Firmware {
         const Q: &str = "QUERY_QP";
         need_len(Q, input, cmd_in::SHORT_BYTES, out, qp_cmd::QUERY_OUT_BYTES)?;
         Firmware::check_object(Q, input, qpn)?;
-        // The engine moves a QP to error on a failed WQE without a command.
-        let engine = self.nic.qp_status(qpn).ok();
+        // The engine moves a QP to error on a failed WQE without a command. Asked with a bound:
+        // a progress thread stuck inside this QP's round (a backend wait) must not stall the
+        // firmware, and the caller is told the QP is busy instead of being given stale counters.
+        let engine = match self.nic.qp_status_within(qpn, QUERY_ENGINE_WAIT) {
+            Ok(Some(st)) => Some(st),
+            Ok(None) => {
+                return Err(Refused::new(
+                    Q,
+                    status::RESOURCE_BUSY,
+                    syndrome::ENGINE,
+                    format!(
+                        "the progress thread held QP {qpn:#x}'s engine for {QUERY_ENGINE_WAIT:?}"
+                    ),
+                ))
+            }
+            Err(_) => None,
+        };
         let t = self.tables();
         let r = t.qps.get(&qpn).ok_or_else(|| {
             Refused::new(

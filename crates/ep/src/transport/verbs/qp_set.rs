@@ -61,6 +61,9 @@ pub(super) struct VerbsQpSet {
     pub(super) host: Arc<HostBuffer>,
     pub(super) layout: HostLayout,
     pub(super) _rings: Block,
+    /// The emulated device, when the firmware is the emulator's: its engine's view of a QP
+    /// goes into a failure report.
+    pub(super) emu: Option<ibgda_emu::firmware::EmuDevice>,
 }
 
 pub(super) enum Descs {
@@ -170,8 +173,7 @@ pub(super) fn build_qp(
         mem.ring_umem.at((base + ring.cq_dbr) as u64),
         log,
     )
-    // The protocol polls the CQE of each completion's own index (`ibgda_quiet`).
-    .collapsed(false)
+    // A ring (the builder's default): the protocol polls each completion's own entry.
     .create()
     .map_err(verbs("creating a CQ"))?;
     let host_dev = Block::Host(mem.host.clone()).dev_addr();
@@ -325,6 +327,7 @@ impl VerbsQpSet {
             host: mem.host,
             layout: mem.layout,
             _rings: mem.rings,
+            emu: t.emu.clone(),
         };
         if plan.proxy {
             set.proxy = Some(set.start_proxy(cfg)?);
@@ -426,11 +429,16 @@ impl QpSet for VerbsQpSet {
             .and_then(|p| p.last_rung(r.qp_index as usize));
         check_record(&r, rung).map_err(|mut f| {
             // What the NIC itself says of the QP: how far it has read the send queue.
-            f.nic_consumed = self
-                .qps
-                .get(r.qp_index as usize)
+            let qp = self.qps.get(r.qp_index as usize);
+            f.nic_consumed = qp
                 .and_then(|q| q.query().ok())
                 .map(|c| c.hw_sq_wqebb_counter);
+            f.nic_state = match (&self.emu, qp) {
+                (Some(dev), Some(q)) => {
+                    Some(crate::transport::emulated::engine_state(dev.nic(), q.qpn()))
+                }
+                _ => None,
+            };
             TransportError::from(f)
         })
     }

@@ -245,11 +245,15 @@ impl RankTransport for VerbsTransport {
                 None => Ok(()),
                 Some(r) => r.as_ref().map(|_| ()).map_err(Clone::clone),
             },
-            gdrcopy: Err(
-                "mode cpu (producer slots in GPU memory through GDRCopy) is not composed into \
-                 the verbs transport yet"
-                    .into(),
-            ),
+            // Mode cpu's producer slots are GPU memory the proxy reads through GDRCopy, or, on
+            // the emulated firmware without GDRCopy, through the emulated GDR view.
+            gdrcopy: match (&self.cuda, self.emulated) {
+                (None, _) => Err("the host backend has no GPU memory for producer slots".into()),
+                (Some(_), true) => Ok(()),
+                (Some(_), false) => ibgda_gdr::Gdr::open()
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            },
         }
     }
 
@@ -313,7 +317,6 @@ impl RankTransport for VerbsTransport {
                 umem.at(base + layout.cq_dbr as u64),
                 RESPONDER_LOG_RING,
             )
-            .collapsed(false)
             .create()
             .map_err(|source| TransportError::Verbs {
                 doing: "creating a responder CQ",
