@@ -16,7 +16,7 @@ use crate::error::{invalid, EpError};
 use crate::intranode::Buffer;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
-use crate::residency::{GpuShare, EMULATED_NIC_SMS};
+use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::transport::{
     connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicKind, QpGroupConfig,
     RankTransport, Registration, TransportError,
@@ -128,6 +128,13 @@ pub struct InternodeBuffer {
     /// difference).
     pub(super) last_dispatch_word: [u64; k::MAX_NODES],
     pub(super) poisoned: Option<String>,
+    /// The host rendezvous of the world's ranks of this process on this GPU: every kernel that
+    /// spins (waits for peers or for the NIC) launches through it, so no rank allocates or frees
+    /// (calls that queue behind the context's work) while another rank's kernel waits for work
+    /// it has not queued yet. `None` when this rank has the GPU to itself.
+    pub(super) gate: Option<Arc<LaunchGate>>,
+    /// Set when a rank sharing the GPU never came to the gate.
+    pub(super) gate_failure: std::sync::OnceLock<String>,
     group: Arc<dyn Exchange>,
     pub(super) net: Option<Net>,
 }
@@ -313,6 +320,7 @@ impl InternodeBuffer {
         // Every rank of the world sharing this GPU runs the node's intranode kernels at once,
         // beside a one-block internode kernel each: they must all fit.
         let budget = share.default_budget("an internode buffer", reserved)?;
+        let gate = share.gate();
         let intra_sms = budget.saturating_sub(1).clamp(1, 24);
         // The NVLink hop's compute stream (this rank's own) is this buffer's too: one hardware
         // queue fewer per rank (eight ranks sharing a GPU lease 24 waiting queues of 32: each
@@ -417,6 +425,8 @@ impl InternodeBuffer {
             combine_seq: 0,
             last_dispatch_word: [0; k::MAX_NODES],
             poisoned: None,
+            gate,
+            gate_failure: std::sync::OnceLock::new(),
             group,
             net: Some(Net {
                 mesh: Some(mesh),
