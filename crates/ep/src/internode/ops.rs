@@ -229,10 +229,7 @@ impl InternodeBuffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        let gate = self
-            .gate
-            .as_deref()
-            .map(|g| (g, self.opts.buffer.timeout));
+        let gate = self.gate.as_deref().map(|g| (g, self.opts.buffer.timeout));
         let r = crate::residency::gated(gate, self.rank, call, || {
             self.launch(f, grid, block, 0, p, call)
         });
@@ -1247,6 +1244,12 @@ impl InternodeBuffer {
         } else {
             None
         };
+        if self.opts.buffer.poison_outputs {
+            self.memset(out_x.ptr(), 0xAB, out_x.len())?;
+            if let Some(w) = &out_w {
+                self.memset(w.ptr(), 0xAB, w.len())?;
+            }
+        }
         let mut slot = [0u64; k::MAX_NODES];
         let mut rows = [0i32; k::MAX_NODES];
         for n in 0..nodes {
