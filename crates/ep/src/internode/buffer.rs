@@ -92,7 +92,10 @@ pub(super) struct Net {
 /// rewritten only after its reader acknowledged the previous operation, a send slot only after
 /// the QPs carrying it were quieted; every wait is bounded and a timeout names rank, peer, what
 /// and the sequence number. Ranks are threads of one process, built together by
-/// [`create_group`](Self::create_group).
+/// [`create_group`](Self::create_group); those sharing a GPU meet on the host around every
+/// launch of a kernel that spins (puts with their quiet, signal waits), as the intranode and
+/// low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank must make the same
+/// calls in the same order.
 ///
 /// Limits of this first version: every dispatch waits on the host (for the rows each node
 /// sent, and inside the NVLink hop), so it cannot be captured in a CUDA graph, and
