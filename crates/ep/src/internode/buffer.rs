@@ -16,7 +16,7 @@ use crate::error::{invalid, EpError};
 use crate::intranode::Buffer;
 use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
-use crate::residency::{GpuShare, EMULATED_NIC_SMS};
+use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::transport::{
     connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicKind, QpGroupConfig,
     RankTransport, Registration, TransportError,
@@ -92,7 +92,10 @@ pub(super) struct Net {
 /// rewritten only after its reader acknowledged the previous operation, a send slot only after
 /// the QPs carrying it were quieted; every wait is bounded and a timeout names rank, peer, what
 /// and the sequence number. Ranks are threads of one process, built together by
-/// [`create_group`](Self::create_group).
+/// [`create_group`](Self::create_group); those sharing a GPU meet on the host around every
+/// launch of a kernel that spins (puts with their quiet, signal waits), as the intranode and
+/// low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank must make the same
+/// calls in the same order.
 ///
 /// Limits of this first version: every dispatch waits on the host (for the rows each node
 /// sent, and inside the NVLink hop), so it cannot be captured in a CUDA graph, and
@@ -128,6 +131,13 @@ pub struct InternodeBuffer {
     /// difference).
     pub(super) last_dispatch_word: [u64; k::MAX_NODES],
     pub(super) poisoned: Option<String>,
+    /// The host rendezvous of the world's ranks of this process on this GPU: every kernel that
+    /// spins (waits for peers or for the NIC) launches through it, so no rank allocates or frees
+    /// (calls that queue behind the context's work) while another rank's kernel waits for work
+    /// it has not queued yet. `None` when this rank has the GPU to itself.
+    pub(super) gate: Option<Arc<LaunchGate>>,
+    /// Set when a rank sharing the GPU never came to the gate.
+    pub(super) gate_failure: std::sync::OnceLock<String>,
     group: Arc<dyn Exchange>,
     pub(super) net: Option<Net>,
 }
@@ -313,6 +323,7 @@ impl InternodeBuffer {
         // Every rank of the world sharing this GPU runs the node's intranode kernels at once,
         // beside a one-block internode kernel each: they must all fit.
         let budget = share.default_budget("an internode buffer", reserved)?;
+        let gate = share.gate();
         let intra_sms = budget.saturating_sub(1).clamp(1, 24);
         // The NVLink hop's compute stream (this rank's own) is this buffer's too: one hardware
         // queue fewer per rank (eight ranks sharing a GPU lease 24 waiting queues of 32: each
@@ -417,6 +428,8 @@ impl InternodeBuffer {
             combine_seq: 0,
             last_dispatch_word: [0; k::MAX_NODES],
             poisoned: None,
+            gate,
+            gate_failure: std::sync::OnceLock::new(),
             group,
             net: Some(Net {
                 mesh: Some(mesh),

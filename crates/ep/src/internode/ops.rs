@@ -165,7 +165,7 @@ impl InternodeBuffer {
     }
 
     fn usable(&self) -> Result<(), EpError> {
-        match &self.poisoned {
+        match self.poisoned.as_ref().or(self.gate_failure.get()) {
             Some(first) => Err(EpError::Poisoned {
                 rank: self.rank,
                 first: first.clone(),
@@ -216,6 +216,27 @@ impl InternodeBuffer {
         // descriptor of its live mesh.
         unsafe { b.launch(cfg) }.map_err(self.cuda(call))?;
         Ok(())
+    }
+
+    /// Launches a kernel that spins (for peers' signals or the NIC's completions): through the
+    /// launch gate where ranks of this process share the GPU ([`crate::residency`]), as the
+    /// intranode and low-latency buffers do. Every rank launches the same sequence of these.
+    fn launch_waiting<P: DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        grid: u32,
+        block: u32,
+        p: &P,
+        call: &'static str,
+    ) -> Result<(), EpError> {
+        let gate = self.gate.as_deref().map(|g| (g, self.opts.buffer.timeout));
+        let r = crate::residency::gated(gate, self.rank, call, || {
+            self.launch(f, grid, block, 0, p, call)
+        });
+        if let Err(e @ EpError::SharedGpuTimeout { .. }) = &r {
+            let _ = self.gate_failure.set(e.to_string());
+        }
+        r
     }
 
     /// An asynchronous device-to-device copy on the internode stream.
@@ -565,11 +586,10 @@ impl InternodeBuffer {
                 cap: plan.cap as i32,
                 peer_rank,
             };
-            self.launch(
+            self.launch_waiting(
                 &self.kernels.wait,
                 1,
                 k::WAIT_THREADS,
-                0,
                 &p,
                 "cuLaunchKernel(ep_internode_wait)",
             )?;
@@ -639,11 +659,10 @@ impl InternodeBuffer {
             put.delta[n] = value.wrapping_sub(self.last_dispatch_word[n]);
             self.last_dispatch_word[n] = value;
         }
-        self.launch(
+        self.launch_waiting(
             &self.kernels.put,
             1,
             k::THREADS,
-            0,
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
@@ -661,11 +680,10 @@ impl InternodeBuffer {
             cap: plan.cap as i32,
             peer_rank,
         };
-        self.launch(
+        self.launch_waiting(
             &self.kernels.wait,
             1,
             k::WAIT_THREADS,
-            0,
             &wait,
             "cuLaunchKernel(ep_internode_wait)",
         )?;
@@ -707,11 +725,10 @@ impl InternodeBuffer {
         for n in (0..self.nodes()).filter(|&n| n != self.my_node()) {
             put.delta[n] = 1;
         }
-        self.launch(
+        self.launch_waiting(
             &self.kernels.put,
             1,
             k::THREADS,
-            0,
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )
@@ -1123,11 +1140,10 @@ impl InternodeBuffer {
                 cap: plan.cap as i32,
                 peer_rank,
             };
-            self.launch(
+            self.launch_waiting(
                 &self.kernels.wait,
                 1,
                 k::WAIT_THREADS,
-                0,
                 &p,
                 "cuLaunchKernel(ep_internode_wait)",
             )?;
@@ -1187,11 +1203,10 @@ impl InternodeBuffer {
                 put.delta[n] = 1;
             }
         }
-        self.launch(
+        self.launch_waiting(
             &self.kernels.put,
             1,
             k::THREADS,
-            0,
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
@@ -1209,11 +1224,10 @@ impl InternodeBuffer {
             cap: plan.cap as i32,
             peer_rank,
         };
-        self.launch(
+        self.launch_waiting(
             &self.kernels.wait,
             1,
             k::WAIT_THREADS,
-            0,
             &wait,
             "cuLaunchKernel(ep_internode_wait)",
         )?;
@@ -1230,6 +1244,12 @@ impl InternodeBuffer {
         } else {
             None
         };
+        if self.opts.buffer.poison_outputs {
+            self.memset(out_x.ptr(), 0xAB, out_x.len())?;
+            if let Some(w) = &out_w {
+                self.memset(w.ptr(), 0xAB, w.len())?;
+            }
+        }
         let mut slot = [0u64; k::MAX_NODES];
         let mut rows = [0i32; k::MAX_NODES];
         for n in 0..nodes {

@@ -302,4 +302,92 @@ mod tests {
             .combine_segments(0, 1, 1, h, k + 1)
             .is_some_and(|s| s[1].2 <= p.c_slot - p.c_w));
     }
+
+    /// Every write of every put, for every sender and receiver of the GPU tests' topologies and
+    /// sizes (and the example's and benchmark's), lands inside the receiver's registered buffer
+    /// (`bytes`, equal on every rank) in the receive slot of the sender's node, reads inside the
+    /// sender's stage slot for the receiver's node, and never touches the signal words; the
+    /// signal words of the four arrays are distinct for every node.
+    #[test]
+    fn every_put_of_the_test_topologies_stays_in_the_registered_buffers() {
+        // (nodes, max tokens, max hidden, top-k, FP8)
+        let shapes = [
+            (96, 1024, 6, false),
+            (96, 512, 6, true),
+            (512, 7168, 8, false),
+            (4096, 7168, 8, true),
+        ];
+        for (nodes, _rpn) in [(2, 1), (2, 2), (2, 4), (4, 2)] {
+            for (cap, hidden, k, fp8) in shapes {
+                let p = StagedPlan::new(cap, hidden, k, nodes).unwrap();
+                let (row_bytes, sw) = if fp8 {
+                    (hidden, hidden / 128)
+                } else {
+                    (hidden * 2, 0)
+                };
+                let inside = |off: usize, bytes: usize, lo: usize, hi: usize| {
+                    off >= lo && off + bytes <= hi && off + bytes <= p.bytes && off >= WORDS_BYTES
+                };
+                for from in 0..nodes {
+                    for to in (0..nodes).filter(|&t| t != from) {
+                        for rows in [0, 1, cap / 2, cap] {
+                            let d = p
+                                .dispatch_segments(to, from, rows, row_bytes, sw, k)
+                                .unwrap();
+                            for (src, dst, bytes) in d {
+                                assert!(
+                                    inside(
+                                        src,
+                                        bytes,
+                                        p.d_stage_slot(to),
+                                        p.d_stage_slot(to) + p.d_slot
+                                    ),
+                                    "{nodes} nodes, {cap}x{hidden}: dispatch src {src}+{bytes}"
+                                );
+                                assert!(
+                                    inside(
+                                        dst,
+                                        bytes,
+                                        p.d_recv_slot(from),
+                                        p.d_recv_slot(from) + p.d_slot
+                                    ),
+                                    "{nodes} nodes, {cap}x{hidden}: dispatch dst {dst}+{bytes}"
+                                );
+                            }
+                            let c = p.combine_segments(to, from, rows, hidden, k).unwrap();
+                            for (src, dst, bytes) in c {
+                                assert!(inside(
+                                    src,
+                                    bytes,
+                                    p.c_stage_slot(to),
+                                    p.c_stage_slot(to) + p.c_slot
+                                ));
+                                assert!(inside(
+                                    dst,
+                                    bytes,
+                                    p.c_recv_slot(from),
+                                    p.c_recv_slot(from) + p.c_slot
+                                ));
+                            }
+                        }
+                    }
+                }
+                let mut words: Vec<usize> = [
+                    Words::DispatchData,
+                    Words::DispatchAck,
+                    Words::CombineData,
+                    Words::CombineAck,
+                ]
+                .into_iter()
+                .flat_map(|w| (0..nodes).map(move |n| (w, n)))
+                .map(|(w, n)| p.word(w, n))
+                .collect();
+                assert!(words.iter().all(|&o| o % 8 == 0 && o + 8 <= WORDS_BYTES));
+                let all = words.len();
+                words.sort_unstable();
+                words.dedup();
+                assert_eq!(words.len(), all);
+            }
+        }
+    }
 }
