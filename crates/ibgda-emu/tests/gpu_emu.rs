@@ -56,8 +56,8 @@ fn wait_cqe(qp: &HostQp, cons: u64) -> Cqe64 {
 /// Waits until everything the test enqueued on these GPUs has run. `cuMemsetD8` returns before
 /// it runs and a pageable `cuMemcpyHtoD` before its last DMA, both on the legacy stream, while
 /// the NIC works on streams of its own that do not wait for it. Only the legacy stream, bounded:
-/// a context-wide synchronisation would wait forever for the NIC's GPU agent, which runs until
-/// the last NIC on the GPU is dropped.
+/// a context-wide synchronisation would also wait for the NIC's GPU agent (until its idle exit)
+/// and for the NIC's own streams.
 fn settle(ctxs: &[Arc<CudaContext>]) {
     for c in ctxs {
         wait_legacy_stream(c, T, "the test's memsets and uploads").expect("synchronizing a GPU");
