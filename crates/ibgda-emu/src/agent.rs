@@ -330,8 +330,8 @@ impl std::fmt::Debug for Agent {
 
 // SAFETY: the raw module handle is only used by `Drop` (with the context bound), the function
 // handle only by launches, under `launch` and with the context bound (driver handles may be
-// used from any thread); every other field is Send and Sync (pinned buffers are, the stream wrapper is, the counters are behind
-// mutexes or atomics).
+// used from any thread); every other field is Send and Sync (pinned buffers are, the stream
+// wrapper is, the counters are behind mutexes or atomics).
 unsafe impl Send for Agent {}
 // SAFETY: as for Send: shared use goes through `&self` methods that lock or use atomics.
 unsafe impl Sync for Agent {}

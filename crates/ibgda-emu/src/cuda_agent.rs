@@ -11,7 +11,11 @@
 //!   lane's last command;
 //! - after copy-engine work the stream stores a new value into the lane's copy-engine word;
 //!   commands that follow are held on the host until the word has it, and published by
-//!   [`Lane::poll`] (the lane says it is [`busy`](Lane::busy) meanwhile).
+//!   [`Lane::poll`] (the lane says it is [`busy`](Lane::busy) meanwhile);
+//! - copy-engine work after held commands first waits on the host (bounded) until they are
+//!   published, so a stream only ever waits on commands in the ring, which an agent is sure to
+//!   run ([`crate::agent`], idle exit): never on this thread, which may be stuck in a driver
+//!   call behind a `cuMemFree` that waits for the stream.
 //!
 //! A mark is a pair (last command number, copy-engine value), landed when both words have them.
 //!
