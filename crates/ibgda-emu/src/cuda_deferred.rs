@@ -38,8 +38,9 @@
 //! landed. It touches nothing but host memory (the read counter is a stream memory store, not
 //! an event, so it learns of the read with a load), so it can never be stuck behind the driver.
 //! The NIC threads compute ready groups too when they poll or wait (the lowest latency when they
-//! are free; [`help_all`]); whoever holds a lane's queue first computes it, and no thread holds
-//! a queue across a driver call.
+//! are free; [`help_all`]); whoever holds a lane's queue first computes it. No thread holds a
+//! queue across a driver call, and a group is in its lane's queue (so the release thread sees
+//! it) as soon as its wait is enqueued, before the NIC thread's next driver call.
 //!
 //! Atomicity is that of [`crate::cuda_atomic`]: the stripes order every emulator atomic on a
 //! word in this process, across QPs and NICs, because a group holds the locks of its words'
@@ -113,6 +114,8 @@ pub(crate) struct Inflight {
     words: Vec<Word>,
     atoms: Vec<Atom>,
     computed: bool,
+    /// Its write-backs and `done` event are enqueued (the slot's event is this group's).
+    enqueued: bool,
 }
 
 /// A lane's pinned slots and its groups enqueued and not yet finished: what any thread may
@@ -551,6 +554,7 @@ impl Deferred {
             words: g.words,
             atoms: g.atoms,
             computed: false,
+            enqueued: false,
         };
         // SAFETY: both counters are 4-aligned words of the pinned arena, mapped for the device.
         let deferred = match unsafe {
@@ -591,13 +595,14 @@ impl Deferred {
             .map(|i| self.arena_dev + new_at(slot, i) as u64)
             .collect();
         let mut sizes: Vec<usize> = inflight.words.iter().map(|w| w.width).collect();
+        let word_count = inflight.words.len();
         for (k, a) in inflight.atoms.iter().enumerate() {
             if let Loc::Device(r) = a.result {
                 let src = self.arena_dev + reply_at(slot, k) as u64;
                 let len = a.op.width();
-                match dsts[inflight.words.len()..].iter().position(|&d| d == r) {
+                match dsts[word_count..].iter().position(|&d| d == r) {
                     Some(j) => {
-                        let j = inflight.words.len() + j;
+                        let j = word_count + j;
                         (srcs[j], sizes[j]) = (src, len);
                     }
                     None => {
@@ -607,6 +612,13 @@ impl Deferred {
                     }
                 }
             }
+        }
+        // The group is the release thread's to compute from here on, before this thread makes
+        // another driver call (one may block behind a `cuMemFree` that waits for this stream).
+        let waits = !inflight.computed;
+        self.queue().push_back(inflight);
+        if waits {
+            wake_releaser();
         }
         // SAFETY: as for the reads; the sources are this group's pinned slots.
         unsafe {
@@ -632,10 +644,9 @@ impl Deferred {
             });
         }
         drop(guards);
-        let waits = !inflight.computed;
-        self.queue().push_back(inflight);
-        if waits {
-            wake_releaser();
+        // Its slot may be freed once `done` has completed.
+        if let Some(g) = self.queue().iter_mut().rev().find(|g| g.seq == seq) {
+            g.enqueued = true;
         }
         Ok(deferred)
     }
@@ -651,7 +662,7 @@ impl Deferred {
             let did = compute_ready(&self.groups.arena, &mut q)?;
             let slots: Vec<usize> = q
                 .iter()
-                .take_while(|g| g.computed)
+                .take_while(|g| g.computed && g.enqueued)
                 .map(|g| g.slot)
                 .collect();
             (did, slots)
@@ -836,6 +847,7 @@ mod tests {
                 atom(0, AtomicOp::FetchAdd64 { add: 3 }),
             ],
             computed: false,
+            enqueued: true,
         };
         Groups {
             arena,
