@@ -852,6 +852,85 @@ fn gpu_agent_runs_and_allocations_still_return() {
     );
 }
 
+/// `cuMemFree` waits for every outstanding piece of work of the context and meanwhile holds a
+/// driver lock that the NIC thread's next driver call waits on. Atomics must go on while another
+/// thread frees memory in a loop: with the agent (its idle exits and relaunches), and with
+/// `IBGDA_EMU_AGENT=0` (deferred atomics: a stream waits on a counter the host releases, which
+/// a NIC thread stuck behind the free could never do; the release thread does). Batches are
+/// spaced around the agent's idle exit.
+#[test]
+fn gpu_atomics_go_on_while_another_thread_frees_memory() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let Some(ctxs) = gpus(1) else { return };
+    let mut g = Gpu2::loopback(ctxs);
+    let ctx = g.ctxs[0].clone();
+    let target = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
+    let fetch = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
+    target.fill_bytes(0).unwrap();
+    settle(&g.ctxs);
+    let rm =
+        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
+            .unwrap();
+    let lm =
+        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
+            .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let frees = Arc::new(AtomicU64::new(0));
+    let (done_tx, done_rx) = mpsc::channel();
+    {
+        let (ctx, stop, frees) = (ctx.clone(), stop.clone(), frees.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let b = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
+                drop(b);
+                frees.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let _ = done_tx.send(());
+        });
+    }
+    let mut rng = Rng::new(seed());
+    const ROUNDS: u64 = 40;
+    const BATCH: u64 = 64;
+    let q = g.qp.qpn();
+    let t0 = Instant::now();
+    for _ in 0..ROUNDS {
+        for k in 0..BATCH {
+            let i = g.pi + k;
+            let w = FetchAdd64::new(
+                q,
+                i as u16,
+                ra(&rm, 0),
+                LocalAddr {
+                    addr: lm.addr + 8 * (i % 512),
+                    lkey: lm.lkey,
+                },
+                1,
+            )
+            .cqe(k == BATCH - 1)
+            .build();
+            g.qp.post(i, &w);
+        }
+        g.pi += BATCH;
+        g.qp.ring_dbr(g.pi);
+        let c = wait_cqe(&g.qp, g.cons);
+        g.cons += 1;
+        assert!(!c.is_error(), "{c}");
+        std::thread::sleep(Duration::from_micros(rng.next_u64() % 3000));
+    }
+    let took = t0.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a cuMemFree did not return after the NIC went quiet");
+    assert_eq!(target.download::<u64>(0, 1).unwrap()[0], ROUNDS * BATCH);
+    eprintln!(
+        "{} fetch-adds in {took:?} while another thread freed {} buffers",
+        ROUNDS * BATCH,
+        frees.load(Ordering::Relaxed)
+    );
+}
+
 /// One QP, strict mode off (writes land in WQE order): writes that go to the copy engines
 /// (larger than `AGENT_COPY_MAX`) and small and inline writes that go to the agent, each
 /// overlapping or reading what the one before wrote, posted under one doorbell. Every byte must
