@@ -28,6 +28,13 @@
 //! kernels take). The cost is a relaunch (one `cuLaunchKernel` from the NIC thread, some
 //! microseconds) for the first command after an idle period.
 //!
+//! What it does not remove: while the emulator keeps getting commands, such a call waits until
+//! it has been quiet for [`AGENT_IDLE_EXIT`]; and the NIC thread still makes driver calls (a
+//! relaunch, copy-engine work for large copies), which wait behind such a call. A kernel that
+//! waits for NIC traffic needing one of those, while another thread frees memory, is a cycle
+//! no emulator design that calls the driver from its NIC thread can break (a hardware NIC has
+//! none): free memory when no kernel waits for the NIC.
+//!
 //! The protocol (`cuda/agent.cu` has the kernel's side) keeps every published command covered
 //! by an agent: a producer publishes its slot, fences, and reads the state word
 //! (`generation << 32 | phase`); the kernel, idle long enough, writes `STOPPING`, fences, and
