@@ -174,22 +174,32 @@ const RELEASE_SLEEP_MAX: Duration = Duration::from_micros(50);
 /// when a group is enqueued): a bound, so that a lost wake-up costs at most this.
 const RELEASE_IDLE: Duration = Duration::from_millis(20);
 
-/// The release thread (module docs), started with the first lane of deferred atomics.
-fn releaser() -> &'static std::thread::Thread {
-    static THREAD: OnceLock<std::thread::Thread> = OnceLock::new();
-    THREAD.get_or_init(|| {
-        std::thread::Builder::new()
-            .name("ibgda-emu-release".into())
-            .spawn(release_loop)
-            .expect("spawning the deferred atomics' release thread")
-            .thread()
-            .clone()
-    })
+/// The release thread (module docs), started with the first lane of deferred atomics; `None`
+/// when it could not be spawned (said once in the log: the NIC threads then release alone, and
+/// a `cuMemFree` in another thread may deadlock with them as before).
+fn releaser() -> Option<&'static std::thread::Thread> {
+    static THREAD: OnceLock<Option<std::thread::Thread>> = OnceLock::new();
+    THREAD
+        .get_or_init(|| {
+            match std::thread::Builder::new()
+                .name("ibgda-emu-release".into())
+                .spawn(release_loop)
+            {
+                Ok(h) => Some(h.thread().clone()),
+                Err(e) => {
+                    tracing::error!("no release thread for deferred atomics: {e}");
+                    None
+                }
+            }
+        })
+        .as_ref()
 }
 
 /// Wakes the release thread: a group has been enqueued.
 fn wake_releaser() {
-    releaser().unpark();
+    if let Some(t) = releaser() {
+        t.unpark();
+    }
 }
 
 /// Computes and releases ready groups for the life of the process: host memory only, never a
