@@ -40,8 +40,9 @@ use crate::rendezvous::Exchange;
 /// waiting on their copies while both ranks' send kernels spun in quiet, until the bound; it
 /// came and went with timing. Four leave room for several copies at once (DESIGN.md, "Testing
 /// without a NIC": an SM left free); a real NIC needs none. The NIC's GPU agent
-/// ([`ibgda_emu::AGENT_SMS`]: one block, launched when the first NIC on the GPU is made and
-/// resident from then on) counts against them; at least one more stays for copy kernels.
+/// ([`ibgda_emu::AGENT_SMS`]: one block, running while the NIC has work and relaunched after
+/// an idle exit, so it must find an SM free of waiting kernels) counts against them; at least
+/// one more stays for copy kernels.
 pub const EMULATED_NIC_SMS: u32 = 4;
 
 const _: () = assert!(

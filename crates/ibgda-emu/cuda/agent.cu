@@ -1,5 +1,6 @@
-// The emulated NIC's GPU agent: one block, launched once per (process, GPU) when the CUDA backend
-// starts and running until the host sets the stop flag, that executes the small operations of
+// The emulated NIC's GPU agent: one block per (process, GPU), launched when the CUDA backend
+// starts and again whenever the host publishes a command while it is not running, that ends
+// after `idle_exit_ns` with no command (or when the host sets the stop flag), and executes the small operations of
 // every emulated NIC on that GPU (copies up to a few KiB, inline data, 4- and 8-byte atomics,
 // CQEs) with device loads, stores and atomics. The host engine keeps every check and decision;
 // this kernel only moves the bytes it is told to (agent_cmd.cuh describes the ring).
@@ -10,6 +11,13 @@
 // warp 0, copies one after another by the whole block (a copy is bound by the bytes in flight,
 // so every warp of the block takes part). A round ends with a system fence and a block barrier,
 // so a CQE, always a later command of its lane than the data it reports, lands after that data.
+//
+// Idle exit (the host's side is in crates/ibgda-emu/src/agent.rs): cuMemFree and module loads
+// wait for every kernel of the context, so a kernel that never ends would hang them. Idle for
+// idle_exit_ns, the agent writes STOPPING into the state word, fences, and reads the ring once
+// more; a host that publishes a command, fences and then reads the state word either is seen
+// here (the agent goes back to RUNNING) or sees STOPPING or EXITED and relaunches it once it
+// is EXITED. So no published command is ever left without an agent to run it.
 //
 // The agent never waits for anything but its ring (and the stop flag while idle): ordering with
 // the copy engines is the host's business (it holds a lane's commands back until the lane's
@@ -27,8 +35,19 @@ constexpr unsigned FULL = 0xffffffffu;
 // Longest idle back-off between polls of the ring: short enough for the 5 µs latency target.
 constexpr unsigned IDLE_SLEEP_MAX_NS = 256;
 
-// Idle polls between two reads of the stop flag.
+// Idle polls between two reads of the stop flag and the clock (about 16 us at the longest
+// back-off: the idle exit is that much late at most).
 constexpr unsigned STOP_CHECK_EVERY = 64;
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint64_t state_word(uint32_t generation, uint32_t phase) {
+    return (static_cast<uint64_t>(generation) << 32) | phase;
+}
 
 __device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
     uint64_t v;
@@ -206,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
     const unsigned nthreads = blockDim.x;
     uint32_t* stop = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STOP);
     uint64_t* done = reinterpret_cast<uint64_t*>(p.ctrl + EMU_AGENT_CTRL_DONE);
-    uint32_t* state = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_STATE);
+    uint64_t* state = reinterpret_cast<uint64_t*>(p.ctrl + EMU_AGENT_CTRL_STATE);
     uint32_t* lane_done = reinterpret_cast<uint32_t*>(p.ctrl + EMU_AGENT_CTRL_LANE_DONE);
     const uint64_t mask = p.nslots - 1;
 
@@ -217,7 +236,12 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
     __shared__ unsigned sh_count, sh_rounds;
     __shared__ int sh_stop;
 
-    if (tid == 0) st_release_u32(state, 1);
+    if (tid == 0) {
+        st_release_u64(state, state_word(p.generation, EMU_AGENT_PHASE_RUNNING));
+        // The ring is read only after RUNNING is visible to the host (the host publishes, fences,
+        // then reads the state word: one of the two sees the other).
+        __threadfence_system();
+    }
     uint64_t next = ld_acquire_u64(done) + 1;
     for (;;) {
         emu_agent_cmd c{};
@@ -225,19 +249,41 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
         unsigned rank = 0;
         if (scheduler) {
             // Idle: one thread polls the next slot.
+            const emu_agent_cmd* next_slot = reinterpret_cast<const emu_agent_cmd*>(
+                p.ring + ((next - 1) & mask) * EMU_AGENT_SLOT_BYTES);
             unsigned idle = 0, sleep_ns = 32;
             int stopping = 0;
+            uint64_t idle_since = 0;
             for (;;) {
                 int ready = 0;
-                if (lane == 0) {
-                    const emu_agent_cmd* s = reinterpret_cast<const emu_agent_cmd*>(
-                        p.ring + ((next - 1) & mask) * EMU_AGENT_SLOT_BYTES);
-                    ready = ld_acquire_u64(&s->seq) == next;
-                }
+                if (lane == 0) ready = ld_acquire_u64(&next_slot->seq) == next;
                 if (__shfl_sync(FULL, ready, 0)) break;
                 if (++idle % STOP_CHECK_EVERY == 0) {
-                    stopping = __shfl_sync(FULL, lane == 0 ? ld_acquire_u32(stop) : 0, 0);
-                    if (stopping) break;
+                    // 0: go on idling, 1: end, 2: a command came in while ending.
+                    int verdict = 0;
+                    if (lane == 0) {
+                        const uint64_t now = globaltimer_ns();
+                        if (idle_since == 0) idle_since = now;
+                        if (ld_acquire_u32(stop)) {
+                            verdict = 1;
+                        } else if (now - idle_since >= p.idle_exit_ns) {
+                            st_release_u64(state, state_word(p.generation, EMU_AGENT_PHASE_STOPPING));
+                            __threadfence_system();
+                            if (ld_acquire_u64(&next_slot->seq) == next) {
+                                st_release_u64(state, state_word(p.generation, EMU_AGENT_PHASE_RUNNING));
+                                __threadfence_system();
+                                verdict = 2;
+                            } else {
+                                verdict = 1;
+                            }
+                        }
+                    }
+                    verdict = __shfl_sync(FULL, verdict, 0);
+                    if (verdict == 2) break;
+                    if (verdict == 1) {
+                        stopping = 1;
+                        break;
+                    }
                 }
                 __nanosleep(sleep_ns);
                 sleep_ns = min(sleep_ns * 2, IDLE_SLEEP_MAX_NS);
@@ -315,5 +361,9 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
         // The next batch's shared words are written only after every thread has left this one's
         // last round (its barrier above), and read only after the barrier at the top.
     }
-    if (tid == 0) st_release_u32(state, 2);
+    if (tid == 0) {
+        // Everything this launch ran is visible before the host may relaunch.
+        __threadfence_system();
+        st_release_u64(state, state_word(p.generation, EMU_AGENT_PHASE_EXITED));
+    }
 }

@@ -45,7 +45,10 @@ struct emu_agent_cmd {
 // The control block (pinned host memory, mapped), one cache line per writer.
 #define EMU_AGENT_CTRL_STOP 0        // u32, host: 1 = exit
 #define EMU_AGENT_CTRL_DONE 64       // u64, agent: every command with seq <= done has landed
-#define EMU_AGENT_CTRL_STATE 128     // u32, agent: 1 running, 2 exited
+#define EMU_AGENT_CTRL_STATE 128     // u64, agent: generation << 32 | phase (below)
+#define EMU_AGENT_PHASE_RUNNING 1    // reading the ring
+#define EMU_AGENT_PHASE_EXITED 2     // ended (idle, or told to stop): the host relaunches it
+#define EMU_AGENT_PHASE_STOPPING 3   // idle for long enough, re-reading the ring once before it ends
 #define EMU_AGENT_MAX_LANES 4096
 #define EMU_AGENT_CTRL_LANE_DONE 192  // u32 per lane, agent: lane_seq of its last landed command
 #define EMU_AGENT_CTRL_CE_WORDS (EMU_AGENT_CTRL_LANE_DONE + 4 * EMU_AGENT_MAX_LANES)  // u32 per lane, the lane's stream
@@ -56,10 +59,11 @@ struct emu_agent_cmd {
 #define EMU_AGENT_MAX_THREADS 256
 
 struct emu_agent_params {
-    uint64_t ring;    // device address of slot 0
-    uint64_t ctrl;    // device address of the control block
-    uint32_t nslots;  // a power of two
-    uint32_t pad;
+    uint64_t ring;          // device address of slot 0
+    uint64_t ctrl;          // device address of the control block
+    uint32_t nslots;        // a power of two
+    uint32_t generation;    // this launch's number (1, 2, ...): written into the state word
+    uint64_t idle_exit_ns;  // the kernel ends after this long (globaltimer) with no command
 };
 
 static_assert(sizeof(emu_agent_cmd) == 64, "size of emu_agent_cmd");
@@ -73,5 +77,7 @@ static_assert(offsetof(emu_agent_cmd, b) == 40, "offset of b");
 static_assert(offsetof(emu_agent_cmd, c) == 48, "offset of c");
 static_assert(offsetof(emu_agent_cmd, lane) == 56, "offset of lane");
 static_assert(offsetof(emu_agent_cmd, lane_seq) == 60, "offset of lane_seq");
-static_assert(sizeof(emu_agent_params) == 24, "size of emu_agent_params");
+static_assert(sizeof(emu_agent_params) == 32, "size of emu_agent_params");
+static_assert(offsetof(emu_agent_params, generation) == 20, "offset of generation");
+static_assert(offsetof(emu_agent_params, idle_exit_ns) == 24, "offset of idle_exit_ns");
 static_assert(EMU_AGENT_SLOT_BYTES == 64 + EMU_AGENT_PAYLOAD_BYTES, "slot = command + payload");

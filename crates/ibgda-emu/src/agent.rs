@@ -1,4 +1,5 @@
-//! The GPU agent: one persistent block (eight warps) per (process, GPU) that executes the emulated NICs' small
+//! The GPU agent: one block (eight warps) per (process, GPU), running while there is work and
+//! ending after [`AGENT_IDLE_EXIT`] without any, that executes the emulated NICs' small
 //! operations — copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs — with device
 //! loads, stores and atomics, from a command ring in pinned host memory (`cuda/agent.cu`, layout
 //! in [`crate::agent_cmd`]).
@@ -12,30 +13,58 @@
 //! other whichever NIC, QP or process issues them, and with respect to GPU kernels on the same
 //! word), and nothing waits on the host.
 //!
-//! The agent holds one SM's worth of a warp from the moment the backend is created until it is
-//! dropped, so it never asks for an SM while kernels that wait for the NIC fill the GPU
-//! (`ep::residency::EMULATED_NIC_SMS` keeps SMs free of waiting kernels; the agent's is one of
-//! them). It is launched on a waiting stream of [`ibgda_device::stream_pool`]: a hardware queue
-//! of its own, so no other work queues behind it.
+//! The agent's SM is one of those `ep::residency::EMULATED_NIC_SMS` keeps free of waiting
+//! kernels, so a relaunch never waits for an SM that kernels waiting for the NIC hold. It is
+//! launched on a waiting stream of [`ibgda_device::stream_pool`]: a hardware queue of its own,
+//! so no other work queues behind it.
 //!
-//! # The hazard of a kernel that never ends
+//! # Idle exit, and what a user sees
 //!
-//! A context-wide synchronisation (`cuCtxSynchronize`) waits for it forever, and on some driver
-//! versions so do `cuMemFree`, `cuMemFreeHost` and pinned allocations. Creation therefore probes
-//! the calls the project makes while NICs live (a module load and unload, a device allocation
-//! and free, a pinned allocation and free) on a helper thread while the agent runs: if one does not return within
-//! [`PROBE_BOUND`], the agent is stopped (which releases the call), the backend falls back to the
-//! copy-engine path, and the log says why. Code that synchronises a whole context while an
-//! emulated NIC lives must wait on its own streams instead (bounded).
+//! `cuMemFree`, `cuMemFreeHost`, module loads and unloads and `cuCtxSynchronize` wait until
+//! every kernel of the context has ended (and hold a driver lock meanwhile that launches and
+//! event calls in other threads wait on). A kernel that never ended would hang them, so the
+//! agent ends once it has seen no command for [`AGENT_IDLE_EXIT`]: **such a call waits at most
+//! about that long behind the emulator** after its last command (plus whatever the user's own
+//! kernels take). The cost is a relaunch (one `cuLaunchKernel` from the NIC thread, some
+//! microseconds) for the first command after an idle period.
+//!
+//! What it does not remove: while the emulator keeps getting commands, such a call waits until
+//! it has been quiet for [`AGENT_IDLE_EXIT`]; and the NIC thread still makes driver calls (a
+//! relaunch, copy-engine work for large copies), which wait behind such a call. A kernel that
+//! waits for NIC traffic needing one of those, while another thread frees memory, is a cycle
+//! no emulator design that calls the driver from its NIC thread can break (a hardware NIC has
+//! none): free memory when no kernel waits for the NIC.
+//!
+//! The protocol (`cuda/agent.cu` has the kernel's side) keeps every published command covered
+//! by an agent: a producer publishes its slot, fences, and reads the state word
+//! (`generation << 32 | phase`); the kernel, idle long enough, writes `STOPPING`, fences, and
+//! reads the ring once more, going back to `RUNNING` if a command came in. Whatever the
+//! producer reads then tells it what to do ([`after_publish`]): nothing (an agent will see its
+//! command), wait a moment (`STOPPING` resolves in microseconds), or relaunch (the agent has
+//! `EXITED`; one producer launches the next generation, the others see it enqueued). Launches
+//! happen under a mutex of their own that nothing the agent needs is behind; the ring's
+//! producer lock is not held.
+//!
+//! Why a stream may wait on the agent at all (a lane's copy-engine work waits on its done
+//! word): such a wait is only ever enqueued for commands already in the ring, hence covered by
+//! a running or enqueued agent (`cuda_agent` publishes held commands before it), so every wait
+//! ends by GPU progress alone, never by a host thread that might itself be stuck in a driver
+//! call behind a `cuMemFree` that waits for that stream.
+//!
+//! Creation probes the calls the project makes while NICs live (a device allocation and free,
+//! a pinned allocation and free, a module load and unload) on a helper thread while the agent
+//! runs: each must return within [`PROBE_BOUND`] (the idle exit plus a margin); if one does not,
+//! the agent is stopped, the backend falls back to the copy-engine path, and the log says why.
 //!
 //! # Lifetime
 //!
 //! Agents are shared through a process-wide registry of weak references: every `CudaMemory` on
 //! a context holds the context's agent; the last one dropped stops it (a flag in pinned memory
-//! the agent polls when idle, and while it waits) and waits, at most [`STOP_BOUND`], for the
-//! kernel to end. [`AGENT_ENV`]`=0` turns the agent off.
+//! the agent polls when idle) and waits, at most [`STOP_BOUND`], for the kernel to end.
+//! [`AGENT_ENV`]`=0` turns the agent off.
 
 use std::ffi::c_void;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -44,7 +73,8 @@ use ibgda_device::stream_pool::StreamLease;
 
 use crate::agent_cmd::{
     slot_of, AgentCmd, AgentParams, CTRL_BYTES, CTRL_CE_WORDS, CTRL_DONE, CTRL_LANE_DONE,
-    CTRL_STATE, CTRL_STOP, MAX_LANES, PAYLOAD_BYTES, SLOT_BYTES,
+    CTRL_STATE, CTRL_STOP, MAX_LANES, PAYLOAD_BYTES, PHASE_EXITED, PHASE_RUNNING, PHASE_STOPPING,
+    SLOT_BYTES,
 };
 use crate::error::EmuError;
 use crate::host::HostBuffer;
@@ -67,7 +97,7 @@ pub const AGENT_ENV: &str = "IBGDA_EMU_AGENT";
 /// hidden size 7168 in BF16 (14 KiB) stays on the agent.
 pub const AGENT_COPY_MAX: u64 = 16 << 10;
 
-/// SMs the agent occupies on its GPU (one block on one SM, from creation on): part of what
+/// SMs the agent occupies on its GPU (one block on one SM while it runs): part of what
 /// `ep::residency::EMULATED_NIC_SMS` keeps free of waiting kernels.
 pub const AGENT_SMS: u32 = 1;
 
@@ -80,18 +110,76 @@ const AGENT_THREADS: u32 = 256;
 /// Ring slots (a power of two, at least 32: the agent reads 32 at a time).
 const RING_SLOTS: usize = 4096;
 
-/// How long creation waits for the agent to report that it runs.
+/// How long the agent runs without a command before its kernel ends (measured on the GPU's
+/// globaltimer, checked about every 16 µs while idle).
+///
+/// The trade-off: a `cuMemFree`, `cuMemFreeHost`, module load or context synchronisation
+/// anywhere in the process waits up to about this long after the emulator's last command (they
+/// wait for every kernel of the context); the first command after an idle period pays a
+/// relaunch (a `cuLaunchKernel` from the NIC thread and the kernel's start, some microseconds).
+/// 2 ms is far above the gaps inside a dispatch or combine (microseconds), so busy phases never
+/// relaunch, and far below what a free that waits would notice next to a step of a model.
+pub const AGENT_IDLE_EXIT: Duration = Duration::from_millis(2);
+
+/// How long creation waits for the agent to report that it started.
 const START_BOUND: Duration = Duration::from_secs(5);
 
-/// How long a probed driver call may take while the agent runs before the agent is judged to
-/// block it (such calls take microseconds on an idle GPU; a blocked one never returns).
-pub(crate) const PROBE_BOUND: Duration = Duration::from_millis(500);
+/// How long a probed driver call may take while the agent runs: the idle exit, plus a margin
+/// for the call itself (a module load takes milliseconds) and for the helper thread being
+/// scheduled on a busy host. A call that waits on the agent for any other reason never returns.
+pub(crate) const PROBE_BOUND: Duration = Duration::from_millis(250);
 
-/// How long dropping the agent waits for the kernel to end.
+/// How long dropping the agent waits for the kernel to end, and a producer for a `STOPPING`
+/// agent to decide (microseconds on the GPU).
 pub(crate) const STOP_BOUND: Duration = Duration::from_secs(5);
 
-const STATE_RUNNING: u32 = 1;
-const STATE_EXITED: u32 = 2;
+/// The agent's state word as the host reads it (`cuda/agent_cmd.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AgentState {
+    /// The launch that wrote it (0: none has started yet).
+    pub generation: u32,
+    /// `PHASE_RUNNING`, `PHASE_STOPPING`, `PHASE_EXITED`, or 0 before the first start.
+    pub phase: u32,
+}
+
+impl AgentState {
+    pub fn decode(word: u64) -> Self {
+        Self {
+            generation: (word >> 32) as u32,
+            phase: word as u32,
+        }
+    }
+}
+
+/// What a producer does once it has published a command, fenced, and read the state word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterPublish {
+    /// An agent will see the command: the one that wrote the state word (running, so it reads
+    /// the ring again before it ends), or a later launch already enqueued (it starts after the
+    /// read, so it reads the ring after the command was published).
+    Covered,
+    /// The agent is ending and re-reading the ring: read the state word again.
+    Recheck,
+    /// The agent of generation `exited` has ended (or none ever started): launch the next one,
+    /// unless another producer already has.
+    Launch { exited: u32 },
+}
+
+/// The host's side of the idle-exit protocol (module docs): `seen` is the state word read after
+/// publishing, `launched` the generation of the latest launch enqueued (read after `seen`).
+pub(crate) fn after_publish(seen: AgentState, launched: u32) -> AfterPublish {
+    // Generations grow by one per launch; compared wrapping.
+    if (launched.wrapping_sub(seen.generation) as i32) > 0 {
+        return AfterPublish::Covered;
+    }
+    match seen.phase {
+        PHASE_RUNNING => AfterPublish::Covered,
+        PHASE_STOPPING => AfterPublish::Recheck,
+        _ => AfterPublish::Launch {
+            exited: seen.generation,
+        },
+    }
+}
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
@@ -163,7 +251,7 @@ pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
 
 /// Stops every live agent of the process when it exits (from `.fini_array`, after `main`
 /// returns or `exit` is called), in case a NIC was never dropped: the driver's teardown of a
-/// context must not find a kernel that never ends. Waits a little (bounded) for each to end.
+/// context should not find the agent mid-command. Waits a little (bounded) for each to end.
 extern "C" fn stop_agents_at_exit() {
     let Ok(reg) = REGISTRY.try_lock() else {
         return;
@@ -174,7 +262,7 @@ extern "C" fn stop_agents_at_exit() {
         a.ctrl.store_u32(CTRL_STOP, 1);
     }
     let t0 = Instant::now();
-    while live.iter().any(|a| !a.exited()) && t0.elapsed() < Duration::from_millis(200) {
+    while live.iter().any(|a| a.alive()) && t0.elapsed() < Duration::from_millis(200) {
         std::thread::yield_now();
     }
     // The Arcs are forgotten, not dropped: no driver calls while the process is going away.
@@ -200,6 +288,18 @@ pub fn agent_refusal(ctx: &CudaContext) -> Option<String> {
         .map(|(_, why)| why.clone())
 }
 
+/// How many times this process has launched the agent on `ctx`'s GPU (its first start and
+/// every relaunch after an idle exit); `None` when no agent lives there.
+pub fn agent_launches(ctx: &CudaContext) -> Option<u32> {
+    let key = ctx.cu_ctx() as usize;
+    let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    reg.agents
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+        .map(|a| a.launched.load(Ordering::Acquire))
+}
+
 /// A loaded module (unloaded by `Agent::drop` once the kernel has ended).
 struct Module(sys::CUmodule);
 
@@ -216,6 +316,11 @@ pub(crate) struct Agent {
     /// Lane indices not in use.
     free_lanes: Mutex<Vec<u32>>,
     module: Option<Module>,
+    func: sys::CUfunction,
+    /// The generation of the latest launch enqueued (0: none yet); written under `launch`.
+    launched: AtomicU32,
+    /// Held while a launch is decided and enqueued (never while anything else is held).
+    launch: Mutex<()>,
     stream: Arc<CudaStream>,
     _lease: StreamLease,
 }
@@ -225,13 +330,15 @@ impl std::fmt::Debug for Agent {
         f.debug_struct("Agent")
             .field("gpu", &self.ctx.ordinal())
             .field("done", &self.done())
+            .field("state", &self.state())
             .finish()
     }
 }
 
-// SAFETY: the raw module handle is only used by `Drop` (with the context bound); every other
-// field is Send and Sync (pinned buffers are, the stream wrapper is, the counters are behind
-// mutexes or atomics).
+// SAFETY: the raw module handle is only used by `Drop` (with the context bound), the function
+// handle only by launches, under `launch` and with the context bound (driver handles may be
+// used from any thread); every other field is Send and Sync (pinned buffers are, the stream
+// wrapper is, the counters are behind mutexes or atomics).
 unsafe impl Send for Agent {}
 // SAFETY: as for Send: shared use goes through `&self` methods that lock or use atomics.
 unsafe impl Sync for Agent {}
@@ -278,31 +385,6 @@ impl Agent {
         let ring_dev = ring.device_addr().ok_or_else(no_dev)?;
         let ctrl_dev = ctrl.device_addr().ok_or_else(no_dev)?;
         let (stream, lease) = ibgda_device::stream_pool::waiting(ctx)?;
-        let mut params = AgentParams {
-            ring: ring_dev,
-            ctrl: ctrl_dev,
-            nslots: RING_SLOTS as u32,
-            pad: 0,
-        };
-        let mut args = [&mut params as *mut AgentParams as *mut c_void];
-        // SAFETY: `emu_agent(emu_agent_params)` takes one 24-byte struct, which `AgentParams`
-        // is (asserted on both sides); the ring and control block are pinned and outlive the
-        // kernel (the agent is stopped and waited for before they are freed, see Drop).
-        check("cuLaunchKernel (emu_agent)", unsafe {
-            sys::cuLaunchKernel(
-                func,
-                1,
-                1,
-                1,
-                AGENT_THREADS,
-                1,
-                1,
-                0,
-                stream.cu_stream(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })?;
         let agent = Agent {
             ctx: ctx.clone(),
             ring,
@@ -312,11 +394,15 @@ impl Agent {
             producer: Mutex::new(1),
             free_lanes: Mutex::new((0..MAX_LANES as u32).rev().collect()),
             module: Some(module),
+            func,
+            launched: AtomicU32::new(0),
+            launch: Mutex::new(()),
             stream,
             _lease: lease,
         };
+        agent.relaunch(0)?;
         let t0 = Instant::now();
-        while agent.ctrl.load_u32(CTRL_STATE) != STATE_RUNNING {
+        while agent.state().generation == 0 {
             if t0.elapsed() > START_BOUND {
                 // Dropping stops it should it start later.
                 return Err(EmuError::BackendTimeout {
@@ -331,10 +417,10 @@ impl Agent {
         Ok(agent)
     }
 
-    /// Runs, on a helper thread, the driver calls the project makes while NICs live (a module
-    /// load and unload, a device allocation and free, a pinned allocation and free); when one
-    /// does not return within [`PROBE_BOUND`] the agent blocks it: stop the agent (which lets
-    /// the call finish) and refuse.
+    /// Runs, on a helper thread, the driver calls the project makes while NICs live (a device
+    /// allocation and free, a pinned allocation and free, a module load and unload); these wait
+    /// for the agent's idle exit, so they must return within [`PROBE_BOUND`]; when one does not,
+    /// something keeps the agent (or the call) from ending: stop the agent and refuse.
     fn probe_driver_calls(&self, image: Vec<u64>) -> Result<(), EmuError> {
         let ctx = self.ctx.clone();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -342,6 +428,14 @@ impl Agent {
             let r = (|| -> Result<(), EmuError> {
                 ctx.bind_to_thread()
                     .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
+                // The free first: the agent has just started, so it still runs.
+                let mut dptr = 0u64;
+                // SAFETY: a valid out-pointer; the context is current.
+                check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dptr, 4096) })?;
+                // SAFETY: allocated just above, freed once.
+                check("cuMemFree", unsafe { sys::cuMemFree_v2(dptr) })?;
+                let pinned = HostBuffer::pinned(&ctx, 4096)?;
+                drop(pinned);
                 let mut module: sys::CUmodule = std::ptr::null_mut();
                 // SAFETY: a valid out-pointer and a complete, aligned fatbin image that lives
                 // across the call; the context is current.
@@ -352,13 +446,6 @@ impl Agent {
                 check("cuModuleUnload (probe)", unsafe {
                     sys::cuModuleUnload(module)
                 })?;
-                let mut dptr = 0u64;
-                // SAFETY: a valid out-pointer; the context is current.
-                check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut dptr, 4096) })?;
-                // SAFETY: allocated just above, freed once.
-                check("cuMemFree", unsafe { sys::cuMemFree_v2(dptr) })?;
-                let pinned = HostBuffer::pinned(&ctx, 4096)?;
-                drop(pinned);
                 Ok(())
             })();
             let _ = tx.send(r);
@@ -385,8 +472,8 @@ impl Agent {
         if blocked {
             return Err(EmuError::Unsupported {
                 backend: "cuda",
-                what: "run a persistent agent here: device or pinned allocations and frees wait \
-                       for running kernels on this driver",
+                what: "run the GPU agent here: device or pinned allocations, frees or module \
+                       loads did not return within the agent's idle exit and a margin",
             });
         }
         Ok(())
@@ -397,9 +484,90 @@ impl Agent {
         self.ctrl.load_u64(CTRL_DONE)
     }
 
-    /// Whether the kernel has ended (stopped, or failed).
-    pub fn exited(&self) -> bool {
-        self.ctrl.load_u32(CTRL_STATE) == STATE_EXITED
+    /// The state word as it is now.
+    pub fn state(&self) -> AgentState {
+        AgentState::decode(self.ctrl.load_u64(CTRL_STATE))
+    }
+
+    /// Whether a launch of the kernel is running (not ended; one enqueued and not yet started
+    /// does not count).
+    fn alive(&self) -> bool {
+        !matches!(self.state().phase, PHASE_EXITED | 0)
+    }
+
+    /// Enqueues launch `generation` of the kernel on the agent's stream.
+    fn launch_kernel(&self, generation: u32) -> Result<(), EmuError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(EmuError::cuda("cuCtxSetCurrent"))?;
+        let mut params = AgentParams {
+            ring: self.ring_dev,
+            ctrl: self.ctrl_dev,
+            nslots: RING_SLOTS as u32,
+            generation,
+            idle_exit_ns: AGENT_IDLE_EXIT.as_nanos() as u64,
+        };
+        let mut args = [&mut params as *mut AgentParams as *mut c_void];
+        // SAFETY: `emu_agent(emu_agent_params)` takes one 32-byte struct, which `AgentParams`
+        // is (asserted on both sides); the ring and control block are pinned and outlive the
+        // kernel (the agent is stopped and waited for before they are freed, see Drop); the
+        // context is current.
+        check("cuLaunchKernel (emu_agent)", unsafe {
+            sys::cuLaunchKernel(
+                self.func,
+                1,
+                1,
+                1,
+                AGENT_THREADS,
+                1,
+                1,
+                0,
+                self.stream.cu_stream(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Launches generation `exited + 1`, unless a launch after generation `exited` has been
+    /// enqueued already (by another producer). Launches on one stream run one after another, so
+    /// at most one agent runs at a time.
+    fn relaunch(&self, exited: u32) -> Result<(), EmuError> {
+        let _launching = self.launch.lock().unwrap_or_else(|p| p.into_inner());
+        let launched = self.launched.load(Ordering::Acquire);
+        if launched != exited {
+            return Ok(());
+        }
+        self.launch_kernel(exited.wrapping_add(1))?;
+        self.launched
+            .store(exited.wrapping_add(1), Ordering::Release);
+        Ok(())
+    }
+
+    /// After publishing a command: makes sure an agent will run it (module docs), relaunching
+    /// the kernel if it has ended. Waits, at most [`STOP_BOUND`], for an ending agent to decide.
+    fn cover_published(&self) -> Result<(), EmuError> {
+        // The publish (a release store) is visible before the state word is read; the kernel
+        // fences between its state store and its ring read the same way.
+        fence(Ordering::SeqCst);
+        let t0 = Instant::now();
+        loop {
+            let seen = self.state();
+            match after_publish(seen, self.launched.load(Ordering::Acquire)) {
+                AfterPublish::Covered => return Ok(()),
+                AfterPublish::Launch { exited } => return self.relaunch(exited),
+                AfterPublish::Recheck => {
+                    if t0.elapsed() > STOP_BOUND {
+                        return Err(EmuError::BackendTimeout {
+                            backend: "cuda",
+                            what: "the GPU agent to end or go on",
+                            waited: t0.elapsed(),
+                        });
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+        }
     }
 
     /// Device address of lane `i`'s done word (what its copy-engine stream waits on).
@@ -439,8 +607,8 @@ impl Agent {
     }
 
     /// Publishes `cmd` (with `payload`, at most [`PAYLOAD_BYTES`], copied into its slot and
-    /// named by `cmd.src` when not empty) and returns its number. Waits, at most `timeout`, for a
-    /// free slot.
+    /// named by `cmd.src` when not empty) and returns its number once an agent is sure to run it
+    /// (relaunching the kernel after an idle exit). Waits, at most `timeout`, for a free slot.
     pub fn push(
         &self,
         mut cmd: AgentCmd,
@@ -467,6 +635,9 @@ impl Agent {
         // Release: the fields and payload above are visible before the number.
         self.ring.store_u64(at, seq);
         *next = seq + 1;
+        // A relaunch is a driver call: not under the producer lock.
+        drop(next);
+        self.cover_published()?;
         Ok(seq)
     }
 
@@ -479,13 +650,8 @@ impl Agent {
     ) -> Result<(), EmuError> {
         let t0 = Instant::now();
         let mut polls = 0u32;
+        // Every published command is covered by a running or enqueued agent (`cover_published`).
         while self.done() < seq {
-            if self.exited() {
-                return Err(EmuError::Unsupported {
-                    backend: "cuda",
-                    what: "execute commands: the GPU agent has exited",
-                });
-            }
             if t0.elapsed() > timeout {
                 return Err(EmuError::BackendTimeout {
                     backend: "cuda",
@@ -538,5 +704,79 @@ impl Drop for Agent {
             // SAFETY: the module was loaded by `start`, its kernel has ended, unloaded once.
             let _ = unsafe { sys::cuModuleUnload(m.0) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(generation: u32, phase: u32) -> AgentState {
+        AgentState { generation, phase }
+    }
+
+    #[test]
+    fn the_state_word_is_generation_and_phase() {
+        assert_eq!(
+            AgentState::decode((7u64 << 32) | PHASE_STOPPING as u64),
+            st(7, PHASE_STOPPING)
+        );
+        assert_eq!(AgentState::decode(0), st(0, 0));
+    }
+
+    #[test]
+    fn a_running_agent_or_a_later_launch_covers_a_command() {
+        assert_eq!(
+            after_publish(st(3, PHASE_RUNNING), 3),
+            AfterPublish::Covered
+        );
+        // Launched, not started yet: it reads the ring after it starts.
+        assert_eq!(after_publish(st(0, 0), 1), AfterPublish::Covered);
+        assert_eq!(after_publish(st(3, PHASE_EXITED), 4), AfterPublish::Covered);
+        assert_eq!(
+            after_publish(st(3, PHASE_STOPPING), 4),
+            AfterPublish::Covered
+        );
+        // The new generation already runs while its launcher has not yet counted it.
+        assert_eq!(
+            after_publish(st(4, PHASE_RUNNING), 3),
+            AfterPublish::Covered
+        );
+    }
+
+    #[test]
+    fn an_ending_agent_is_read_again_and_an_ended_one_relaunched() {
+        assert_eq!(
+            after_publish(st(3, PHASE_STOPPING), 3),
+            AfterPublish::Recheck
+        );
+        assert_eq!(
+            after_publish(st(3, PHASE_EXITED), 3),
+            AfterPublish::Launch { exited: 3 }
+        );
+        assert_eq!(
+            after_publish(st(0, 0), 0),
+            AfterPublish::Launch { exited: 0 },
+            "nothing launched yet"
+        );
+        // The new generation ended before its launcher counted it: launch the one after
+        // (`relaunch` waits for the launcher under the launch mutex, then sees 4 == 4).
+        assert_eq!(
+            after_publish(st(4, PHASE_EXITED), 3),
+            AfterPublish::Launch { exited: 4 }
+        );
+    }
+
+    #[test]
+    fn generations_compare_across_the_wrap() {
+        assert_eq!(
+            after_publish(st(u32::MAX, PHASE_EXITED), 0),
+            AfterPublish::Covered,
+            "generation 0 after u32::MAX is a later launch"
+        );
+        assert_eq!(
+            after_publish(st(u32::MAX, PHASE_EXITED), u32::MAX),
+            AfterPublish::Launch { exited: u32::MAX }
+        );
     }
 }

@@ -39,8 +39,15 @@ pub(crate) const FLAG_JOIN: u8 = 4;
 pub(crate) const CTRL_STOP: usize = 0;
 /// Every command with `seq <= done` has landed (the agent writes it, u64).
 pub(crate) const CTRL_DONE: usize = 64;
-/// The agent's state: 0 not started, 1 running, 2 exited (u32).
+/// The agent's state (u64, the agent writes it): `generation << 32 | phase`, 0 before the first
+/// launch starts.
 pub(crate) const CTRL_STATE: usize = 128;
+/// Phase: the agent reads the ring.
+pub(crate) const PHASE_RUNNING: u32 = 1;
+/// Phase: the agent has ended (idle, or told to stop).
+pub(crate) const PHASE_EXITED: u32 = 2;
+/// Phase: the agent has been idle long enough and re-reads the ring once before it ends.
+pub(crate) const PHASE_STOPPING: u32 = 3;
 /// Lanes (QPs) one agent serves at once.
 pub(crate) const MAX_LANES: usize = 4096;
 /// One u32 per lane: the `lane_seq` of the lane's last landed command (the agent writes it).
@@ -85,7 +92,10 @@ pub(crate) struct AgentParams {
     pub ring: u64,
     pub ctrl: u64,
     pub nslots: u32,
-    pub pad: u32,
+    /// This launch's number (1, 2, ...), written into the state word.
+    pub generation: u32,
+    /// The kernel ends after this long with no command.
+    pub idle_exit_ns: u64,
 }
 
 const _: () = {
@@ -100,7 +110,9 @@ const _: () = {
     assert!(std::mem::offset_of!(AgentCmd, c) == 48);
     assert!(std::mem::offset_of!(AgentCmd, lane) == 56);
     assert!(std::mem::offset_of!(AgentCmd, lane_seq) == 60);
-    assert!(std::mem::size_of::<AgentParams>() == 24);
+    assert!(std::mem::size_of::<AgentParams>() == 32);
+    assert!(std::mem::offset_of!(AgentParams, generation) == 20);
+    assert!(std::mem::offset_of!(AgentParams, idle_exit_ns) == 24);
     assert!(SLOT_BYTES == 64 + PAYLOAD_BYTES);
     assert!(CTRL_LANE_DONE % 64 == 0 && CTRL_DONE % 64 == 0 && CTRL_STATE % 64 == 0);
     assert!(CTRL_CE_WORDS % 64 == 0);

@@ -1,5 +1,5 @@
 //! The CUDA backend. With the GPU agent (the default where it starts; see the last section and
-//! [`crate::agent`]) small operations run on a persistent GPU block. Without it: data moved by
+//! [`crate::agent`]) small operations run on a GPU block that ends when idle. Without it: data moved by
 //! copy engines (peer copies between GPUs of a host) on one non-blocking stream per QP, words
 //! and CQEs written by stream memory operations behind the data, atomics computed by the host
 //! between stream operations, and no kernel launches anywhere. Either way the emulator
@@ -49,10 +49,13 @@
 //! Where it can be started ([`crate::agent`]; on by default, `IBGDA_EMU_AGENT=0` turns it off),
 //! lanes are [`AgentLane`](crate::cuda_agent::AgentLane)s: small device operations (copies up
 //! to [`AGENT_COPY_MAX`](crate::agent::AGENT_COPY_MAX), inline data, atomics, device CQEs) are
-//! commands a persistent GPU block executes, and only large copies and copies to or from host
-//! memory use the copy engines as described above. A kernel that never ends makes every
-//! context-wide synchronisation wait forever and, on some drivers, allocations and frees too:
-//! the agent's creation probes for that and falls back to the path above when it sees it.
+//! commands a GPU block executes, and only large copies and copies to or from host memory use
+//! the copy engines as described above. The block ends after
+//! [`AGENT_IDLE_EXIT`](crate::agent::AGENT_IDLE_EXIT) without commands and is relaunched with
+//! the next one, because frees, module loads and context-wide synchronisations wait for every
+//! kernel of the context: they wait at most about that long behind the emulator. The agent's
+//! creation checks that they do return in that time and falls back to the path above when they
+//! do not.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;

@@ -11,7 +11,11 @@
 //!   lane's last command;
 //! - after copy-engine work the stream stores a new value into the lane's copy-engine word;
 //!   commands that follow are held on the host until the word has it, and published by
-//!   [`Lane::poll`] (the lane says it is [`busy`](Lane::busy) meanwhile).
+//!   [`Lane::poll`] (the lane says it is [`busy`](Lane::busy) meanwhile);
+//! - copy-engine work after held commands first waits on the host (bounded) until they are
+//!   published, so a stream only ever waits on commands in the ring, which an agent is sure to
+//!   run ([`crate::agent`], idle exit): never on this thread, which may be stuck in a driver
+//!   call behind a `cuMemFree` that waits for the stream.
 //!
 //! A mark is a pair (last command number, copy-engine value), landed when both words have them.
 //!
@@ -303,12 +307,6 @@ impl AgentLane {
             if self.order.commands_landed(self.agent.lane_done(self.index)) {
                 return Ok(());
             }
-            if self.agent.exited() {
-                return Err(EmuError::Unsupported {
-                    backend: "cuda",
-                    what: "execute commands: the GPU agent has exited",
-                });
-            }
             if t0.elapsed() > timeout {
                 return Err(EmuError::BackendTimeout {
                     backend: "cuda",
@@ -326,7 +324,30 @@ impl AgentLane {
     }
 
     /// Before copy-engine work: the stream waits until the lane's commands so far have landed.
+    ///
+    /// Held commands are published first (a bounded host wait for the lane's earlier
+    /// copy-engine work, which needs nothing from the host): the stream then waits only on
+    /// commands in the ring, which an agent is sure to run. A wait on a held command would need
+    /// this thread to publish it, and a `cuMemFree` elsewhere, waiting for the stream while it
+    /// holds the driver lock, would block this thread's next driver call: a deadlock.
     fn ce_after_commands(&mut self) -> Result<(), EmuError> {
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        while self.publish_ready()? {
+            if t0.elapsed() > self.timeout {
+                return Err(EmuError::BackendTimeout {
+                    backend: "cuda",
+                    what: "a QP's copy-engine work, to publish the commands behind it",
+                    waited: t0.elapsed(),
+                });
+            }
+            polls += 1;
+            if polls < 4000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
         let Some(want) = self
             .order
             .ce_must_wait_for(self.agent.lane_done(self.index))

@@ -18,18 +18,29 @@
 //!
 //! Four driver calls per group, whatever its size, and the host learns of the read with a load.
 //!
-//! The NIC thread, in a later round ([`Deferred::poll`]), sees the read counter, applies the
-//! group's operations in order on the host (a word that several atomics of the group touch is
-//! read once and chained), writes the new values and replies into the pinned slots (replies to
-//! host memory directly), and stores the group's number into the release counter (release
-//! order). The stream then finishes the group; work enqueued after it (later writes, the CQEs)
-//! follows in stream order. No SM, no host wait on the data path; one round trip per group, not
-//! per atomic.
+//! Once the read counter says the words are in host memory, a thread applies the group's
+//! operations in order on the host (a word that several atomics of the group touch is read once
+//! and chained), writes the new values and replies into the pinned slots (replies to host
+//! memory directly), and stores the group's number into the release counter (release order).
+//! The stream then finishes the group; work enqueued after it (later writes, the CQEs) follows
+//! in stream order. No SM, no host wait on the data path; one round trip per group, not per
+//! atomic.
 //!
-//! A group's read may wait for another QP's group, and QPs of one NIC share one thread: a thread
-//! that must wait for its own groups (a slot to reuse, a fence) therefore computes every ready
-//! group of every lane in the process while it waits ([`help_all`]), so no group waits for a
-//! thread that is waiting for it.
+//! # Who releases: never a thread that may be stuck in a driver call
+//!
+//! `cuMemFree` (and module loads, context synchronisation) wait for all outstanding work of the
+//! context while holding a driver lock that `cuEventRecord`, `cuLaunchKernel` and most other
+//! calls in other threads wait on. A stream waiting on a host-released counter is outstanding
+//! work; had only the NIC thread released it, a NIC thread blocked in such a call (recording
+//! the next group's event, say) behind a `cuMemFree` that waits for that stream would never
+//! release it: a deadlock (seen on an H200, two ranks as threads, 2026-12-02). So a process-wide
+//! **release thread** ([`release_loop`]) computes and releases every group whose read has
+//! landed. It touches nothing but host memory (the read counter is a stream memory store, not
+//! an event, so it learns of the read with a load), so it can never be stuck behind the driver.
+//! The NIC threads compute ready groups too when they poll or wait (the lowest latency when they
+//! are free; [`help_all`]); whoever holds a lane's queue first computes it. No thread holds a
+//! queue across a driver call, and a group is in its lane's queue (so the release thread sees
+//! it) as soon as its wait is enqueued, before the NIC thread's next driver call.
 //!
 //! Atomicity is that of [`crate::cuda_atomic`]: the stripes order every emulator atomic on a
 //! word in this process, across QPs and NICs, because a group holds the locks of its words'
@@ -38,7 +49,7 @@
 //! not (a compare-swap that fails writes the old value back).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext};
@@ -103,6 +114,8 @@ pub(crate) struct Inflight {
     words: Vec<Word>,
     atoms: Vec<Atom>,
     computed: bool,
+    /// Its write-backs and `done` event are enqueued (the slot's event is this group's).
+    enqueued: bool,
 }
 
 /// A lane's pinned slots and its groups enqueued and not yet finished: what any thread may
@@ -119,20 +132,101 @@ static ALL_GROUPS: Mutex<Vec<Weak<Groups>>> = Mutex::new(Vec::new());
 /// Computes every group of every lane in the process whose words have been read (lanes another
 /// thread is working on right now are skipped). Returns whether it computed any.
 pub(crate) fn help_all() -> bool {
+    help_pass().computed
+}
+
+/// What one pass over every lane's groups came to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Pass {
+    /// Some group was computed and released.
+    computed: bool,
+    /// Some group is still waiting for its read, or a lane was busy (another thread held it).
+    waiting: bool,
+}
+
+fn help_pass() -> Pass {
     let all: Vec<Arc<Groups>> = ALL_GROUPS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
         .filter_map(Weak::upgrade)
         .collect();
-    let mut did = false;
+    let mut pass = Pass::default();
     for g in all {
-        if let Ok(mut q) = g.q.try_lock() {
-            // An error here is the owner's to see when it polls.
-            did |= compute_ready(&g.arena, &mut q).unwrap_or(false);
+        match g.q.try_lock() {
+            Ok(mut q) => {
+                // An error here is the owner's to see when it polls.
+                pass.computed |= compute_ready(&g.arena, &mut q).unwrap_or(false);
+                pass.waiting |= q.iter().any(|i| !i.computed);
+            }
+            Err(_) => pass.waiting = true,
         }
     }
-    did
+    pass
+}
+
+/// Longest sleep of the release thread between passes while a group waits for its read: the
+/// worst added latency of an atomic whose NIC thread is busy elsewhere (a free NIC thread
+/// computes its groups itself).
+const RELEASE_SLEEP_MAX: Duration = Duration::from_micros(50);
+
+/// How long the release thread sleeps when no group is in flight, unless woken ([`wake_releaser`]
+/// when a group is enqueued): a bound, so that a lost wake-up costs at most this.
+const RELEASE_IDLE: Duration = Duration::from_millis(20);
+
+/// The release thread (module docs), started with the first lane of deferred atomics; `None`
+/// when it could not be spawned (said once in the log: the NIC threads then release alone, and
+/// a `cuMemFree` in another thread may deadlock with them as before).
+fn releaser() -> Option<&'static std::thread::Thread> {
+    static THREAD: OnceLock<Option<std::thread::Thread>> = OnceLock::new();
+    THREAD
+        .get_or_init(|| {
+            match std::thread::Builder::new()
+                .name("ibgda-emu-release".into())
+                .spawn(release_loop)
+            {
+                Ok(h) => Some(h.thread().clone()),
+                Err(e) => {
+                    tracing::error!("no release thread for deferred atomics: {e}");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// Wakes the release thread: a group has been enqueued.
+fn wake_releaser() {
+    if let Some(t) = releaser() {
+        t.unpark();
+    }
+}
+
+/// Computes and releases ready groups for the life of the process: host memory only, never a
+/// driver call. Spins briefly after work, then backs off to [`RELEASE_SLEEP_MAX`] while groups
+/// wait, and parks (at most [`RELEASE_IDLE`]) when none does.
+fn release_loop() {
+    let mut quiet = 0u32;
+    loop {
+        let pass = help_pass();
+        if pass.computed {
+            quiet = 0;
+            continue;
+        }
+        if !pass.waiting {
+            quiet = 0;
+            std::thread::park_timeout(RELEASE_IDLE);
+            continue;
+        }
+        quiet = quiet.saturating_add(1);
+        match quiet {
+            0..=64 => std::hint::spin_loop(),
+            65..=256 => std::thread::yield_now(),
+            n => {
+                std::thread::sleep(Duration::from_micros(u64::from(n - 256)).min(RELEASE_SLEEP_MAX))
+            }
+        }
+    }
 }
 
 /// Computes the groups of `q` whose reads have completed, in order. Returns whether it computed
@@ -212,6 +306,17 @@ unsafe fn compute(arena: &HostBuffer, g: &mut Inflight) {
     g.computed = true;
 }
 
+/// Makes `groups` visible to the release thread (and to [`help_all`]), starting the thread on
+/// first use.
+fn register(groups: &Arc<Groups>) {
+    {
+        let mut all = ALL_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(groups));
+    }
+    releaser();
+}
+
 /// What adding an atomic to the open group came to.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Added {
@@ -251,11 +356,7 @@ impl Deferred {
             arena,
             q: Mutex::new(VecDeque::new()),
         });
-        {
-            let mut all = ALL_GROUPS.lock().unwrap_or_else(|p| p.into_inner());
-            all.retain(|w| w.strong_count() > 0);
-            all.push(Arc::downgrade(&groups));
-        }
+        register(&groups);
         Ok(Self {
             ctx: ctx.clone(),
             groups,
@@ -463,6 +564,7 @@ impl Deferred {
             words: g.words,
             atoms: g.atoms,
             computed: false,
+            enqueued: false,
         };
         // SAFETY: both counters are 4-aligned words of the pinned arena, mapped for the device.
         let deferred = match unsafe {
@@ -503,13 +605,14 @@ impl Deferred {
             .map(|i| self.arena_dev + new_at(slot, i) as u64)
             .collect();
         let mut sizes: Vec<usize> = inflight.words.iter().map(|w| w.width).collect();
+        let word_count = inflight.words.len();
         for (k, a) in inflight.atoms.iter().enumerate() {
             if let Loc::Device(r) = a.result {
                 let src = self.arena_dev + reply_at(slot, k) as u64;
                 let len = a.op.width();
-                match dsts[inflight.words.len()..].iter().position(|&d| d == r) {
+                match dsts[word_count..].iter().position(|&d| d == r) {
                     Some(j) => {
-                        let j = inflight.words.len() + j;
+                        let j = word_count + j;
                         (srcs[j], sizes[j]) = (src, len);
                     }
                     None => {
@@ -519,6 +622,13 @@ impl Deferred {
                     }
                 }
             }
+        }
+        // The group is the release thread's to compute from here on, before this thread makes
+        // another driver call (one may block behind a `cuMemFree` that waits for this stream).
+        let waits = !inflight.computed;
+        self.queue().push_back(inflight);
+        if waits {
+            wake_releaser();
         }
         // SAFETY: as for the reads; the sources are this group's pinned slots.
         unsafe {
@@ -544,21 +654,40 @@ impl Deferred {
             });
         }
         drop(guards);
-        self.queue().push_back(inflight);
+        // Its slot may be freed once `done` has completed.
+        if let Some(g) = self.queue().iter_mut().rev().find(|g| g.seq == seq) {
+            g.enqueued = true;
+        }
         Ok(deferred)
     }
 
     /// Computes every group whose words have been read, in order, and frees the slots of groups
     /// the stream has finished. Returns whether the host still owes work or did some.
+    ///
+    /// The queue is not held across the event queries (driver calls): the release thread must
+    /// always be able to compute it.
     pub fn poll(&mut self) -> Result<bool, EmuError> {
-        let groups = self.groups.clone();
-        let mut q = groups.q.lock().unwrap_or_else(|p| p.into_inner());
-        let did = compute_ready(&groups.arena, &mut q)?;
-        while let Some(front) = q.front() {
-            if !front.computed || !query(self.done[front.slot].raw)? {
+        let (did, computed_slots) = {
+            let mut q = self.queue();
+            let did = compute_ready(&self.groups.arena, &mut q)?;
+            let slots: Vec<usize> = q
+                .iter()
+                .take_while(|g| g.computed && g.enqueued)
+                .map(|g| g.slot)
+                .collect();
+            (did, slots)
+        };
+        let mut finished = 0;
+        for slot in computed_slots {
+            if !query(self.done[slot].raw)? {
                 break;
             }
-            let g = q.pop_front().expect("front exists");
+            finished += 1;
+        }
+        let groups = self.groups.clone();
+        let mut q = groups.q.lock().unwrap_or_else(|p| p.into_inner());
+        // Only this lane's owner pops (and pushes), so the front is still what was queried.
+        for g in q.drain(..finished) {
             self.free_slots.push(g.slot);
         }
         Ok(did || !q.is_empty())
@@ -596,6 +725,28 @@ impl Deferred {
             tracing::error!("deferred atomics released uncomputed at teardown");
         }
         self.groups.arena.store_u32(FLAG_OFFSET, self.seq);
+    }
+}
+
+impl Drop for Deferred {
+    /// Freeing the pinned arena is a driver call, which the release thread must never make: it
+    /// must not hold the last reference. Unlisted first (the release thread takes references
+    /// only under the list's lock), then a bounded wait for a pass in progress to let go.
+    fn drop(&mut self) {
+        let me = Arc::as_ptr(&self.groups);
+        ALL_GROUPS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), me));
+        let t0 = Instant::now();
+        while Arc::strong_count(&self.groups) > 1 {
+            if t0.elapsed() > Duration::from_secs(1) {
+                tracing::error!("a lane's deferred atomics are still referenced; its arena leaks");
+                std::mem::forget(self.groups.clone());
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 }
 
@@ -666,6 +817,106 @@ mod tests {
         assert_eq!(new_at(0, 0), old_at(0, GROUP_ATOMICS));
         assert_eq!(FLAG_OFFSET % 64, 0);
         assert_eq!(READ_OFFSET - FLAG_OFFSET, 64);
+    }
+
+    /// A lane's queue in plain host memory, with one group of two fetch-adds on one word (the
+    /// word as read: 40) and a compare-swap on another (as read: 7), replies to device results.
+    fn one_group() -> Groups {
+        let arena = HostBuffer::new(READ_OFFSET + 64);
+        let slot = 2;
+        arena.store_u64(old_at(slot, 0), 40);
+        arena.store_u64(old_at(slot, 1), 7);
+        let atom = |word, op| Atom {
+            word,
+            op,
+            result: Loc::Device(0x1000),
+            order: FetchOrder::HostOrder,
+        };
+        let g = Inflight {
+            seq: 1,
+            slot,
+            words: vec![
+                Word {
+                    addr: 0x10,
+                    width: 8,
+                },
+                Word {
+                    addr: 0x18,
+                    width: 8,
+                },
+            ],
+            atoms: vec![
+                atom(0, AtomicOp::FetchAdd64 { add: 2 }),
+                atom(
+                    1,
+                    AtomicOp::CompareSwap64 {
+                        swap: 9,
+                        compare: 7,
+                    },
+                ),
+                atom(0, AtomicOp::FetchAdd64 { add: 3 }),
+            ],
+            computed: false,
+            enqueued: true,
+        };
+        Groups {
+            arena,
+            q: Mutex::new(VecDeque::from([g])),
+        }
+    }
+
+    fn assert_released(g: &Groups) {
+        let a = &g.arena;
+        assert_eq!(a.load_u32(FLAG_OFFSET), 1, "released");
+        assert_eq!(a.load_u64(new_at(2, 0)), 45, "both adds, chained");
+        assert_eq!(a.load_u64(new_at(2, 1)), 9, "the swap");
+        let replies: Vec<u64> = (0..3).map(|k| a.load_u64(reply_at(2, k))).collect();
+        assert_eq!(replies, [40, 7, 42]);
+        assert!(g.q.lock().unwrap().iter().all(|i| i.computed));
+    }
+
+    #[test]
+    fn a_group_is_computed_and_released_once_its_read_has_landed() {
+        let g = one_group();
+        let mut q = g.q.lock().unwrap();
+        assert!(!compute_ready(&g.arena, &mut q).unwrap(), "not read yet");
+        assert_eq!(g.arena.load_u32(FLAG_OFFSET), 0, "not released");
+        g.arena.store_u32(READ_OFFSET, 1);
+        assert!(compute_ready(&g.arena, &mut q).unwrap());
+        assert!(!compute_ready(&g.arena, &mut q).unwrap(), "computed once");
+        drop(q);
+        assert_released(&g);
+    }
+
+    /// The owner never polls (as a NIC thread stuck in a driver call would not): the release
+    /// thread computes and releases the group once its read lands.
+    #[test]
+    fn the_release_thread_releases_without_the_owner() {
+        let g = Arc::new(one_group());
+        register(&g);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(g.arena.load_u32(FLAG_OFFSET), 0, "not read yet");
+        g.arena.store_u32(READ_OFFSET, 1);
+        wake_releaser();
+        let t0 = Instant::now();
+        while g.arena.load_u32(FLAG_OFFSET) != 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the release thread did not release the group"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        assert_released(&g);
+        // As `Deferred::drop`: unlisted, then the last reference is ours.
+        ALL_GROUPS
+            .lock()
+            .unwrap()
+            .retain(|w| !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&g)));
+        let t0 = Instant::now();
+        while Arc::strong_count(&g) > 1 {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            std::thread::yield_now();
+        }
     }
 
     #[test]

@@ -61,15 +61,19 @@
 //! The per-operation cost model is in the `cuda` module's source docs.
 //!
 //! **The GPU agent** (on by default where it can start; [`AGENT_ENV`]`=0` turns it off): one
-//! persistent block (eight warps) per GPU and process, launched when the first [`CudaMemory`]
-//! on that GPU is made and shared by every NIC there, executes the small operations (device
-//! copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from a command ring in
-//! pinned host memory, with GPU loads, stores and system-scope atomics; large copies and host
-//! memory keep the copy-engine path, ordered with the agent per QP. It holds its SM from
-//! creation, so it progresses when spinning kernels fill the rest of the GPU; atomics through
-//! it are GPU atomics, atomic with respect to every other atomic on the word. Its creation
-//! checks that module loads, allocations and frees still return while it runs, and falls back
-//! if they do not. Without the agent the emulator launches no kernel at all.
+//! block (eight warps) per GPU and process, shared by every NIC there, executes the small
+//! operations (device copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from
+//! a command ring in pinned host memory, with GPU loads, stores and system-scope atomics; large
+//! copies and host memory keep the copy-engine path, ordered with the agent per QP. It runs
+//! while there are commands and ends after [`AGENT_IDLE_EXIT`] without any; the NIC thread
+//! relaunches it with the next command. **What a user sees:** `cuMemFree`, `cuMemFreeHost`,
+//! module loads and context synchronisations wait for every kernel of the context, so they wait
+//! at most about [`AGENT_IDLE_EXIT`] behind the emulator (after its last command). Its SM is
+//! one that `ep::residency` keeps free of waiting kernels, so it progresses (and relaunches)
+//! when spinning kernels fill the rest of the GPU; atomics through it are GPU atomics, atomic
+//! with respect to every other atomic on the word. Its creation checks that allocations, frees
+//! and module loads return within the idle exit and a margin, and falls back if they do not.
+//! Without the agent the emulator launches no kernel at all.
 //!
 //! Writes of one QP submitted together may land in any order among themselves, except that a
 //! write that depends on another (overlapping destination, or a source another one writes)
@@ -163,7 +167,10 @@ mod nic;
 mod qp;
 mod strict;
 
-pub use agent::{agent_built, agent_refusal, AGENT_COPY_MAX, AGENT_ENV, AGENT_SMS};
+pub use agent::{
+    agent_built, agent_launches, agent_refusal, AGENT_COPY_MAX, AGENT_ENV, AGENT_IDLE_EXIT,
+    AGENT_SMS,
+};
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};
 pub use cuda::CudaMemory;

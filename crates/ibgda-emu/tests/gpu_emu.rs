@@ -56,8 +56,8 @@ fn wait_cqe(qp: &HostQp, cons: u64) -> Cqe64 {
 /// Waits until everything the test enqueued on these GPUs has run. `cuMemsetD8` returns before
 /// it runs and a pageable `cuMemcpyHtoD` before its last DMA, both on the legacy stream, while
 /// the NIC works on streams of its own that do not wait for it. Only the legacy stream, bounded:
-/// a context-wide synchronisation would wait forever for the NIC's GPU agent, which runs until
-/// the last NIC on the GPU is dropped.
+/// a context-wide synchronisation would also wait for the NIC's GPU agent (until its idle exit)
+/// and for the NIC's own streams.
 fn settle(ctxs: &[Arc<CudaContext>]) {
     for c in ctxs {
         wait_legacy_stream(c, T, "the test's memsets and uploads").expect("synchronizing a GPU");
@@ -644,8 +644,11 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
         .unwrap();
         n as u32
     };
-    // Twice the blocks that can be resident at 1024 threads each: every SM is taken.
-    let blocks = 4 * sms;
+    // Every SM's threads taken (two blocks of 1024 each), but for the GPU agent's share: the
+    // agent ends when idle and is relaunched with the next command, so, as `ep::residency`
+    // does, kernels that wait for the NIC leave it room (`AGENT_SMS`). By the time the NIC is
+    // asked, the agent has been idle for 200 ms: it must relaunch beside the spinning blocks.
+    let blocks = 2 * (sms - ibgda_emu::AGENT_SMS);
     let out = DeviceBuffer::new(&ctx1, blocks as usize * 4).unwrap();
     out.fill_bytes(0).unwrap();
 
@@ -707,7 +710,7 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
         sys::cudaError_enum::CUDA_ERROR_NOT_READY,
         "the spinning kernel should still be running"
     );
-    // The NIC needs no SM: an atomic and a write both land while every SM spins.
+    // The NIC needs no more than its share: an atomic and a write both land while the rest spins.
     g.run(|q, i| {
         FetchAdd64::new(
             q,
@@ -766,8 +769,10 @@ fn agent_expected() -> bool {
     std::env::var(ibgda_emu::AGENT_ENV).map_or(true, |v| v.trim() != "0")
 }
 
-/// The CUDA backend starts the GPU agent by default, and allocations and frees (which on some
-/// drivers wait for every running kernel) still return while it runs.
+/// The CUDA backend starts the GPU agent by default; allocations and frees (`cuMemFree` waits for
+/// every kernel of the context) return within the agent's idle exit and a margin even right
+/// after it ran a command; commands posted around the idle exit (while the agent ends, or after
+/// it ended) still execute, the agent relaunched.
 #[test]
 fn gpu_agent_runs_and_allocations_still_return() {
     let Some(ctxs) = gpus(1) else { return };
@@ -800,6 +805,130 @@ fn gpu_agent_runs_and_allocations_still_return() {
     // A second backend on the same GPU shares the agent.
     let again = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
     assert!(again.uses_agent());
+
+    let bound = ibgda_emu::AGENT_IDLE_EXIT + Duration::from_millis(250);
+    let mut g = Gpu2::loopback(ctxs.clone());
+    let ctx = ctxs[0].clone();
+    let dst = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
+    let rm =
+        g.b.register_device(&dst, 0, 4096, Access::REMOTE_WRITE)
+            .unwrap();
+    let launches0 = ibgda_emu::agent_launches(&ctx).expect("the agent lives");
+    let mut rng = Rng::new(seed());
+    let mut slowest_free = Duration::ZERO;
+    const ROUNDS: u64 = 200;
+    for round in 0..ROUNDS {
+        let to_free = (round % 4 == 0).then(|| DeviceBuffer::new(&ctx, 1 << 20).unwrap());
+        let at = 8 * (round % 64);
+        let v = (round + 1).to_ne_bytes();
+        g.run(|q, i| InlineWrite::new(q, i, ra(&rm, at), &v).cqe(true).build());
+        assert_eq!(
+            dst.download::<u64>(at as usize, 1).unwrap()[0],
+            round + 1,
+            "round {round}: the write after an idle period did not land"
+        );
+        if let Some(b) = to_free {
+            // The agent has just run a command and is idling: the free waits for its exit.
+            let t0 = Instant::now();
+            drop(b);
+            slowest_free = slowest_free.max(t0.elapsed());
+        }
+        // Around the idle exit: the next command finds the agent running, ending, or ended.
+        let jitter = Duration::from_micros(rng.next_u64() % 800);
+        std::thread::sleep(ibgda_emu::AGENT_IDLE_EXIT - Duration::from_micros(400) + jitter);
+    }
+    let launches = ibgda_emu::agent_launches(&ctx).expect("the agent lives") - launches0;
+    eprintln!(
+        "{ROUNDS} writes around the idle exit: {launches} relaunches; slowest free right after \
+         a command {slowest_free:?} (bound {bound:?})"
+    );
+    assert!(
+        slowest_free < bound,
+        "a cuMemFree right after a command took {slowest_free:?}, more than the idle exit and a margin"
+    );
+    assert!(
+        launches > 0,
+        "the agent never ended and relaunched in {ROUNDS} idle periods"
+    );
+}
+
+/// `cuMemFree` waits for every outstanding piece of work of the context and meanwhile holds a
+/// driver lock that the NIC thread's next driver call waits on. Atomics must go on while another
+/// thread frees memory in a loop: with the agent (its idle exits and relaunches), and with
+/// `IBGDA_EMU_AGENT=0` (deferred atomics: a stream waits on a counter the host releases, which
+/// a NIC thread stuck behind the free could never do; the release thread does). Batches are
+/// spaced around the agent's idle exit.
+#[test]
+fn gpu_atomics_go_on_while_another_thread_frees_memory() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let Some(ctxs) = gpus(1) else { return };
+    let mut g = Gpu2::loopback(ctxs);
+    let ctx = g.ctxs[0].clone();
+    let target = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
+    let fetch = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
+    target.fill_bytes(0).unwrap();
+    settle(&g.ctxs);
+    let rm =
+        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
+            .unwrap();
+    let lm =
+        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
+            .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let frees = Arc::new(AtomicU64::new(0));
+    let (done_tx, done_rx) = mpsc::channel();
+    {
+        let (ctx, stop, frees) = (ctx.clone(), stop.clone(), frees.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let b = DeviceBuffer::new(&ctx, 1 << 20).unwrap();
+                drop(b);
+                frees.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let _ = done_tx.send(());
+        });
+    }
+    let mut rng = Rng::new(seed());
+    const ROUNDS: u64 = 40;
+    const BATCH: u64 = 64;
+    let q = g.qp.qpn();
+    let t0 = Instant::now();
+    for _ in 0..ROUNDS {
+        for k in 0..BATCH {
+            let i = g.pi + k;
+            let w = FetchAdd64::new(
+                q,
+                i as u16,
+                ra(&rm, 0),
+                LocalAddr {
+                    addr: lm.addr + 8 * (i % 512),
+                    lkey: lm.lkey,
+                },
+                1,
+            )
+            .cqe(k == BATCH - 1)
+            .build();
+            g.qp.post(i, &w);
+        }
+        g.pi += BATCH;
+        g.qp.ring_dbr(g.pi);
+        let c = wait_cqe(&g.qp, g.cons);
+        g.cons += 1;
+        assert!(!c.is_error(), "{c}");
+        std::thread::sleep(Duration::from_micros(rng.next_u64() % 3000));
+    }
+    let took = t0.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a cuMemFree did not return after the NIC went quiet");
+    assert_eq!(target.download::<u64>(0, 1).unwrap()[0], ROUNDS * BATCH);
+    eprintln!(
+        "{} fetch-adds in {took:?} while another thread freed {} buffers",
+        ROUNDS * BATCH,
+        frees.load(Ordering::Relaxed)
+    );
 }
 
 /// One QP, strict mode off (writes land in WQE order): writes that go to the copy engines
