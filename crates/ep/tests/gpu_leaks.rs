@@ -106,7 +106,10 @@ fn no_growth(
         }
     }
     // The RSS every ten cycles: a leak grows in steps of a cycle, an allocator settles.
-    eprintln!("{what}: host RSS every 10 cycles (MiB): {}", marks.join(" "));
+    eprintln!(
+        "{what}: host RSS every 10 cycles (MiB): {}",
+        marks.join(" ")
+    );
     let (gpu1, rss1) = (free_all(ctxs), rss_bytes());
     let gpu_lost = gpu0.saturating_sub(gpu1);
     let rss_grown = rss1.saturating_sub(rss0);

@@ -46,7 +46,7 @@
 //!
 //! # The GPU agent
 //!
-//! Where it can be started ([`crate::agent`]; on by default, `IBGDA_EMU_AGENT=0` turns it off),
+//! Where it can be started ([`crate::agent`]; opt-in: `IBGDA_EMU_AGENT=1` turns it on),
 //! lanes are [`AgentLane`](crate::cuda_agent::AgentLane)s: small device operations (copies up
 //! to [`AGENT_COPY_MAX`](crate::agent::AGENT_COPY_MAX), inline data, atomics, device CQEs) are
 //! commands a GPU block executes, and only large copies and copies to or from host memory use
@@ -185,7 +185,7 @@ impl CudaMemory {
     }
 
     /// A backend whose waits (ring reads, atomics, fences) give up after `timeout`. Uses the
-    /// GPU agent ([`uses_agent`](Self::uses_agent)) unless [`AGENT_ENV`](crate::AGENT_ENV)`=0` or it cannot be
+    /// GPU agent ([`uses_agent`](Self::uses_agent)) when [`AGENT_ENV`](crate::AGENT_ENV)`=1` asks for it and it can be
     /// started here (logged once per context).
     pub fn with_timeout(ctx: &Arc<CudaContext>, timeout: Duration) -> Result<Self, EmuError> {
         Self::build(ctx, timeout, crate::agent::shared(ctx))

@@ -764,9 +764,10 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
 
 // ---- the GPU agent -------------------------------------------------------------------------
 
-/// Whether this run must have the GPU agent: unless switched off, it is built into every bundle.
+/// Whether this run must have the GPU agent: it is opt-in (`IBGDA_EMU_AGENT=1`), and built into
+/// every bundle.
 fn agent_expected() -> bool {
-    std::env::var(ibgda_emu::AGENT_ENV).map_or(true, |v| v.trim() != "0")
+    std::env::var(ibgda_emu::AGENT_ENV).is_ok_and(|v| v.trim() == "1")
 }
 
 /// The CUDA backend starts the GPU agent by default; allocations and frees (`cuMemFree` waits for
@@ -778,7 +779,7 @@ fn gpu_agent_runs_and_allocations_still_return() {
     let Some(ctxs) = gpus(1) else { return };
     let mem = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
     if !agent_expected() {
-        eprintln!("{}=0: the agent is off", ibgda_emu::AGENT_ENV);
+        eprintln!("{} is not 1: the agent is off", ibgda_emu::AGENT_ENV);
         assert!(!mem.uses_agent());
         return;
     }
@@ -854,8 +855,8 @@ fn gpu_agent_runs_and_allocations_still_return() {
 
 /// `cuMemFree` waits for every outstanding piece of work of the context and meanwhile holds a
 /// driver lock that the NIC thread's next driver call waits on. Atomics must go on while another
-/// thread frees memory in a loop: with the agent (its idle exits and relaunches), and with
-/// `IBGDA_EMU_AGENT=0` (deferred atomics: a stream waits on a counter the host releases, which
+/// thread frees memory in a loop: with the agent (`IBGDA_EMU_AGENT=1`: its idle exits and relaunches), and
+/// without it (deferred atomics: a stream waits on a counter the host releases, which
 /// a NIC thread stuck behind the free could never do; the release thread does). Batches are
 /// spaced around the agent's idle exit.
 #[test]
