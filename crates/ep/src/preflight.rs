@@ -172,7 +172,8 @@ const PEER_MAPPING_FIX: &str =
 const GDRCOPY_FIX: &str = "install GDRCopy (libgdrapi.so.2) and load its gdrdrv kernel module so \
      that /dev/gdrdrv exists; or run mode cpu_host_memory";
 
-/// The mlx5 device the real NIC would use, or why there is none, with the fix.
+/// The mlx5 device the real NIC would use (`EP_NIC_DEVICE` when set, else the first mlx5
+/// device), or why there is none, with the fix.
 pub fn real_nic() -> Result<String, Missing> {
     if let Err(e) = ibgda_verbs::rdma_core::rdma_core_available() {
         return Err(Missing::new(e.to_string(), RDMA_CORE_FIX));
@@ -183,6 +184,30 @@ pub fn real_nic() -> Result<String, Missing> {
             "check the RDMA kernel modules (ib_uverbs, mlx5_ib) and /dev/infiniband permissions",
         )
     })?;
+    let asked = std::env::var(crate::transport::NIC_DEVICE_ENV)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
+    if let Some(name) = asked {
+        let names: Vec<&str> = list.iter().map(|d| d.name.as_str()).collect();
+        return match list.iter().find(|d| d.name == name) {
+            Some(d) if d.mlx5 => Ok(name),
+            Some(_) => Err(Missing::new(
+                format!(
+                    "{}={name} is not an mlx5 device",
+                    crate::transport::NIC_DEVICE_ENV
+                ),
+                "name a ConnectX (mlx5_*) device, or unset EP_NIC_DEVICE",
+            )),
+            None => Err(Missing::new(
+                format!(
+                    "{}={name} is not among the RDMA devices ({names:?})",
+                    crate::transport::NIC_DEVICE_ENV
+                ),
+                "name a listed device (ibv_devices), or unset EP_NIC_DEVICE",
+            )),
+        };
+    }
     list.into_iter()
         .find(|d| d.mlx5)
         .map(|d| d.name)

@@ -54,4 +54,7 @@ pub use nic::{
     choose_nic, decide_nic, find_real_nic, open_transport, NicChoice, NicDecision, NicKind,
     RealNic, NIC_ENV,
 };
-pub use verbs::VerbsTransport;
+pub use verbs::{
+    path_mtu, LinkKind, LocalAddress, RealNicSpec, RemoteWindow, VerbsConnInfo, VerbsDriver,
+    VerbsTransport, NIC_DEVICE_ENV, NIC_GID_INDEX_ENV, NIC_PORT_ENV,
+};

@@ -16,10 +16,15 @@
 //! one process, or host threads in CI); connection info is the verbs [`ConnectInfo`](ibgda_verbs::ConnectInfo) (QPN, PSN,
 //! LID, GID).
 
+mod address;
 mod memory;
 mod qp_set;
 mod registration;
 mod responder;
 mod transport;
 
-pub use transport::VerbsTransport;
+pub use address::{
+    path_mtu, LinkKind, LocalAddress, RealNicSpec, RemoteWindow, VerbsConnInfo, NIC_DEVICE_ENV,
+    NIC_GID_INDEX_ENV, NIC_PORT_ENV,
+};
+pub use transport::{VerbsDriver, VerbsTransport};
