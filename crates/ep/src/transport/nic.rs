@@ -132,9 +132,16 @@ pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
             }
         }
         NicChoice::Auto => match crate::preflight::real_nic() {
-            Ok(name) => NicDecision {
-                kind: NicKind::Real(name),
-                why: "auto: a usable mlx5 device is present".into(),
+            // A device is present: real when the preflight says a handler mode can run on it.
+            Ok(name) => match RealNic::open(Some(&name)) {
+                Ok(nic) => NicDecision {
+                    kind: NicKind::Real(nic.device),
+                    why: "auto: a usable mlx5 device is present".into(),
+                },
+                Err(e) => NicDecision {
+                    kind: NicKind::Emulated,
+                    why: format!("auto: {e}"),
+                },
             },
             Err(m) => NicDecision {
                 kind: NicKind::Emulated,
