@@ -425,6 +425,41 @@ mod tests {
     }
 
     #[test]
+    fn the_rtr_path_follows_the_link_layer_and_takes_the_smaller_mtu() {
+        use crate::transport::verbs::transport::rtr_attrs;
+        use ibgda_verbs::PathKind;
+        // InfiniBand: by LID, no GRH; the peer's 1 KiB MTU wins over the port's 4 KiB.
+        let ib_port = port(LinkLayer::InfiniBand, 7);
+        let ib = LocalAddress::choose(&ib_port, &[], None).unwrap();
+        let peer = VerbsConnInfo {
+            qp: ConnectInfo {
+                lid: 9,
+                gid: [0; 16],
+                ..info(None).qp
+            },
+            link: LinkKind::InfiniBand,
+            mtu: Mtu::Mtu1024,
+            window: None,
+        };
+        let a = rtr_attrs(&ib_port, &ib, &peer).unwrap();
+        assert!(matches!(a.path, PathKind::InfiniBand { .. }), "{a:?}");
+        assert_eq!(a.mtu, Mtu::Mtu1024);
+        // RoCE: by GID from the chosen index, with a GRH.
+        let eth = port(LinkLayer::Ethernet, 0);
+        let gids = [gid(5, GidType::RoceV2, 4, true)];
+        let roce = LocalAddress::choose(&eth, &gids, None).unwrap();
+        let a = rtr_attrs(&eth, &roce, &info(None)).unwrap();
+        assert!(
+            matches!(a.path, PathKind::Roce { sgid_index: 5, .. }),
+            "{a:?}"
+        );
+        assert_eq!(a.mtu, Mtu::Mtu4096);
+        // Across link layers: refused before any firmware command.
+        let e = rtr_attrs(&eth, &roce, &peer).unwrap_err().to_string();
+        assert!(e.contains("link layer"), "{e}");
+    }
+
+    #[test]
     fn the_env_overrides_device_port_and_gid_index() {
         let s = RealNicSpec::from_vars("mlx5_0", None, None, None).unwrap();
         assert_eq!(s, RealNicSpec::new("mlx5_0"));
