@@ -146,10 +146,11 @@ pub mod checks {
     pub const MLX5_DEVICE: &str = "mlx5 device";
     /// DEVX objects can be created on it.
     pub const DEVX: &str = "DEVX";
-    /// Port 1 is ACTIVE.
-    pub const PORT: &str = "port 1 state";
-    /// Port 1 has an address to use (LID, or a RoCE v2 GID).
-    pub const GID: &str = "port 1 address (LID/GID)";
+    /// The transport's port (1, or `EP_NIC_PORT`) is ACTIVE.
+    pub const PORT: &str = "port state";
+    /// That port has the address its link layer needs (a LID, or a RoCE GID: the preferred
+    /// RoCE v2 GID or `EP_NIC_GID_INDEX`).
+    pub const GID: &str = "port address (LID/GID)";
     /// The CUDA driver and a GPU.
     pub const GPU: &str = "CUDA driver and GPU";
     /// GPU memory can be registered with the NIC (dma-buf or nvidia-peermem).
@@ -172,7 +173,8 @@ const PEER_MAPPING_FIX: &str =
 const GDRCOPY_FIX: &str = "install GDRCopy (libgdrapi.so.2) and load its gdrdrv kernel module so \
      that /dev/gdrdrv exists; or run mode cpu_host_memory";
 
-/// The mlx5 device the real NIC would use, or why there is none, with the fix.
+/// The mlx5 device the real NIC would use (`EP_NIC_DEVICE` when set, else the first mlx5
+/// device), or why there is none, with the fix.
 pub fn real_nic() -> Result<String, Missing> {
     if let Err(e) = ibgda_verbs::rdma_core::rdma_core_available() {
         return Err(Missing::new(e.to_string(), RDMA_CORE_FIX));
@@ -183,6 +185,30 @@ pub fn real_nic() -> Result<String, Missing> {
             "check the RDMA kernel modules (ib_uverbs, mlx5_ib) and /dev/infiniband permissions",
         )
     })?;
+    let asked = std::env::var(crate::transport::NIC_DEVICE_ENV)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
+    if let Some(name) = asked {
+        let names: Vec<&str> = list.iter().map(|d| d.name.as_str()).collect();
+        return match list.iter().find(|d| d.name == name) {
+            Some(d) if d.mlx5 => Ok(name),
+            Some(_) => Err(Missing::new(
+                format!(
+                    "{}={name} is not an mlx5 device",
+                    crate::transport::NIC_DEVICE_ENV
+                ),
+                "name a ConnectX (mlx5_*) device, or unset EP_NIC_DEVICE",
+            )),
+            None => Err(Missing::new(
+                format!(
+                    "{}={name} is not among the RDMA devices ({names:?})",
+                    crate::transport::NIC_DEVICE_ENV
+                ),
+                "name a listed device (ibv_devices), or unset EP_NIC_DEVICE",
+            )),
+        };
+    }
     list.into_iter()
         .find(|d| d.mlx5)
         .map(|d| d.name)
@@ -267,37 +293,56 @@ pub fn preflight() -> Preflight {
                     )),
                 },
             });
+        // The port and GID index the transport will use (EP_NIC_PORT, EP_NIC_GID_INDEX).
+        let spec = device
+            .as_ref()
+            .ok()
+            .and_then(|n| crate::transport::RealNicSpec::from_env(n).ok());
+        let (port_num, gid_index) = spec.map_or((1, None), |s| (s.port, s.gid_index));
         let port = ctx.as_ref().map_err(Clone::clone).and_then(|c| {
-            c.port(1).map_err(|e| {
-                Missing::new(format!("querying port 1: {e}"), "check the NIC's firmware")
+            c.port(port_num).map_err(|e| {
+                Missing::new(
+                    format!("querying port {port_num}: {e}"),
+                    "check the NIC's firmware, or name another port in EP_NIC_PORT",
+                )
             })
         });
         let state = port.clone().and_then(|p| {
             if p.state == PortState::Active {
-                Ok("ACTIVE".to_string())
+                Ok(format!("port {port_num} ACTIVE"))
             } else {
                 Err(Missing::new(
-                    format!("port 1 is {:?}, not ACTIVE", p.state),
+                    format!("port {port_num} is {:?}, not ACTIVE", p.state),
                     "connect the cable and bring the link up (`ip link set <netdev> up`); on \
                      InfiniBand a subnet manager (opensm) must be running",
                 ))
             }
         });
-        let gid = port.and_then(|p| match p.link_layer {
-            LinkLayer::Ethernet => {
-                let gids = ctx.as_ref().map_err(Clone::clone)?.gids(1).map_err(|e| {
-                    Missing::new(format!("reading the GID table: {e}"), "check rdma-core")
-                })?;
-                ibgda_verbs::preferred_roce_gid(&gids)
-                    .map(|g| format!("RoCE v2 GID index {}", g.index))
-                    .ok_or_else(|| {
-                        Missing::new(
-                            "port 1 is Ethernet (RoCE) and has no RoCE v2 GID",
-                            "configure an IPv4 or IPv6 address on the port's network interface",
-                        )
-                    })
+        let gid = port.and_then(|p| {
+            let gids = match p.link_layer {
+                LinkLayer::Ethernet => {
+                    ctx.as_ref()
+                        .map_err(Clone::clone)?
+                        .gids(port_num)
+                        .map_err(|e| {
+                            Missing::new(format!("reading the GID table: {e}"), "check rdma-core")
+                        })?
+                }
+                _ => Vec::new(),
+            };
+            match crate::transport::LocalAddress::choose(&p, &gids, gid_index) {
+                Ok(crate::transport::LocalAddress::Roce { gid }) => {
+                    Ok(format!("RoCE GID index {} ({:?})", gid.index, gid.kind))
+                }
+                Ok(crate::transport::LocalAddress::InfiniBand { lid }) => {
+                    Ok(format!("InfiniBand LID {lid}"))
+                }
+                Err(why) => Err(Missing::new(
+                    why,
+                    "on RoCE configure an IPv4 or IPv6 address on the port's network interface \
+                     (or name a GID in EP_NIC_GID_INDEX); on InfiniBand run a subnet manager",
+                )),
             }
-            _ => Ok(format!("InfiniBand LID {}", p.lid)),
         });
         nic_ready = devx.clone().and(state.clone()).and(gid.clone()).map(|_| ());
         checks.push(Check {

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use ep::bootstrap::{Communicator, ThreadGroup};
 use ep::transport::{
-    connect_mesh, EmulatedTransport, QpGroupConfig, RankTransport, VerbsTransport,
+    connect_mesh, EmulatedTransport, LinkKind, LocalAddress, QpGroupConfig, RankTransport,
+    VerbsConnInfo, VerbsDriver, VerbsTransport,
 };
 use ep::Exchange;
 use ibgda_device::protocol::HandlerChoice;
@@ -38,7 +39,19 @@ fn mesh_carries_writes_and_atomics(
     mode: HandlerChoice,
     open: impl Fn(usize) -> Box<dyn RankTransport> + Sync,
 ) {
-    let comms = ThreadGroup::with_timeout(RANKS, T).expect("thread group");
+    mesh_of_carries_writes_and_atomics(RANKS, name, mode, open)
+}
+
+/// Runs the mesh over `ranks` ranks (at most 3: the rows and counters fit `BYTES`) as threads,
+/// each opening its NIC with `open(rank)`.
+fn mesh_of_carries_writes_and_atomics(
+    ranks: usize,
+    name: &str,
+    mode: HandlerChoice,
+    open: impl Fn(usize) -> Box<dyn RankTransport> + Sync,
+) {
+    assert!((2..=3).contains(&ranks));
+    let comms = ThreadGroup::with_timeout(ranks, T).expect("thread group");
     let open = &open;
     std::thread::scope(|s| {
         let joins: Vec<_> = comms
@@ -52,7 +65,7 @@ fn mesh_carries_writes_and_atomics(
                     let reg = nic.register(BYTES).expect("registering memory");
                     let host = reg.host().expect("host backend").clone();
                     // Source rows for every peer, after the counters.
-                    for dst in 0..RANKS {
+                    for dst in 0..ranks {
                         host.write(COUNTS + 512 + ROW * dst, &row(rank, dst));
                     }
                     let all = comm
@@ -104,7 +117,7 @@ fn mesh_carries_writes_and_atomics(
                     }
                     // Every rank's writes have completed once every rank has quieted.
                     comm.all_gather(&[]).expect("barrier");
-                    for src in (0..RANKS).filter(|&s| s != rank) {
+                    for src in (0..ranks).filter(|&s| s != rank) {
                         assert_eq!(
                             host.read_vec(ROW * src, ROW),
                             row(src, rank),
@@ -148,6 +161,69 @@ fn the_verbs_transport_on_the_emulated_firmware_connects_every_peer_through_the_
             Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
         });
     }
+}
+
+/// The one constructor a real NIC goes through (`VerbsTransport::new` with a driver), here with
+/// the emulated firmware's driver: 2 and 3 ranks connect through the bootstrap and carry RDMA
+/// writes and fenced atomics, in both CPU-runnable modes.
+#[test]
+fn the_verbs_constructor_with_the_emulated_driver_connects_2_and_3_ranks() {
+    for ranks in [2, 3] {
+        for mode in [HandlerChoice::Gpu, HandlerChoice::CpuHostMemory] {
+            let subnet = EmuSubnet::new();
+            mesh_of_carries_writes_and_atomics(ranks, "verbs-driver", mode, |r| {
+                let dev = subnet
+                    .open_host(&format!("emu_driver_r{r}"))
+                    .expect("emulated device");
+                Box::new(
+                    VerbsTransport::new(VerbsDriver::Emulated(dev), None, r as u32)
+                        .expect("transport on the emulated driver"),
+                )
+            });
+        }
+    }
+}
+
+/// What a verbs responder tells its peer: its QPN and PSN, the port's address as the link layer
+/// needs it (a LID: the emulated port is InfiniBand), the port's MTU, and the memory the peer may
+/// write (the registration made before it).
+#[test]
+fn verbs_connection_info_carries_address_mtu_and_the_registered_window() {
+    let subnet = EmuSubnet::new();
+    let dev = subnet.open_host("emu_info_r0").unwrap();
+    let nic = VerbsTransport::new(VerbsDriver::Emulated(dev), None, 0).unwrap();
+    let addr = *nic.address();
+    assert!(
+        matches!(addr, LocalAddress::InfiniBand { lid } if lid != 0),
+        "{addr:?}"
+    );
+    let reg = nic.register(4096).unwrap();
+    let (infos, responder) = nic.respond(1, 2).unwrap();
+    let mut qpns = Vec::new();
+    for c in &infos {
+        let v = VerbsConnInfo::from_bytes(&c.0).expect("a verbs connection record");
+        assert_eq!(v.link, LinkKind::InfiniBand);
+        assert!(v.qp.lid != 0 && v.qp.psn <= 0xff_ffff);
+        assert!(v.reachable_from(&addr).is_ok());
+        let w = v.window.expect("the registration travels with the info");
+        assert_eq!((w.addr, w.len, w.rkey), (reg.addr(), 4096, reg.rkey()));
+        qpns.push(v.qp.qpn);
+    }
+    qpns.dedup();
+    assert_eq!(qpns.len(), 2, "one QPN per responder QP");
+    // A peer on RoCE cannot reach an InfiniBand port: refused by name, nothing connected.
+    let mut roce = VerbsConnInfo::from_bytes(&infos[0].0).unwrap();
+    roce.link = LinkKind::Roce;
+    roce.qp.gid = [1; 16];
+    let e = responder
+        .accept(&[
+            ep::transport::ConnInfo(roce.to_bytes().to_vec()),
+            infos[1].clone(),
+        ])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("link layer"), "{e}");
+    responder.close().unwrap();
 }
 
 #[test]

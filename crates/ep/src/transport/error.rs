@@ -64,13 +64,13 @@ pub enum TransportError {
         /// Why (from `ibgda-verbs`).
         hint: String,
     },
-    /// A real NIC is present but this build cannot drive it yet.
-    #[error("mlx5 device {device}: {what} is not implemented in this version; run with the emulated NIC (EP_NIC=emulated)")]
-    RealNicUnsupported {
+    /// A real NIC is present but the preflight says no handler mode can run on it here.
+    #[error("mlx5 device {device}: no NIC-handler mode can run on this machine: {reason}")]
+    RealNicNotReady {
         /// The device found.
         device: String,
-        /// What is missing.
-        what: &'static str,
+        /// The preflight's first reason, with its fix.
+        reason: String,
     },
     /// A stream did not finish within its bound (a kernel still spinning past every device-side
     /// bound: a protocol bug, or a kernel that never checks its status).

@@ -6,8 +6,8 @@
 //!
 //! Implementations of [`RankTransport`]: [`EmulatedTransport`] (the software NIC's QP groups,
 //! [`EmuRank`] → [`QpGroup`], built directly) and [`VerbsTransport`] (QPs composed from
-//! `ibgda-verbs` objects on a verbs driver: the emulated firmware here, rdma-core on a
-//! ConnectX).
+//! `ibgda-verbs` objects on a [`VerbsDriver`]: the emulated firmware here, rdma-core on a
+//! ConnectX, which [`open_transport`] opens for `EP_NIC=real`; never run on hardware).
 //!
 //! Device code uses the group through its descriptor array ([`QpGroup::descs`]) and the functions
 //! of `ibgda/protocol.cuh`; the host waits for kernels with a bound ([`QpGroup::wait`]) and turns
@@ -54,4 +54,7 @@ pub use nic::{
     choose_nic, decide_nic, find_real_nic, open_transport, NicChoice, NicDecision, NicKind,
     RealNic, NIC_ENV,
 };
-pub use verbs::VerbsTransport;
+pub use verbs::{
+    path_mtu, LinkKind, LocalAddress, RealNicSpec, RemoteWindow, VerbsConnInfo, VerbsDriver,
+    VerbsTransport, NIC_DEVICE_ENV, NIC_GID_INDEX_ENV, NIC_PORT_ENV,
+};

@@ -1,6 +1,8 @@
 //! Real or emulated NIC: [`NicChoice`] and [`choose_nic`], which decides once and says so in one
-//! log line; and [`RealNic::open`], the real-hardware entry, which on this version reports
-//! clearly that it cannot build QPs yet.
+//! log line; [`RealNic::open`], the real-hardware entry (the device, port and GID index from
+//! [`RealNicSpec::from_env`], and the preflight's verdict); and [`open_transport`], which opens a
+//! rank's transport on the NIC chosen: on a real mlx5 device the [`VerbsTransport`] over
+//! rdma-core, the same code that runs on the emulated firmware here.
 
 use core::fmt;
 use core::str::FromStr;
@@ -13,7 +15,7 @@ use ibgda_emu::firmware::EmuSubnet;
 use super::backend::RankTransport;
 use super::emulated_transport::EmulatedTransport;
 use super::error::TransportError;
-use super::verbs::VerbsTransport;
+use super::verbs::{RealNicSpec, VerbsTransport};
 
 /// Environment variable that overrides the NIC choice (`auto`, `emulated`, `real`).
 pub const NIC_ENV: &str = "EP_NIC";
@@ -130,9 +132,16 @@ pub fn decide_nic(choice: NicChoice) -> Result<NicDecision, TransportError> {
             }
         }
         NicChoice::Auto => match crate::preflight::real_nic() {
-            Ok(name) => NicDecision {
-                kind: NicKind::Real(name),
-                why: "auto: a usable mlx5 device is present".into(),
+            // A device is present: real when the preflight says a handler mode can run on it.
+            Ok(name) => match RealNic::open(Some(&name)) {
+                Ok(nic) => NicDecision {
+                    kind: NicKind::Real(nic.device),
+                    why: "auto: a usable mlx5 device is present".into(),
+                },
+                Err(e) => NicDecision {
+                    kind: NicKind::Emulated,
+                    why: format!("auto: {e}"),
+                },
             },
             Err(m) => NicDecision {
                 kind: NicKind::Emulated,
@@ -149,35 +158,67 @@ pub fn choose_nic(choice: NicChoice) -> Result<NicKind, TransportError> {
     Ok(d.kind)
 }
 
-/// The real-hardware path: an mlx5 device opened for IBGDA QPs.
+/// The real-hardware path: an mlx5 device that the preflight says can run at least one
+/// NIC-handler mode, and where its QPs go (device, port, GID index).
 #[derive(Debug)]
 pub struct RealNic {
     /// The device's name.
     pub device: String,
+    /// Device, port and GID index, with the `EP_NIC_*` overrides applied.
+    pub spec: RealNicSpec,
+    /// The handler modes the preflight says can run on it here.
+    pub modes: Vec<ibgda_device::qp_desc::NicHandler>,
 }
 
 impl RealNic {
-    /// Opens `device` (or the first mlx5 device) for IBGDA QPs.
-    ///
-    /// Building QPs on real hardware (rings in GPU memory via `ibgda-verbs`, the UAR mapped into
-    /// the GPU or the proxy ringing it) is not wired in this version: with a device present this
-    /// returns [`TransportError::RealNicUnsupported`], and without one
-    /// [`TransportError::NoRealNic`] with the reason.
+    /// Checks `device` (or `EP_NIC_DEVICE`, or the first mlx5 device) for IBGDA QPs: without an
+    /// mlx5 device [`TransportError::NoRealNic`] with the reason; with one that can run no
+    /// handler mode here (DEVX, port, GPU memory registration, doorbell mapping, GDRCopy),
+    /// [`TransportError::RealNicNotReady`] with the preflight's first reason and its fix. Opens
+    /// nothing that outlives the call.
     pub fn open(device: Option<&str>) -> Result<Self, TransportError> {
         let found = match device {
             Some(d) => d.to_string(),
             None => find_real_nic().map_err(|hint| TransportError::NoRealNic { hint })?,
         };
-        Err(TransportError::RealNicUnsupported {
-            device: found,
-            what: "building IBGDA QPs on real hardware",
+        let spec = RealNicSpec::from_env(&found)?;
+        let report = crate::preflight::preflight();
+        let verdicts: Vec<_> = report
+            .modes
+            .iter()
+            .filter(|v| v.nic == crate::preflight::NicSide::Real)
+            .collect();
+        let modes: Vec<_> = verdicts
+            .iter()
+            .filter(|v| v.result.is_ok())
+            .map(|v| v.mode)
+            .collect();
+        if modes.is_empty() {
+            let reason = verdicts
+                .iter()
+                .find_map(|v| v.result.as_ref().err())
+                .map_or_else(|| "no verdict".to_string(), ToString::to_string);
+            return Err(match &report.device {
+                None => TransportError::NoRealNic { hint: reason },
+                Some(_) => TransportError::RealNicNotReady {
+                    device: spec.device,
+                    reason,
+                },
+            });
+        }
+        Ok(Self {
+            device: spec.device.clone(),
+            spec,
+            modes,
         })
     }
 }
 
 /// Opens rank `rank`'s transport on the NIC `kind`, on `ctx`'s GPU. Ranks that are threads of
 /// this process pass the subnet every rank's emulated NIC shares (`threads`); ranks as
-/// processes pass `None`.
+/// processes pass `None`. A real device is opened through rdma-core ([`VerbsTransport::real`])
+/// once [`RealNic::open`] (the preflight) says a handler mode can run on it; ranks as threads
+/// and as processes alike, as each rank's connection info travels through the bootstrap.
 pub fn open_transport(
     kind: &NicKind,
     ctx: &Arc<CudaContext>,
@@ -197,13 +238,17 @@ pub fn open_transport(
                  (LowLatencyBuffer::create_group), or use {NIC_ENV}=emulated for processes"
             ))),
         },
-        NicKind::Real(name) => Err(match RealNic::open(Some(name)) {
-            Err(e) => e,
-            Ok(nic) => TransportError::RealNicUnsupported {
-                device: nic.device,
-                what: "building IBGDA QPs on real hardware",
-            },
-        }),
+        NicKind::Real(name) => {
+            let nic = RealNic::open(Some(name))?;
+            tracing::debug!(
+                target: "ep",
+                "rank {rank}: opening {} port {} (modes that can run: {:?})",
+                nic.spec.device,
+                nic.spec.port,
+                nic.modes.iter().map(|m| m.name()).collect::<Vec<_>>()
+            );
+            Ok(Arc::new(VerbsTransport::real(&nic.spec, ctx, rank)?))
+        }
     }
 }
 
@@ -232,9 +277,16 @@ mod tests {
         }
         assert!("fast".parse::<NicChoice>().is_err());
         assert_eq!(choose_nic(NicChoice::Emulated).unwrap(), NicKind::Emulated);
-        let e = RealNic::open(None).unwrap_err().to_string();
-        assert!(e.contains("mlx5"), "{e}");
-        if find_real_nic().is_err() {
+        if let Err(missing) = find_real_nic() {
+            let e = RealNic::open(None).unwrap_err().to_string();
+            assert!(e.contains("mlx5"), "{e}");
+            // A device named but not present: the preflight's reason, no transport.
+            match RealNic::open(Some("mlx5_0")) {
+                Err(TransportError::NoRealNic { hint }) => {
+                    assert!(hint.contains(&missing), "{hint} / {missing}")
+                }
+                other => panic!("{other:?}"),
+            }
             assert_eq!(choose_nic(NicChoice::Auto).unwrap(), NicKind::Emulated);
             assert!(matches!(
                 choose_nic(NicChoice::Real),

@@ -8,8 +8,6 @@ use ibgda_emu::HostBuffer;
 
 use crate::transport::error::TransportError;
 
-/// The port every QP uses.
-pub(super) const PORT: u8 = 1;
 /// Send-ring and CQ size (WQEBBs, CQEs) of the responder QPs: they never post.
 pub(super) const RESPONDER_LOG_RING: u8 = 6;
 /// Rings, CQs and the umems under them are placed on 4 KiB pages.

@@ -12,14 +12,27 @@
 //! the error record in pinned host memory. Mode `gpu` stores to the UAR page mapped into the GPU
 //! ([`Uar::map_into_gpu`](ibgda_verbs::Uar::map_into_gpu)); the CPU modes ring it from the proxy ([`Mlx5UarDoorbell`](ibgda_device::proxy::Mlx5UarDoorbell)).
 //!
-//! On the emulated driver the peers must be devices of one [`EmuSubnet`](ibgda_emu::firmware::EmuSubnet) (ranks as threads of
-//! one process, or host threads in CI); connection info is the verbs [`ConnectInfo`](ibgda_verbs::ConnectInfo) (QPN, PSN,
-//! LID, GID).
+//! The driver is a parameter ([`VerbsTransport::new`] with a [`VerbsDriver`]): the emulated
+//! firmware, whose peers must be devices of one [`EmuSubnet`](ibgda_emu::firmware::EmuSubnet)
+//! (ranks as threads of one process, or host threads in CI), or rdma-core on the device, port
+//! and GID index of a [`RealNicSpec`] (`EP_NIC_DEVICE`, `EP_NIC_PORT`, `EP_NIC_GID_INDEX`), ranks
+//! as threads or as processes. The port's link layer chooses the address ([`LocalAddress`]: LID
+//! on InfiniBand, GID with a GRH on RoCE). Connection info is a [`VerbsConnInfo`]: the verbs
+//! [`ConnectInfo`](ibgda_verbs::ConnectInfo) (QPN, PSN, LID, GID), the link layer, the port's
+//! MTU (the path takes the smaller) and the registered window (address, length, rkey).
+//!
+//! On rdma-core this has never run: no machine of the project has an RDMA NIC. Everything above
+//! the driver seam runs in CI and on the GPU machine on the emulated firmware.
 
+mod address;
 mod memory;
 mod qp_set;
 mod registration;
 mod responder;
 mod transport;
 
-pub use transport::VerbsTransport;
+pub use address::{
+    path_mtu, LinkKind, LocalAddress, RealNicSpec, RemoteWindow, VerbsConnInfo, NIC_DEVICE_ENV,
+    NIC_GID_INDEX_ENV, NIC_PORT_ENV,
+};
+pub use transport::{VerbsDriver, VerbsTransport};

@@ -4,19 +4,19 @@
 use std::sync::Arc;
 
 use ibgda_device::cuda::DeviceBuffer;
-use ibgda_device::protocol::{check_record, HostQp, ModePlan, Placement};
+use ibgda_device::protocol::{check_record, HostQp, ModePlan, Placement, SlotPlacement};
 use ibgda_device::proxy::{Mlx5UarDoorbell, ProducerSlot, Proxy, ProxyQp, ProxyReport};
 use ibgda_device::qp_desc::{ErrorRecord, NicHandler, QpCounters, QpDesc, QP_FLAG_EMULATED};
 use ibgda_device::wire::DoorbellRecord;
 use ibgda_emu::HostBuffer;
-use ibgda_verbs::{
-    random_psn, ConnectInfo, CqBuilder, GpuUarMapping, Qp, QpBuilder, Rts, Uar, Umem,
-};
+use ibgda_verbs::{random_psn, CqBuilder, GpuUarMapping, Qp, QpBuilder, Rts, Uar, Umem};
 
 use crate::transport::backend::{ConnInfo, QpSet, RankTransport, Registration};
 use crate::transport::emulated::QpGroupConfig;
 use crate::transport::error::TransportError;
+use crate::transport::gpu_slots::GpuSlots;
 
+use super::address::VerbsConnInfo;
 use super::memory::{cq_image, round_up, write_block, Block, RingLayout, PAGE};
 use super::responder::parse_infos;
 use super::transport::VerbsTransport;
@@ -61,6 +61,8 @@ pub(super) struct VerbsQpSet {
     pub(super) host: Arc<HostBuffer>,
     pub(super) layout: HostLayout,
     pub(super) _rings: Block,
+    /// Mode `cpu`'s producer slots in GPU memory (after the proxy, which reads them).
+    pub(super) gpu_slots: Option<Arc<GpuSlots>>,
     /// The emulated device, when the firmware is the emulator's: its engine's view of a QP
     /// goes into a failure report.
     pub(super) emu: Option<ibgda_emu::firmware::EmuDevice>,
@@ -103,6 +105,10 @@ pub(super) struct SetMemory {
     pub(super) dbr_umem: Arc<Umem>,
     pub(super) dbr_in_host: bool,
     pub(super) umems: Vec<Arc<Umem>>,
+    /// Mode `cpu`'s producer slots in GPU memory and the proxy's view of them (GDRCopy, or
+    /// the emulated GDR view on the emulated firmware); `None` when the slots are in the host
+    /// block.
+    pub(super) gpu_slots: Option<Arc<GpuSlots>>,
 }
 
 impl SetMemory {
@@ -118,6 +124,20 @@ impl SetMemory {
         let host = t.host_block(layout.bytes)?;
         let dbr_in_host = plan.doorbell_record == Placement::PinnedHost;
         let ring_umem = t.umem(&rings)?;
+        let gpu_slots = match (plan.producer_slot, &t.cuda) {
+            (Some(SlotPlacement::GpuViaGdrCopy), Some(c)) => Some(Arc::new(GpuSlots::new(
+                c,
+                n,
+                plan.emulated_gdr_view_allowed(),
+                t.rank,
+            )?)),
+            (Some(SlotPlacement::GpuViaGdrCopy), None) => {
+                return Err(TransportError::Config(
+                    "mode cpu keeps producer slots in GPU memory: the host backend has none".into(),
+                ))
+            }
+            _ => None,
+        };
         let mut umems = vec![ring_umem.clone()];
         let dbr_umem = if dbr_in_host {
             let u = t.umem(&Block::Host(host.clone()))?;
@@ -136,6 +156,7 @@ impl SetMemory {
             dbr_umem,
             dbr_in_host,
             umems,
+            gpu_slots,
         })
     }
 }
@@ -154,7 +175,7 @@ pub(super) fn build_qp(
     t: &VerbsTransport,
     mem: &SetMemory,
     i: usize,
-    peer: &ConnectInfo,
+    peer: &VerbsConnInfo,
     local: &dyn Registration,
     cfg: &QpGroupConfig,
 ) -> Result<BuiltQp, TransportError> {
@@ -199,11 +220,7 @@ pub(super) fn build_qp(
     .create()
     .map_err(verbs("creating a QP"))?;
     let psn = random_psn();
-    let info = ConnInfo(
-        qp.connect_info(&t.port, t.gid.as_ref(), psn)
-            .to_bytes()
-            .to_vec(),
-    );
+    let info = t.conn_info(&qp, psn);
     let qp = t.rtr_rts(t.init(qp)?, peer, psn)?;
     let (db_reg, gpu_uar) = match (&t.cuda, plan.uar_in_gpu) {
         (Some(c), true) => {
@@ -220,10 +237,10 @@ pub(super) fn build_qp(
         wq_base: mem.rings.dev_addr() + (base + ring.sq) as u64,
         dbr: dbr_dev,
         db_reg,
-        producer_slot: if plan.proxy {
-            host_dev + (mem.layout.slots + 8 * i) as u64
-        } else {
-            0
+        producer_slot: match (&mem.gpu_slots, plan.proxy) {
+            (Some(g), _) => g.device_addr(i),
+            (None, true) => host_dev + (mem.layout.slots + 8 * i) as u64,
+            (None, false) => 0,
         },
         nwqes,
         qpn: qp.qpn(),
@@ -327,6 +344,7 @@ impl VerbsQpSet {
             host: mem.host,
             layout: mem.layout,
             _rings: mem.rings,
+            gpu_slots: mem.gpu_slots,
             emu: t.emu.clone(),
         };
         if plan.proxy {
@@ -364,9 +382,13 @@ impl VerbsQpSet {
             .ok_or_else(|| {
                 TransportError::Config(format!("QP {i}: misaligned doorbell record or UAR"))
             })?;
-            let slot_cpu = self.host.addr() + (self.layout.slots + 8 * i) as u64;
-            // SAFETY: the slot is in `self.host`, kept by the set until after the proxy stops;
-            // device code (or the host model) writes it only as a whole 8-byte word.
+            let slot_cpu = match &self.gpu_slots {
+                Some(g) => g.cpu_addr(i),
+                None => self.host.addr() + (self.layout.slots + 8 * i) as u64,
+            };
+            // SAFETY: the slot is in `self.host` or in the view of `self.gpu_slots`, both kept
+            // by the set until after the proxy stops (Drop stops it first); device code (or the
+            // host model) writes it only as a whole 8-byte word.
             let slot = unsafe { ProducerSlot::new(slot_cpu as *const u64) }
                 .map_err(|source| TransportError::Slot { qp: i, source })?;
             pqs.push(ProxyQp {
@@ -439,6 +461,10 @@ impl QpSet for VerbsQpSet {
                 }
                 _ => None,
             };
+            if let Some(why) = self.gpu_slots.as_ref().and_then(|g| g.view_error()) {
+                let s = f.nic_state.take().unwrap_or_default();
+                f.nic_state = Some(format!("{s}; the emulated GDR view stopped: {why}"));
+            }
             TransportError::from(f)
         })
     }

@@ -3,21 +3,21 @@
 
 use std::sync::{Arc, Mutex};
 
-use ibgda_verbs::{
-    ConnectInfo, Context, GidEntry, InitAttrs, PortInfo, Qp, Reset, RtrAttrs, Rts, RtsAttrs,
-    VerbsError,
-};
+use ibgda_verbs::{Context, InitAttrs, PortInfo, Qp, Reset, Rts, RtsAttrs, VerbsError};
 
 use crate::transport::backend::{ConnInfo, Responder};
 use crate::transport::error::TransportError;
 
-use super::memory::{Block, PORT};
+use super::address::{LocalAddress, VerbsConnInfo};
+use super::memory::Block;
+use super::transport::rtr_attrs;
 
 /// What a responder needs of its transport to go to RTS.
 pub(super) struct ResponderCtx {
     pub(super) ctx: Arc<Context>,
+    pub(super) port_num: u8,
     pub(super) port: PortInfo,
-    pub(super) gid: Option<GidEntry>,
+    pub(super) address: LocalAddress,
 }
 
 pub(super) enum Stage {
@@ -55,13 +55,13 @@ impl std::fmt::Debug for VerbsResponder {
     }
 }
 
-pub(super) fn parse_infos(remote: &[ConnInfo]) -> Result<Vec<ConnectInfo>, TransportError> {
+pub(super) fn parse_infos(remote: &[ConnInfo]) -> Result<Vec<VerbsConnInfo>, TransportError> {
     remote
         .iter()
-        .map(|c| {
-            ConnectInfo::from_bytes(&c.0).map_err(|source| TransportError::Verbs {
-                doing: "reading a peer's connection info",
-                source,
+        .enumerate()
+        .map(|(i, c)| {
+            VerbsConnInfo::from_bytes(&c.0).map_err(|why| {
+                TransportError::Config(format!("reading a peer's connection info {i}: {why}"))
             })
         })
         .collect()
@@ -91,12 +91,11 @@ impl Responder for VerbsResponder {
                 move |e: VerbsError| TransportError::Verbs { doing, source: e }
             };
             let qp = qp
-                .init(&InitAttrs::new(&t.ctx, PORT))
+                .init(&InitAttrs::new(&t.ctx, t.port_num))
                 .map_err(|e| step("responder RST→INIT")(e.into()))?;
-            let attrs =
-                RtrAttrs::for_port(&t.port, t.gid.as_ref()).map_err(step("RTR attributes"))?;
+            let attrs = rtr_attrs(&t.port, &t.address, peer)?;
             let qp = qp
-                .rtr(peer, &attrs)
+                .rtr(&peer.qp, &attrs)
                 .map_err(|e| step("responder INIT→RTR")(e.into()))?;
             let qp = qp
                 .rts(&RtsAttrs::new(psn))

@@ -9,10 +9,11 @@ use ibgda_device::protocol::{HandlerProbe, ModePlan, NicImpl};
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::firmware::{EmuCaps, EmuDevice, EmuSubnet};
 use ibgda_emu::HostBuffer;
+use ibgda_verbs::prm::Mtu;
 use ibgda_verbs::{
-    preferred_roce_gid, random_psn, Access, ConnectInfo, Context, CqBuilder, GidEntry,
-    GpuUarMapping, InitAttrs, LinkLayer, MemoryRegion, PortInfo, ProtectionDomain, Qp, QpBuilder,
-    Reset, RtrAttrs, Rts, RtsAttrs, Uar, Umem,
+    random_psn, Access, Context, CqBuilder, GpuUarMapping, InitAttrs, LinkLayer, MemoryRegion,
+    PortInfo, PortState, ProtectionDomain, Qp, QpBuilder, Reset, RtrAttrs, Rts, RtsAttrs, Uar,
+    Umem,
 };
 
 use crate::transport::backend::{ConnInfo, QpSet, RankTransport, Registration, Responder};
@@ -20,10 +21,23 @@ use crate::transport::emulated::{QpGroupConfig, ARENA_SCRATCH_BYTES};
 use crate::transport::error::TransportError;
 use crate::transport::nic::NicKind;
 
-use super::memory::{cq_image, round_up, write_block, Block, RingLayout, PORT, RESPONDER_LOG_RING};
+use super::address::{path_mtu, LocalAddress, RealNicSpec, RemoteWindow, VerbsConnInfo};
+use super::memory::{cq_image, round_up, write_block, Block, RingLayout, RESPONDER_LOG_RING};
 use super::qp_set::VerbsQpSet;
 use super::registration::VerbsRegistration;
 use super::responder::{ResponderCtx, Stage, VerbsResponder};
+
+/// The verbs driver a [`VerbsTransport`] runs on.
+#[derive(Debug)]
+pub enum VerbsDriver {
+    /// A device of the emulated NIC's firmware (`ibgda-emu`): every command image decoded and
+    /// answered in software. Its peers must be devices of the same
+    /// [`EmuSubnet`](ibgda_emu::firmware::EmuSubnet).
+    Emulated(EmuDevice),
+    /// A ConnectX through rdma-core (libibverbs and libmlx5, loaded at run time), on the
+    /// device, port and GID index named.
+    RdmaCore(RealNicSpec),
+}
 
 /// One rank's NIC through `ibgda-verbs`.
 pub struct VerbsTransport {
@@ -33,8 +47,13 @@ pub struct VerbsTransport {
     pub(super) gpu_uar: Option<Result<Arc<GpuUarMapping>, String>>,
     pub(super) uar: Arc<Uar>,
     pub(super) pd: Arc<ProtectionDomain>,
+    /// The port every QP uses (1-based).
+    pub(super) port_num: u8,
     pub(super) port: PortInfo,
-    pub(super) gid: Option<GidEntry>,
+    /// This port's address: LID (InfiniBand) or GID (RoCE).
+    pub(super) address: LocalAddress,
+    /// The memory registered last: what responder infos offer peers.
+    pub(super) window: Mutex<Option<RemoteWindow>>,
     /// Whether the driver is the emulated NIC's firmware.
     pub(super) emulated: bool,
     /// The emulated device (its NIC allocates host memory mapped for the GPU).
@@ -48,15 +67,61 @@ impl std::fmt::Debug for VerbsTransport {
             .field("rank", &self.rank)
             .field("device", &self.ctx.name())
             .field("driver", &self.ctx.driver().kind())
+            .field("port", &self.port_num)
+            .field("address", &self.address)
             .finish_non_exhaustive()
     }
 }
 
 impl VerbsTransport {
+    /// Rank `rank`'s transport on `driver`, with `cuda`'s GPU (rings and registrations in GPU
+    /// memory, the UAR mapped into the GPU where it can be) or on the host (`None`: host memory,
+    /// host threads drive the QPs; CI). The one constructor: the emulated firmware and a
+    /// ConnectX go through the same code from here on.
+    pub fn new(
+        driver: VerbsDriver,
+        cuda: Option<Arc<CudaContext>>,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        match driver {
+            VerbsDriver::Emulated(dev) => {
+                let ctx = Context::with_driver(dev.clone());
+                Self::on_context(ctx, Some(dev), cuda, rank, 1, None)
+            }
+            VerbsDriver::RdmaCore(spec) => {
+                let ctx = Context::open(&spec.device).map_err(|source| TransportError::Verbs {
+                    doing: "opening the mlx5 device through rdma-core",
+                    source,
+                })?;
+                if let Some(why) = ctx.devx_unavailable_reason() {
+                    return Err(TransportError::Config(format!(
+                        "{}: DEVX is unavailable ({why}): run with CAP_NET_RAW (or as root), or a \
+                         kernel and rdma-core with DEVX",
+                        spec.device
+                    )));
+                }
+                Self::on_context(ctx, None, cuda, rank, spec.port, spec.gid_index)
+            }
+        }
+    }
+
+    /// Rank `rank`'s transport on the real mlx5 device `spec` names, on `cuda`'s GPU.
+    pub fn real(
+        spec: &RealNicSpec,
+        cuda: &Arc<CudaContext>,
+        rank: u32,
+    ) -> Result<Self, TransportError> {
+        Self::new(
+            VerbsDriver::RdmaCore(spec.clone()),
+            Some(cuda.clone()),
+            rank,
+        )
+    }
+
     /// Rank `rank`'s transport on an emulated device of `subnet`, host backend (no GPU; CI).
     pub fn emulated_host(subnet: &EmuSubnet, rank: u32) -> Result<Self, TransportError> {
         let dev = subnet.open_host(&format!("emu_verbs_r{rank}"))?;
-        Self::on_emulated(dev, None, rank)
+        Self::new(VerbsDriver::Emulated(dev), None, rank)
     }
 
     /// Rank `rank`'s transport on an emulated device of `subnet` on `cuda`'s GPU: rings and
@@ -67,43 +132,36 @@ impl VerbsTransport {
         rank: u32,
     ) -> Result<Self, TransportError> {
         let dev = subnet.open_cuda(&format!("emu_verbs_r{rank}"), cuda, EmuCaps::default())?;
-        Self::on_emulated(dev, Some(cuda.clone()), rank)
-    }
-
-    pub(super) fn on_emulated(
-        dev: EmuDevice,
-        cuda: Option<Arc<CudaContext>>,
-        rank: u32,
-    ) -> Result<Self, TransportError> {
-        let ctx = Context::with_driver(dev.clone());
-        Self::on_context(ctx, Some(dev), cuda, rank)
+        Self::new(VerbsDriver::Emulated(dev), Some(cuda.clone()), rank)
     }
 
     /// Rank `rank`'s transport on an opened device context (any driver), with `cuda`'s GPU or
-    /// on the host.
+    /// on the host, its QPs on `port_num`, sending from `gid_index` on RoCE.
     pub(super) fn on_context(
         ctx: Arc<Context>,
         emu: Option<EmuDevice>,
         cuda: Option<Arc<CudaContext>>,
         rank: u32,
+        port_num: u8,
+        gid_index: Option<u32>,
     ) -> Result<Self, TransportError> {
         let verbs = |doing: &'static str| move |source| TransportError::Verbs { doing, source };
         let pd = ProtectionDomain::new(&ctx).map_err(verbs("allocating the PD"))?;
         let uar = Uar::alloc(&ctx).map_err(verbs("allocating the UAR"))?;
-        let port = ctx.port(PORT).map_err(verbs("querying port 1"))?;
-        let gid = match port.link_layer {
-            LinkLayer::Ethernet => {
-                let gids = ctx.gids(PORT).map_err(verbs("reading the GID table"))?;
-                Some(*preferred_roce_gid(&gids).ok_or_else(|| {
-                    TransportError::Config(format!(
-                        "{}: port 1 is Ethernet (RoCE) but has no RoCE v2 GID: configure an IP \
-                         address on its interface",
-                        ctx.name()
-                    ))
-                })?)
-            }
-            _ => None,
+        let port = ctx.port(port_num).map_err(verbs("querying the port"))?;
+        if port.state != PortState::Active {
+            return Err(TransportError::Config(format!(
+                "{} port {port_num} is {:?}, not ACTIVE",
+                ctx.name(),
+                port.state
+            )));
+        }
+        let gids = match port.link_layer {
+            LinkLayer::Ethernet => ctx.gids(port_num).map_err(verbs("reading the GID table"))?,
+            _ => Vec::new(),
         };
+        let address = LocalAddress::choose(&port, &gids, gid_index)
+            .map_err(|why| TransportError::Config(format!("{}: {why}", ctx.name())))?;
         let gpu_uar = cuda
             .as_ref()
             .map(|c| uar.map_into_gpu(c).map(Arc::new).map_err(|e| e.to_string()));
@@ -114,8 +172,10 @@ impl VerbsTransport {
             gpu_uar,
             uar,
             pd,
+            port_num,
             port,
-            gid,
+            address,
+            window: Mutex::new(None),
             emu,
             ctx,
         })
@@ -132,12 +192,8 @@ impl VerbsTransport {
         Ok(Arc::new(match (&self.emu, &self.cuda) {
             (Some(dev), _) => dev.nic().backend().alloc_host(len)?,
             (None, None) => HostBuffer::new(len),
-            (None, Some(_)) => {
-                return Err(TransportError::RealNicUnsupported {
-                    device: self.ctx.name().to_string(),
-                    what: "pinned host memory for QP doorbell records and producer slots",
-                })
-            }
+            // A real NIC reads it by DMA, the GPU stores to it through its device mapping.
+            (None, Some(c)) => HostBuffer::pinned(c, len)?,
         }))
     }
 
@@ -189,7 +245,7 @@ impl VerbsTransport {
 
     /// RST→INIT on this rank's port with every right the device grants.
     pub(super) fn init(&self, qp: Qp<Reset>) -> Result<Qp<ibgda_verbs::Init>, TransportError> {
-        qp.init(&InitAttrs::new(&self.ctx, PORT))
+        qp.init(&InitAttrs::new(&self.ctx, self.port_num))
             .map_err(|e| TransportError::Verbs {
                 doing: "RST→INIT",
                 source: e.into(),
@@ -200,25 +256,62 @@ impl VerbsTransport {
     pub(super) fn rtr_rts(
         &self,
         qp: Qp<ibgda_verbs::Init>,
-        peer: &ConnectInfo,
+        peer: &VerbsConnInfo,
         psn: u32,
     ) -> Result<Qp<Rts>, TransportError> {
-        let attrs = RtrAttrs::for_port(&self.port, self.gid.as_ref()).map_err(|source| {
-            TransportError::Verbs {
-                doing: "RTR attributes",
-                source,
-            }
-        })?;
-        let qp = qp.rtr(peer, &attrs).map_err(|e| TransportError::Verbs {
-            doing: "INIT→RTR",
-            source: e.into(),
-        })?;
+        let attrs = rtr_attrs(&self.port, &self.address, peer)?;
+        let qp = qp
+            .rtr(&peer.qp, &attrs)
+            .map_err(|e| TransportError::Verbs {
+                doing: "INIT→RTR",
+                source: e.into(),
+            })?;
         qp.rts(&RtsAttrs::new(psn))
             .map_err(|e| TransportError::Verbs {
                 doing: "RTR→RTS",
                 source: e.into(),
             })
     }
+
+    /// What a peer needs to connect to `qp`, which sends from `psn`.
+    pub(super) fn conn_info(&self, qp: &Qp<Reset>, psn: u32) -> ConnInfo {
+        let window = *self.window.lock().unwrap_or_else(|p| p.into_inner());
+        ConnInfo(
+            VerbsConnInfo {
+                qp: qp.connect_info(&self.port, self.address.gid(), psn),
+                link: self.address.link(),
+                mtu: Mtu::from_code(self.port.active_mtu).unwrap_or(Mtu::Mtu1024),
+                window,
+            }
+            .to_bytes()
+            .to_vec(),
+        )
+    }
+
+    /// This port's address (LID or GID) and link layer.
+    pub fn address(&self) -> &LocalAddress {
+        &self.address
+    }
+}
+
+/// The RTR attributes towards `peer` from a port at `address`: the path by the link layer (LID,
+/// or GID with a GRH), the smaller of the two MTUs. A peer on another link layer, or without
+/// the address its link needs, is refused by name.
+pub(super) fn rtr_attrs(
+    port: &PortInfo,
+    address: &LocalAddress,
+    peer: &VerbsConnInfo,
+) -> Result<RtrAttrs, TransportError> {
+    peer.reachable_from(address).map_err(|why| {
+        TransportError::Config(format!("connecting to QP {:#x}: {why}", peer.qp.qpn))
+    })?;
+    let mut attrs =
+        RtrAttrs::for_port(port, address.gid()).map_err(|source| TransportError::Verbs {
+            doing: "RTR attributes",
+            source,
+        })?;
+    attrs.mtu = path_mtu(attrs.mtu, peer.mtu);
+    Ok(attrs)
 }
 
 impl RankTransport for VerbsTransport {
@@ -288,6 +381,11 @@ impl RankTransport for VerbsTransport {
                 (Block::Host(h), mr)
             }
         };
+        *self.window.lock().unwrap_or_else(|p| p.into_inner()) = Some(RemoteWindow {
+            addr: mr.addr(),
+            len: len as u64,
+            rkey: mr.rkey(),
+        });
         Ok(Box::new(VerbsRegistration { mr, len, mem }))
     }
 
@@ -337,11 +435,7 @@ impl RankTransport for VerbsTransport {
                 source,
             })?;
             let psn = random_psn();
-            infos.push(ConnInfo(
-                qp.connect_info(&self.port, self.gid.as_ref(), psn)
-                    .to_bytes()
-                    .to_vec(),
-            ));
+            infos.push(self.conn_info(&qp, psn));
             qps.push(Stage::Reset(qp, psn));
         }
         Ok((
@@ -352,8 +446,9 @@ impl RankTransport for VerbsTransport {
                 qps: Mutex::new(qps),
                 transport: ResponderCtx {
                     ctx: self.ctx.clone(),
+                    port_num: self.port_num,
                     port: self.port,
-                    gid: self.gid,
+                    address: self.address,
                 },
                 _block: block,
             }),
