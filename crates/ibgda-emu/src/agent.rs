@@ -78,6 +78,7 @@ use crate::agent_cmd::{
 };
 use crate::error::EmuError;
 use crate::host::HostBuffer;
+use crate::spin_wait::SpinWait;
 
 mod modules {
     include!(concat!(env!("OUT_DIR"), "/agent_modules.rs"));
@@ -650,23 +651,10 @@ impl Agent {
         timeout: Duration,
         what: &'static str,
     ) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 4000, what);
         // Every published command is covered by a running or enqueued agent (`cover_published`).
         while self.done() < seq {
-            if t0.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what,
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         Ok(())
     }

@@ -26,7 +26,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -38,6 +38,7 @@ use crate::cuda_atomic::store_word;
 use crate::error::EmuError;
 use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
+use crate::spin_wait::SpinWait;
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
     r.result().map_err(EmuError::cuda(call))
@@ -300,26 +301,13 @@ impl AgentLane {
     /// Waits, at most `timeout`, until every command the lane submitted has landed (publishing
     /// held ones as the copy engines catch up).
     fn commands_landed(&mut self, timeout: Duration) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 4000, "the GPU agent to execute a QP's commands");
         loop {
             self.publish_ready()?;
             if self.order.commands_landed(self.agent.lane_done(self.index)) {
                 return Ok(());
             }
-            if t0.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "the GPU agent to execute a QP's commands",
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
     }
 
@@ -331,22 +319,13 @@ impl AgentLane {
     /// this thread to publish it, and a `cuMemFree` elsewhere, waiting for the stream while it
     /// holds the driver lock, would block this thread's next driver call: a deadlock.
     fn ce_after_commands(&mut self) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(
+            self.timeout,
+            4000,
+            "a QP's copy-engine work, to publish the commands behind it",
+        );
         while self.publish_ready()? {
-            if t0.elapsed() > self.timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "a QP's copy-engine work, to publish the commands behind it",
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         let Some(want) = self
             .order

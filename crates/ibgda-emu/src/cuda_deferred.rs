@@ -60,6 +60,7 @@ use crate::cuda_batch::copy_many;
 use crate::error::EmuError;
 use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::HostBuffer;
+use crate::spin_wait::SpinWait;
 
 /// Atomics in one group at most.
 pub(crate) const GROUP_ATOMICS: usize = 128;
@@ -695,24 +696,11 @@ impl Deferred {
 
     /// Computes every group enqueued so far (bounded wait for their reads).
     pub fn settle(&mut self, timeout: Duration) -> Result<(), EmuError> {
-        let start = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 2000, "the reads of deferred atomics");
         while self.queue().iter().any(|g| !g.computed) {
             self.poll()?;
             help_all();
-            if start.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "the reads of deferred atomics",
-                    waited: start.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 2000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         Ok(())
     }
