@@ -99,6 +99,100 @@ pub mod bench {
     }
 }
 
+pub mod ranks {
+    //! What the multi-rank examples share: random routing, a thread per rank, and the teardown of
+    //! a group's buffers.
+
+    use ep::Bf16;
+    use ep_kernels::testing::Rng;
+
+    /// `tokens` rows of `topk` distinct experts of `experts`, drawn uniformly (row-major).
+    pub fn random_topk_ids(rng: &mut Rng, tokens: usize, topk: usize, experts: usize) -> Vec<i32> {
+        let mut ids = Vec::with_capacity(tokens * topk);
+        for _ in 0..tokens {
+            let mut row: Vec<i32> = Vec::new();
+            while row.len() < topk {
+                let e = rng.below(experts as u64) as i32;
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            ids.extend(row);
+        }
+        ids
+    }
+
+    /// `n` BF16 values, uniform in [-1, 1) in steps of 2^-15.
+    pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
+        (0..n)
+            .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
+            .collect()
+    }
+
+    /// `seed`, or one from the clock where it is 0 (the command lines' "default: from the clock").
+    pub fn seed_or_clock(seed: u64) -> anyhow::Result<u64> {
+        Ok(if seed == 0 {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_nanos() as u64
+        } else {
+            seed
+        })
+    }
+
+    /// A rank's thread panicked.
+    #[derive(Debug)]
+    pub struct RankPanicked;
+
+    impl std::fmt::Display for RankPanicked {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("rank thread panicked")
+        }
+    }
+
+    impl std::error::Error for RankPanicked {}
+
+    impl From<RankPanicked> for String {
+        fn from(p: RankPanicked) -> String {
+            p.to_string()
+        }
+    }
+
+    /// Runs `f(rank, buffer)` on a thread per buffer (the collectives need every rank at once)
+    /// and returns the results in rank order; a thread that panicked gives [`RankPanicked`].
+    pub fn on_rank_threads<B, T, E, F>(bufs: &mut [B], f: F) -> Vec<Result<T, E>>
+    where
+        B: Send,
+        T: Send,
+        E: Send + From<RankPanicked>,
+        F: Fn(usize, &mut B) -> Result<T, E> + Sync,
+    {
+        std::thread::scope(|s| {
+            let joins: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, buf)| {
+                    let f = &f;
+                    s.spawn(move || f(r, buf))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| j.join().unwrap_or_else(|_| Err(RankPanicked.into())))
+                .collect()
+        })
+    }
+
+    /// Drops a group's buffers on a thread each: a buffer's teardown waits for its peers'.
+    pub fn drop_on_rank_threads<B: Send>(bufs: Vec<B>) {
+        std::thread::scope(|s| {
+            for b in bufs {
+                s.spawn(move || drop(b));
+            }
+        });
+    }
+}
+
 /// Prints `usage` and exits with status 0 when the command line asks for help (`-h` or
 /// `--help` anywhere among the arguments); every example binary calls it first.
 pub fn exit_on_help(usage: &str) {

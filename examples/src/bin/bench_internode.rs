@@ -23,6 +23,7 @@ use ep::internode::{
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
 use ep_examples::bench::utc_date;
+use ep_examples::ranks::{drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -133,25 +134,13 @@ struct Input {
 }
 
 fn gen(a: &Args, rng: &mut Rng) -> Input {
-    let mut ids = Vec::with_capacity(a.tokens * a.topk);
-    for _ in 0..a.tokens {
-        let mut row: Vec<i32> = Vec::new();
-        while row.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
+    let ids = random_topk_ids(rng, a.tokens, a.topk, a.experts);
     Input {
         ids,
         weights: (0..a.tokens * a.topk)
             .map(|_| rng.below(1000) as f32 / 1000.0)
             .collect(),
-        x: (0..a.tokens * a.hidden)
-            .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
-            .collect(),
+        x: random_bf16(rng, a.tokens * a.hidden),
         fp8: (0..a.tokens * a.hidden)
             .map(|_| Fp8E4M3((rng.below(126) + 1) as u8))
             .collect(),
@@ -314,28 +303,16 @@ fn main() -> Result<()> {
         "bench", "dtype", "sms", "us", "rdma GB/s", "nvl GB/s"
     );
     for &fp8 in &a.dtypes {
-        let timings: Vec<Result<Timing>> = std::thread::scope(|s| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let (ctx, a, inp, wr, rt) = (
-                        ctxs[r].clone(),
-                        &a,
-                        &inputs[r],
-                        want_rows[r],
-                        rdma_tokens[r],
-                    );
-                    s.spawn(move || run_rank(buf, &ctx, a, inp, fp8, wr, rt))
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
-                })
-                .collect()
+        let timings: Vec<Result<Timing>> = on_rank_threads(&mut bufs, |r, buf| {
+            run_rank(
+                buf,
+                &ctxs[r],
+                &a,
+                &inputs[r],
+                fp8,
+                want_rows[r],
+                rdma_tokens[r],
+            )
         });
         let timings: Vec<Timing> = timings.into_iter().collect::<Result<_>>()?;
         let dtype = if fp8 { "fp8" } else { "bf16" };
@@ -378,11 +355,7 @@ fn main() -> Result<()> {
             ));
         }
     }
-    std::thread::scope(|s| {
-        for b in bufs {
-            s.spawn(move || drop(b));
-        }
-    });
+    drop_on_rank_threads(bufs);
     if let Some(p) = &a.json {
         std::fs::write(p, format!("[\n{}\n]\n", records.join(",\n")))
             .with_context(|| format!("writing {p}"))?;

@@ -21,6 +21,9 @@ use ep::internode::{
 use ep::reference::{CombineInput, RankInput};
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
+use ep_examples::ranks::{
+    drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids, seed_or_clock,
+};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -125,32 +128,12 @@ fn parse() -> Result<Args> {
         a.hidden % if a.fp8 { 128 } else { 8 } == 0,
         "hidden must be a multiple of 8 (128 with --fp8)"
     );
-    if a.seed == 0 {
-        a.seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64;
-    }
+    a.seed = seed_or_clock(a.seed)?;
     Ok(a)
 }
 
-fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
-    (0..n)
-        .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
-        .collect()
-}
-
 fn gen(a: &Args, rng: &mut Rng) -> RankInput {
-    let mut ids = Vec::with_capacity(a.tokens * a.topk);
-    for _ in 0..a.tokens {
-        let mut row: Vec<i32> = Vec::new();
-        while row.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
+    let ids = random_topk_ids(rng, a.tokens, a.topk, a.experts);
     let (row_bytes, x, scale_words, scales) = if a.fp8 {
         let x = (0..a.tokens * a.hidden)
             .map(|_| (rng.below(126) + 1) as u8)
@@ -369,30 +352,17 @@ fn main() -> Result<()> {
             })
             .collect();
         let scale = reference::combine(&topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
-        let reports: Vec<Result<Report>> = std::thread::scope(|s| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let (ctx, a, inp, want, ci, wo, sc) = (
-                        ctxs[r].clone(),
-                        &a,
-                        &inputs[r],
-                        &want,
-                        &comb_in[r],
-                        &want_out[r].0,
-                        &scale[r].0,
-                    );
-                    s.spawn(move || run_rank(buf, &ctx, a, inp, want, ci, wo, sc))
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
-                })
-                .collect()
+        let reports: Vec<Result<Report>> = on_rank_threads(&mut bufs, |r, buf| {
+            run_rank(
+                buf,
+                &ctxs[r],
+                &a,
+                &inputs[r],
+                &want,
+                &comb_in[r],
+                &want_out[r].0,
+                &scale[r].0,
+            )
         });
         let mut failed = false;
         for (r, rep) in reports.iter().enumerate() {
@@ -424,11 +394,7 @@ fn main() -> Result<()> {
             );
         }
     }
-    std::thread::scope(|s| {
-        for b in bufs {
-            s.spawn(move || drop(b));
-        }
-    });
+    drop_on_rank_threads(bufs);
     println!(
         "internode: OK, {} iteration(s) match the reference",
         a.iters
