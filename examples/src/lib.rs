@@ -193,6 +193,73 @@ pub mod ranks {
     }
 }
 
+/// The command line as flags: `--flag value` pairs and switches without a value.
+///
+/// ```no_run
+/// let mut flags = ep_examples::Flags::new("usage: demo [--fast] [--tokens N]\n");
+/// let (mut fast, mut tokens) = (false, 512usize);
+/// while let Some(f) = flags.next_flag() {
+///     match f.as_str() {
+///         "--fast" => fast = true,
+///         "--tokens" => tokens = flags.value(&f)?,
+///         other => anyhow::bail!("unknown argument {other}"),
+///     }
+/// }
+/// # Ok::<(), anyhow::Error>(())
+/// ```
+pub struct Flags {
+    args: std::iter::Skip<std::env::Args>,
+    usage: &'static str,
+}
+
+impl Flags {
+    /// This process's arguments; `usage` is what `-h` and `--help` print.
+    pub fn new(usage: &'static str) -> Self {
+        Flags {
+            args: std::env::args().skip(1),
+            usage,
+        }
+    }
+
+    /// The next flag; `-h` or `--help` prints the usage and exits with status 0.
+    pub fn next_flag(&mut self) -> Option<String> {
+        let f = self.args.next()?;
+        if f == "-h" || f == "--help" {
+            print!("{}", self.usage);
+            std::process::exit(0);
+        }
+        Some(f)
+    }
+
+    /// The value after `flag`, as text.
+    pub fn string(&mut self, flag: &str) -> anyhow::Result<String> {
+        use anyhow::Context as _;
+        self.args
+            .next()
+            .with_context(|| format!("{flag} needs a value"))
+    }
+
+    /// The value after `flag`, parsed.
+    pub fn value<V>(&mut self, flag: &str) -> anyhow::Result<V>
+    where
+        V: std::str::FromStr,
+        V::Err: std::error::Error + Send + Sync + 'static,
+    {
+        Ok(self.string(flag)?.parse()?)
+    }
+}
+
+/// The number of visible GPUs; with none, says so as `program` and exits with status 2 (what
+/// the GPU examples do where there is nothing to run).
+pub fn visible_gpus_or_exit(program: &str) -> usize {
+    let gpus = ep_kernels::testing::visible_gpus();
+    if gpus == 0 {
+        eprintln!("{program}: no GPU visible; nothing to run");
+        std::process::exit(2);
+    }
+    gpus
+}
+
 /// Prints `usage` and exits with status 0 when the command line asks for help (`-h` or
 /// `--help` anywhere among the arguments); every example binary calls it first.
 pub fn exit_on_help(usage: &str) {

@@ -24,6 +24,7 @@ use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
 use ep_examples::bench::utc_date;
 use ep_examples::ranks::{drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids};
+use ep_examples::{visible_gpus_or_exit, Flags};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -75,31 +76,20 @@ fn parse() -> Result<Args> {
         shape: true,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
         match f.as_str() {
-            "-h" | "--help" => {
-                print!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--no-shape" => {
-                a.shape = false;
-                continue;
-            }
-            _ => {}
-        }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
-        match f.as_str() {
-            "--nodes" => a.nodes = v.parse()?,
-            "--ranks-per-node" => a.rpn = v.parse()?,
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--iters" => a.iters = v.parse()?,
-            "--json" => a.json = Some(v),
+            "--no-shape" => a.shape = false,
+            "--nodes" => a.nodes = flags.value(&f)?,
+            "--ranks-per-node" => a.rpn = flags.value(&f)?,
+            "--tokens" => a.tokens = flags.value(&f)?,
+            "--hidden" => a.hidden = flags.value(&f)?,
+            "--topk" => a.topk = flags.value(&f)?,
+            "--experts" => a.experts = flags.value(&f)?,
+            "--iters" => a.iters = flags.value(&f)?,
+            "--json" => a.json = Some(flags.string(&f)?),
             "--dtype" => {
-                a.dtypes = match v.as_str() {
+                a.dtypes = match flags.string(&f)?.as_str() {
                     "bf16" => vec![false],
                     "fp8" => vec![true],
                     "both" => vec![false, true],
@@ -237,11 +227,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = parse()?;
-    let gpus = ep_kernels::testing::visible_gpus();
-    if gpus == 0 {
-        eprintln!("bench_internode: no GPU visible; nothing to run");
-        std::process::exit(2);
-    }
+    let gpus = visible_gpus_or_exit("bench_internode");
     let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
     let world = topo.world();
     let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;

@@ -27,6 +27,7 @@ use ep::{
     Tensor, TopK,
 };
 use ep_examples::ranks::{on_rank_threads, random_bf16, random_topk_ids, seed_or_clock};
+use ep_examples::Flags;
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 
@@ -72,25 +73,17 @@ fn parse() -> Result<Args> {
         sms: None,
         seed: 0,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        if f == "--procs" {
-            a.procs = true;
-            continue;
-        }
-        if f == "-h" || f == "--help" {
-            print!("{USAGE}");
-            std::process::exit(0);
-        }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
         match f.as_str() {
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--sms" => a.sms = Some(v.parse()?),
-            "--ranks" => a.ranks = Some(v.parse()?),
-            "--seed" => a.seed = v.parse()?,
+            "--procs" => a.procs = true,
+            "--tokens" => a.tokens = flags.value(&f)?,
+            "--hidden" => a.hidden = flags.value(&f)?,
+            "--topk" => a.topk = flags.value(&f)?,
+            "--experts" => a.experts = flags.value(&f)?,
+            "--sms" => a.sms = Some(flags.value(&f)?),
+            "--ranks" => a.ranks = Some(flags.value(&f)?),
+            "--seed" => a.seed = flags.value(&f)?,
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }

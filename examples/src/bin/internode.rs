@@ -24,6 +24,7 @@ use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, RecvX, StreamOrder, Tensor, To
 use ep_examples::ranks::{
     drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids, seed_or_clock,
 };
+use ep_examples::{visible_gpus_or_exit, Flags};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -77,31 +78,20 @@ fn parse() -> Result<Args> {
         iters: 2,
         seed: 0,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
         match f.as_str() {
-            "-h" | "--help" => {
-                print!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--fp8" => {
-                a.fp8 = true;
-                continue;
-            }
-            _ => {}
-        }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
-        match f.as_str() {
-            "--nodes" => a.nodes = v.parse()?,
-            "--ranks-per-node" => a.rpn = v.parse()?,
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--iters" => a.iters = v.parse()?,
-            "--seed" => a.seed = v.parse()?,
+            "--fp8" => a.fp8 = true,
+            "--nodes" => a.nodes = flags.value(&f)?,
+            "--ranks-per-node" => a.rpn = flags.value(&f)?,
+            "--tokens" => a.tokens = flags.value(&f)?,
+            "--hidden" => a.hidden = flags.value(&f)?,
+            "--topk" => a.topk = flags.value(&f)?,
+            "--experts" => a.experts = flags.value(&f)?,
+            "--iters" => a.iters = flags.value(&f)?,
+            "--seed" => a.seed = flags.value(&f)?,
             "--handler" => {
-                a.handler = match v.as_str() {
+                a.handler = match flags.string(&f)?.as_str() {
                     "gpu" => HandlerChoice::Gpu,
                     "cpu_host_memory" => HandlerChoice::CpuHostMemory,
                     "cpu" => HandlerChoice::Cpu,
@@ -295,11 +285,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = parse()?;
-    let gpus = ep_kernels::testing::visible_gpus();
-    if gpus == 0 {
-        eprintln!("internode: no GPU visible; nothing to run");
-        std::process::exit(2);
-    }
+    let gpus = visible_gpus_or_exit("internode");
     let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
     let world = topo.world();
     println!(
