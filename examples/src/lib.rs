@@ -249,6 +249,43 @@ impl Flags {
     }
 }
 
+/// The size of an internode run on virtual nodes, as `internode` and `bench_internode` take it
+/// from their command lines.
+#[derive(Debug, Clone)]
+pub struct InternodeSize {
+    /// `--nodes`.
+    pub nodes: usize,
+    /// `--ranks-per-node`.
+    pub rpn: usize,
+    /// `--tokens`: per rank.
+    pub tokens: usize,
+    /// `--hidden`.
+    pub hidden: usize,
+    /// `--topk`.
+    pub topk: usize,
+    /// `--experts`: in all.
+    pub experts: usize,
+    /// `--iters`.
+    pub iters: usize,
+}
+
+impl InternodeSize {
+    /// Reads the value of `flag` into the field it names; false where `flag` names none.
+    pub fn set(&mut self, flag: &str, flags: &mut Flags) -> anyhow::Result<bool> {
+        match flag {
+            "--nodes" => self.nodes = flags.value(flag)?,
+            "--ranks-per-node" => self.rpn = flags.value(flag)?,
+            "--tokens" => self.tokens = flags.value(flag)?,
+            "--hidden" => self.hidden = flags.value(flag)?,
+            "--topk" => self.topk = flags.value(flag)?,
+            "--experts" => self.experts = flags.value(flag)?,
+            "--iters" => self.iters = flags.value(flag)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The number of visible GPUs; with none, says so as `program` and exits with status 2 (what
 /// the GPU examples do where there is nothing to run).
 pub fn visible_gpus_or_exit(program: &str) -> usize {

@@ -24,7 +24,7 @@ use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
 use ep_examples::bench::utc_date;
 use ep_examples::ranks::{drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids};
-use ep_examples::{visible_gpus_or_exit, Flags};
+use ep_examples::{visible_gpus_or_exit, Flags, InternodeSize};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -51,42 +51,34 @@ const LINE_RATE_GBPS: f64 = 50.0;
 
 #[derive(Debug, Clone)]
 struct Args {
-    nodes: usize,
-    rpn: usize,
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
+    size: InternodeSize,
     dtypes: Vec<bool>,
-    iters: usize,
     shape: bool,
     json: Option<String>,
 }
 
 fn parse() -> Result<Args> {
     let mut a = Args {
-        nodes: 2,
-        rpn: 2,
-        tokens: 4096,
-        hidden: 7168,
-        topk: 8,
-        experts: 256,
+        size: InternodeSize {
+            nodes: 2,
+            rpn: 2,
+            tokens: 4096,
+            hidden: 7168,
+            topk: 8,
+            experts: 256,
+            iters: 5,
+        },
         dtypes: vec![false, true],
-        iters: 5,
         shape: true,
         json: None,
     };
     let mut flags = Flags::new(USAGE);
     while let Some(f) = flags.next_flag() {
+        if a.size.set(&f, &mut flags)? {
+            continue;
+        }
         match f.as_str() {
             "--no-shape" => a.shape = false,
-            "--nodes" => a.nodes = flags.value(&f)?,
-            "--ranks-per-node" => a.rpn = flags.value(&f)?,
-            "--tokens" => a.tokens = flags.value(&f)?,
-            "--hidden" => a.hidden = flags.value(&f)?,
-            "--topk" => a.topk = flags.value(&f)?,
-            "--experts" => a.experts = flags.value(&f)?,
-            "--iters" => a.iters = flags.value(&f)?,
             "--json" => a.json = Some(flags.string(&f)?),
             "--dtype" => {
                 a.dtypes = match flags.string(&f)?.as_str() {
@@ -100,15 +92,15 @@ fn parse() -> Result<Args> {
         }
     }
     ensure!(
-        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
+        a.size.nodes >= 2 && a.size.rpn >= 1 && a.size.nodes * a.size.rpn <= 8,
         "nodes x ranks per node: 2..=8, 2+ nodes"
     );
     ensure!(
-        a.experts % (a.nodes * a.rpn) == 0 && a.topk <= a.experts,
+        a.size.experts % (a.size.nodes * a.size.rpn) == 0 && a.size.topk <= a.size.experts,
         "experts must be a multiple of the ranks"
     );
     ensure!(
-        a.hidden % 128 == 0 && a.iters >= 1,
+        a.size.hidden % 128 == 0 && a.size.iters >= 1,
         "hidden a multiple of 128, iters at least 1"
     );
     Ok(a)
@@ -124,17 +116,19 @@ struct Input {
 }
 
 fn gen(a: &Args, rng: &mut Rng) -> Input {
-    let ids = random_topk_ids(rng, a.tokens, a.topk, a.experts);
+    let ids = random_topk_ids(rng, a.size.tokens, a.size.topk, a.size.experts);
     Input {
         ids,
-        weights: (0..a.tokens * a.topk)
+        weights: (0..a.size.tokens * a.size.topk)
             .map(|_| rng.below(1000) as f32 / 1000.0)
             .collect(),
-        x: random_bf16(rng, a.tokens * a.hidden),
-        fp8: (0..a.tokens * a.hidden)
+        x: random_bf16(rng, a.size.tokens * a.size.hidden),
+        fp8: (0..a.size.tokens * a.size.hidden)
             .map(|_| Fp8E4M3((rng.below(126) + 1) as u8))
             .collect(),
-        scales: (0..a.tokens * a.hidden / 128).map(|_| 1.0).collect(),
+        scales: (0..a.size.tokens * a.size.hidden / 128)
+            .map(|_| 1.0)
+            .collect(),
     }
 }
 
@@ -156,19 +150,19 @@ fn run_rank(
     rdma_tokens: usize,
 ) -> Result<Timing> {
     let r = buf.rank();
-    let t = a.tokens;
-    let ids = Tensor::from_host(ctx, &inp.ids, &[t, a.topk])?;
-    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
+    let t = a.size.tokens;
+    let ids = Tensor::from_host(ctx, &inp.ids, &[t, a.size.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.size.topk])?;
     let (xb, xf, sf);
     let x = if fp8 {
-        xf = Tensor::from_host(ctx, &inp.fp8, &[t, a.hidden])?;
-        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
+        xf = Tensor::from_host(ctx, &inp.fp8, &[t, a.size.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.size.hidden / 128])?;
         DispatchX::Fp8 {
             x: &xf,
             scales: &sf,
         }
     } else {
-        xb = Tensor::from_host(ctx, &inp.x, &[t, a.hidden])?;
+        xb = Tensor::from_host(ctx, &inp.x, &[t, a.size.hidden])?;
         DispatchX::Bf16(&xb)
     };
     let layout = buf.get_dispatch_layout(&ids)?;
@@ -184,7 +178,7 @@ fn run_rank(
         order: StreamOrder::default(),
     };
     let (mut d_total, mut c_total) = (Duration::ZERO, Duration::ZERO);
-    for round in 0..=a.iters {
+    for round in 0..=a.size.iters {
         let t0 = Instant::now();
         let out = buf.dispatch(&args)?;
         buf.synchronize()?;
@@ -195,7 +189,7 @@ fn run_rank(
             out.num_recv_tokens
         );
         let rows = out.handle.num_rows();
-        let cx = Tensor::<Bf16>::filled(ctx, Bf16::from_f32(0.5), &[rows, a.hidden])?;
+        let cx = Tensor::<Bf16>::filled(ctx, Bf16::from_f32(0.5), &[rows, a.size.hidden])?;
         let t1 = Instant::now();
         let comb = buf.combine(&InternodeCombineArgs {
             x: &cx,
@@ -213,12 +207,12 @@ fn run_rank(
         }
     }
     let elem = if fp8 { 1.0 + 4.0 / 128.0 } else { 2.0 };
-    let n = a.iters as f64;
+    let n = a.size.iters as f64;
     Ok(Timing {
         dispatch_us: d_total.as_secs_f64() * 1e6 / n,
         combine_us: c_total.as_secs_f64() * 1e6 / n,
-        rdma_bytes: rdma_tokens as f64 * a.hidden as f64 * elem,
-        nvl_bytes: want_rows as f64 * a.hidden as f64 * elem,
+        rdma_bytes: rdma_tokens as f64 * a.size.hidden as f64 * elem,
+        nvl_bytes: want_rows as f64 * a.size.hidden as f64 * elem,
     })
 }
 
@@ -228,27 +222,27 @@ fn main() -> Result<()> {
         .init();
     let a = parse()?;
     let gpus = visible_gpus_or_exit("bench_internode");
-    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let topo = Topology::virtual_nodes(a.size.nodes, a.size.rpn)?;
     let world = topo.world();
     let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
     let used_gpus = gpus.min(world);
     let machine = format!("{}x {}", used_gpus, ctxs[0].name().unwrap_or_default());
     println!(
         "bench_internode: {} nodes x {} ranks ({}), {} tokens x {}, top-{} of {} experts, NIC {}",
-        a.nodes,
-        a.rpn,
+        a.size.nodes,
+        a.size.rpn,
         ep_kernels::testing::mapping(world, gpus),
-        a.tokens,
-        a.hidden,
-        a.topk,
-        a.experts,
+        a.size.tokens,
+        a.size.hidden,
+        a.size.topk,
+        a.size.experts,
         if a.shape {
             "shaped to 400 Gb/s (50 GB/s, 2 us)"
         } else {
             "unshaped"
         }
     );
-    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let mut bo = BufferOptions::new(a.size.tokens, a.size.hidden, a.size.topk, a.size.experts);
     bo.timeout = Duration::from_secs(60);
     bo.max_live_outputs = 1;
     let opts = InternodeOptions {
@@ -266,11 +260,11 @@ fn main() -> Result<()> {
     let mut rng = Rng::new(0x5eed);
     let inputs: Vec<Input> = (0..world).map(|_| gen(&a, &mut rng)).collect();
     // Rows each rank receives and tokens it sends to other nodes, from the reference layout.
-    let rpn = a.rpn;
+    let rpn = a.size.rpn;
     let mut want_rows = vec![0usize; world];
     let mut rdma_tokens = vec![0usize; world];
     for (s, inp) in inputs.iter().enumerate() {
-        let l = reference::layout(&inp.ids, a.topk, &topo, a.experts)?;
+        let l = reference::layout(&inp.ids, a.size.topk, &topo, a.size.experts)?;
         for (d, c) in l.tokens_per_rank.iter().enumerate() {
             want_rows[d] += *c as usize;
         }
@@ -331,12 +325,12 @@ fn main() -> Result<()> {
             records.push(format!(
                 "  {{\"bench\": \"{bench}\", \"dtype\": \"{dtype}\", \"rdma_gbps\": {rdma:.2}, \"nvl_gbps\": {nvl:.2}, \"line_rate_gbps\": {}, \"us\": {us:.1}, \"sms\": {sms}, \"nodes\": {}, \"ranks_per_node\": {}, \"gpus\": {used_gpus}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"shaped\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                 if a.shape { format!("{LINE_RATE_GBPS:.1}") } else { "null".into() },
-                a.nodes,
-                a.rpn,
-                a.tokens,
-                a.hidden,
-                a.topk,
-                a.experts,
+                a.size.nodes,
+                a.size.rpn,
+                a.size.tokens,
+                a.size.hidden,
+                a.size.topk,
+                a.size.experts,
                 a.shape
             ));
         }
