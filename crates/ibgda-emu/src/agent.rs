@@ -76,7 +76,7 @@ use crate::agent_cmd::{
     CTRL_STATE, CTRL_STOP, MAX_LANES, PAYLOAD_BYTES, PHASE_EXITED, PHASE_RUNNING, PHASE_STOPPING,
     SLOT_BYTES,
 };
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::host::HostBuffer;
 use crate::spin_wait::SpinWait;
 
@@ -180,10 +180,6 @@ pub(crate) fn after_publish(seen: AgentState, launched: u32) -> AfterPublish {
             exited: seen.generation,
         },
     }
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
 }
 
 /// Whether [`AGENT_ENV`] asks for the agent. Opt-in (`IBGDA_EMU_AGENT=1`) until it has passed

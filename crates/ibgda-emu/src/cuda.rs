@@ -70,17 +70,13 @@ use crate::cuda_agent::AgentLane;
 use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
 use crate::cuda_batch::{cqe_words, words_of, Batch};
 use crate::cuda_deferred::{Added, Deferred};
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::exec::FetchOrder;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
 /// words); larger reads go in pieces.
 const STAGING_BYTES: usize = 64 << 10;
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
-}
 
 /// A non-blocking service stream of the context's stream pool
 /// ([`ibgda_device::stream_pool::service`]): it never synchronises with the legacy default

@@ -35,14 +35,10 @@ use crate::agent_cmd::{reached, AgentCmd, FLAG_JOIN, PAYLOAD_BYTES};
 use crate::backend::{AtomicOp, Lane, Loc, Mark};
 use crate::cuda::Stream;
 use crate::cuda_atomic::store_word;
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 use crate::spin_wait::SpinWait;
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
-}
 
 /// A command held until the lane's copy-engine word reaches `ce`.
 #[derive(Debug, PartialEq, Eq)]

@@ -57,7 +57,7 @@ use cudarc::driver::{sys, CudaContext};
 use crate::backend::{AtomicOp, Loc};
 use crate::cuda_atomic::{stripe_index, LastWrite, WriteBackEvent, STRIPES};
 use crate::cuda_batch::copy_many;
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::HostBuffer;
 use crate::spin_wait::SpinWait;
@@ -81,10 +81,6 @@ const READ_OFFSET: usize = FLAG_OFFSET + 64;
 /// Whether counter value `have` has reached `want` (wrapping, as the stream wait compares).
 fn reached(have: u32, want: u32) -> bool {
     (have.wrapping_sub(want) as i32) >= 0
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
