@@ -32,11 +32,11 @@ use cudarc::driver::{sys, CudaContext};
 
 use crate::agent::{Agent, AGENT_COPY_MAX};
 use crate::agent_cmd::{reached, AgentCmd, FLAG_JOIN, PAYLOAD_BYTES};
-use crate::backend::{AtomicOp, Lane, Loc, Mark};
+use crate::backend::{atomic_then_put, AtomicOp, Lane, Loc, Mark};
 use crate::cuda::Stream;
 use crate::cuda_atomic::store_word;
 use crate::error::{check, EmuError};
-use crate::exec::{fetch_reply, FetchOrder};
+use crate::exec::FetchOrder;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 use crate::spin_wait::SpinWait;
 
@@ -492,10 +492,7 @@ impl Lane for AgentLane {
             }
             _ => {
                 // SAFETY: forwarded from the caller.
-                let old = unsafe { self.atomic(target, op, timeout)? };
-                let reply = fetch_reply(&op, old, order);
-                // SAFETY: forwarded from the caller.
-                unsafe { self.put(result, &reply) }
+                unsafe { atomic_then_put(self, target, op, result, order, timeout) }
             }
         }
     }

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-pub use cudarc::driver::DriverError;
 use cudarc::driver::sys;
+pub use cudarc::driver::DriverError;
 
 use crate::qp::QpState;
 
