@@ -129,6 +129,20 @@ impl Gpu2 {
         assert_eq!(c.wqe_counter.get(), i as u16);
         c
     }
+
+    /// Registers 4 KiB of `target` on `b` for remote atomics and 4 KiB of `fetch` on `a` for
+    /// their replies: (remote, local).
+    fn atomic_regs(&self, target: &Arc<DeviceBuffer>, fetch: &Arc<DeviceBuffer>) -> (Mr, Mr) {
+        let rm = self
+            .b
+            .register_device(target, 0, 4096, Access::REMOTE_ATOMIC)
+            .unwrap();
+        let lm = self
+            .a
+            .register_device(fetch, 0, 4096, Access::LOCAL_WRITE)
+            .unwrap();
+        (rm, lm)
+    }
 }
 
 #[test]
@@ -222,12 +236,7 @@ fn gpu_atomics() {
     target.fill_bytes(0).unwrap();
     fetch.fill_bytes(0xee).unwrap();
     settle(&g.ctxs);
-    let rm =
-        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
-            .unwrap();
-    let lm =
-        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
-            .unwrap();
+    let (rm, lm) = g.atomic_regs(&target, &fetch);
     let la = |off: u64| LocalAddr {
         addr: lm.addr + off,
         lkey: lm.lkey,
@@ -911,12 +920,7 @@ fn gpu_atomics_go_on_while_another_thread_frees_memory() {
     let fetch = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
     target.fill_bytes(0).unwrap();
     settle(&g.ctxs);
-    let rm =
-        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
-            .unwrap();
-    let lm =
-        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
-            .unwrap();
+    let (rm, lm) = g.atomic_regs(&target, &fetch);
     let stop = Arc::new(AtomicBool::new(false));
     let frees = Arc::new(AtomicU64::new(0));
     let (done_tx, done_rx) = mpsc::channel();
