@@ -284,6 +284,30 @@ impl InternodeSize {
         }
         Ok(true)
     }
+
+    /// Fails unless the size makes a run: 2 to 8 ranks on 2+ nodes, experts a multiple of the
+    /// ranks, top-k 1..=experts, hidden a multiple of `hidden_multiple`, 1+ iterations.
+    pub fn check(&self, hidden_multiple: usize) -> anyhow::Result<()> {
+        use anyhow::ensure;
+        ensure!(
+            self.nodes >= 2 && self.rpn >= 1 && self.nodes * self.rpn <= 8,
+            "nodes x ranks per node must be 2..=8 with 2+ nodes"
+        );
+        ensure!(
+            self.experts > 0 && self.experts % (self.nodes * self.rpn) == 0,
+            "experts must be a multiple of the rank count"
+        );
+        ensure!(
+            self.topk >= 1 && self.topk <= self.experts,
+            "topk must be 1..=experts"
+        );
+        ensure!(
+            self.hidden % hidden_multiple == 0,
+            "hidden must be a multiple of {hidden_multiple}"
+        );
+        ensure!(self.iters >= 1, "iters must be at least 1");
+        Ok(())
+    }
 }
 
 /// The number of visible GPUs; with none, says so as `program` and exits with status 2 (what

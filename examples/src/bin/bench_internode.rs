@@ -91,18 +91,7 @@ fn parse() -> Result<Args> {
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    ensure!(
-        a.size.nodes >= 2 && a.size.rpn >= 1 && a.size.nodes * a.size.rpn <= 8,
-        "nodes x ranks per node: 2..=8, 2+ nodes"
-    );
-    ensure!(
-        a.size.experts % (a.size.nodes * a.size.rpn) == 0 && a.size.topk <= a.size.experts,
-        "experts must be a multiple of the ranks"
-    );
-    ensure!(
-        a.size.hidden % 128 == 0 && a.size.iters >= 1,
-        "hidden a multiple of 128, iters at least 1"
-    );
+    a.size.check(128)?;
     Ok(a)
 }
 

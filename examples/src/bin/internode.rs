@@ -94,22 +94,7 @@ fn parse() -> Result<Args> {
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    ensure!(
-        a.size.nodes >= 2 && a.size.rpn >= 1 && a.size.nodes * a.size.rpn <= 8,
-        "nodes x ranks per node must be 2..=8 with 2+ nodes"
-    );
-    ensure!(
-        a.size.experts > 0 && a.size.experts % (a.size.nodes * a.size.rpn) == 0,
-        "experts must be a multiple of the rank count"
-    );
-    ensure!(
-        a.size.topk >= 1 && a.size.topk <= a.size.experts,
-        "topk must be 1..=experts"
-    );
-    ensure!(
-        a.size.hidden % if a.fp8 { 128 } else { 8 } == 0,
-        "hidden must be a multiple of 8 (128 with --fp8)"
-    );
+    a.size.check(if a.fp8 { 128 } else { 8 })?;
     a.seed = seed_or_clock(a.seed)?;
     Ok(a)
 }
