@@ -1,44 +1,17 @@
 //! Embeds the fatbins that `cargo xtask build-kernels` wrote (listed in `target/kernels/manifest.txt`).
 //! With none built, the crate still compiles and loading a module says how to build them.
 
-use std::fmt::Write as _;
-use std::path::PathBuf;
+#[path = "../../build-support/embed_fatbins.rs"]
+mod embed_fatbins;
 
 fn main() {
-    let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
-    let root = manifest_dir
-        .parent()
-        .and_then(|p| p.parent())
-        .expect("crates/ep-kernels is two levels down")
-        .to_path_buf();
-    let kernels = match std::env::var_os("EP_KERNELS_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => match std::env::var_os("CARGO_TARGET_DIR") {
-            Some(t) if PathBuf::from(&t).is_absolute() => PathBuf::from(t).join("kernels"),
-            Some(t) => root.join(t).join("kernels"),
-            None => root.join("target/kernels"),
-        },
-    };
-    println!("cargo:rerun-if-env-changed=EP_KERNELS_DIR");
-    println!("cargo:rerun-if-env-changed=CARGO_TARGET_DIR");
-    let manifest = kernels.join("manifest.txt");
-    println!("cargo:rerun-if-changed={}", manifest.display());
-
-    let mut code = String::from("/// The embedded kernel modules: (name, fatbin).\npub static MODULES: &[(&str, &[u8])] = &[\n");
-    if let Ok(text) = std::fs::read_to_string(&manifest) {
-        for line in text.lines() {
-            let Some((name, path)) = line.split_once('\t') else {
-                continue;
-            };
-            println!("cargo:rerun-if-changed={path}");
-            if std::path::Path::new(path).is_file() {
-                writeln!(code, "    ({name:?}, include_bytes!({path:?})),").unwrap();
-            } else {
-                println!("cargo:warning=kernel module {name} listed but {path} is missing: run `cargo xtask build-kernels`");
-            }
-        }
+    embed_fatbins::Embed {
+        dir_env: "EP_KERNELS_DIR",
+        target_subdir: "kernels",
+        doc: "The embedded kernel modules: (name, fatbin).",
+        visibility: "pub",
+        what: "kernel module",
+        out_file: "modules.rs",
     }
-    code.push_str("];\n");
-    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("modules.rs");
-    std::fs::write(out, code).unwrap();
+    .run();
 }

@@ -111,3 +111,30 @@ def gather(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def low_latency_rank(rank, world, base_seed, salt, tokens, k):
+    """What a low-latency test's rank starts from: its generator (``base_seed * salt + rank``),
+    its device, 4 experts per rank, and random routing of ``tokens`` tokens to ``k`` distinct
+    experts with weights (CPU tensors). Returns ``(gen, dev, experts, local, idx, w)``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(base_seed * salt + rank)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    experts = 4 * world
+    local = experts // world
+    idx = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+    w = torch.rand(tokens, k, generator=gen)
+    return gen, dev, experts, local, idx, w
+
+
+def low_latency_buffer(n, hidden, world, experts, **options):
+    """An ``ep_ibgda.Buffer`` in low-latency mode over the default group, sized by the RDMA size
+    hint, with one QP per local expert and explicit destruction; ``options`` go to the buffer."""
+    import torch.distributed as dist
+
+    import ep_ibgda as deep_ep
+
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(n, hidden, world, experts)
+    return deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=experts // world,
+                          explicitly_destroy=True, **options)

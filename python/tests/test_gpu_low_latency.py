@@ -9,7 +9,7 @@ cleaned as vLLM does)."""
 
 import pytest
 
-from gpu_ranks import gather, need_gpu, run_ranks, seed, world_sizes
+from gpu_ranks import gather, low_latency_buffer, low_latency_rank, need_gpu, run_ranks, seed, world_sizes
 
 N = 32  # num_max_dispatch_tokens_per_rank
 H = 512
@@ -20,22 +20,13 @@ def _body(rank, world, base_seed):
     import torch
     import torch.distributed as dist
 
-    import ep_ibgda as deep_ep
-
-    gen = torch.Generator().manual_seed(base_seed * 7919 + rank)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    experts = 4 * world
-    local = experts // world
     tokens = 16 + 4 * rank
-    idx_cpu = torch.rand(tokens, experts, generator=gen).topk(K, dim=1).indices
+    gen, dev, experts, local, idx_cpu, w_cpu = low_latency_rank(rank, world, base_seed, 7919, tokens, K)
     idx_cpu[1, 1:] = -1
-    w_cpu = torch.rand(tokens, K, generator=gen)
     x_cpu = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
     all_x, all_idx = [list(z) for z in zip(*gather((x_cpu, idx_cpu)))]
 
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, experts)
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=local,
-                         explicitly_destroy=True)
+    buf = low_latency_buffer(N, H, world, experts)
     x, topk_idx, topk_weights = x_cpu.to(dev), idx_cpu.to(dev), w_cpu.to(dev)
 
     # Expected rows of each local expert: by source rank, then token.

@@ -10,7 +10,7 @@ counts, rows and combined sums of those tokens."""
 
 import pytest
 
-from gpu_ranks import gather, need_gpu, run_ranks, seed, world_sizes
+from gpu_ranks import gather, low_latency_buffer, low_latency_rank, need_gpu, run_ranks, seed, world_sizes
 
 N = 32  # num_max_dispatch_tokens_per_rank
 H = 1024
@@ -22,25 +22,16 @@ def _body(rank, world, base_seed):
     import torch
     import torch.distributed as dist
 
-    import ep_ibgda as deep_ep
-
-    gen = torch.Generator().manual_seed(base_seed * 15485863 + rank)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    experts = 4 * world
-    local = experts // world
     tokens = 10 + 2 * rank
-    idx_cpu = torch.rand(tokens, experts, generator=gen).topk(K, dim=1).indices
+    gen, dev, experts, local, idx_cpu, w_cpu = low_latency_rank(rank, world, base_seed, 15485863, tokens, K)
     idx_cpu[0, 1:] = -1
-    w_cpu = torch.rand(tokens, K, generator=gen)
     all_idx = gather(idx_cpu)
     counts = torch.tensor(
         [sum(int((all_idx[s] == rank * local + l).any(dim=1).sum()) for s in range(world)) for l in range(local)],
         dtype=torch.int32,
     )
 
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, experts)
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=local,
-                         explicitly_destroy=True)
+    buf = low_latency_buffer(N, H, world, experts)
     x = torch.zeros(tokens, H, dtype=torch.bfloat16, device=dev)
     topk_idx, topk_weights = idx_cpu.to(dev), w_cpu.to(dev)
 

@@ -12,7 +12,7 @@ the format's tolerance."""
 
 import pytest
 
-from gpu_ranks import gather, need_gpu, run_ranks, seed, world_sizes
+from gpu_ranks import gather, low_latency_buffer, low_latency_rank, need_gpu, run_ranks, seed, world_sizes
 
 N = 32  # num_max_dispatch_tokens_per_rank
 H = 1024
@@ -23,16 +23,9 @@ def _body(rank, world, base_seed):
     import torch
     import torch.distributed as dist
 
-    import ep_ibgda as deep_ep
-
-    gen = torch.Generator().manual_seed(base_seed * 104729 + rank)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    experts = 4 * world
-    local = experts // world
     tokens = 12 + 3 * rank
-    idx_cpu = torch.rand(tokens, experts, generator=gen).topk(K, dim=1).indices
+    gen, dev, experts, local, idx_cpu, w_cpu = low_latency_rank(rank, world, base_seed, 104729, tokens, K)
     idx_cpu[0, 2:] = -1
-    w_cpu = torch.rand(tokens, K, generator=gen)
     # Magnitudes below 1, so LogFMT casts most groups; one channel group of token 1 kept large.
     x_cpu = (torch.randn(tokens, H, generator=gen) * 0.2).to(torch.bfloat16)
     x_cpu[1, :128] *= 40
@@ -67,9 +60,7 @@ def _body(rank, world, base_seed):
             present &= torch.tensor([[linked(rank, int(d)) for d in row] for row in owner])
         return (x_cpu.float() * (w_cpu * present.float()).sum(1, keepdim=True)).to(torch.bfloat16)
 
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(N, H, world, experts)
-    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=local,
-                         explicitly_destroy=True, enable_shrink=True)
+    buf = low_latency_buffer(N, H, world, experts, enable_shrink=True)
     x, topk_idx, topk_weights = x_cpu.to(dev), idx_cpu.to(dev), w_cpu.to(dev)
 
     # Masks before the first call: kept on the host, applied when the native buffer is built.

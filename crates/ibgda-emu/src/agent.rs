@@ -76,8 +76,9 @@ use crate::agent_cmd::{
     CTRL_STATE, CTRL_STOP, MAX_LANES, PAYLOAD_BYTES, PHASE_EXITED, PHASE_RUNNING, PHASE_STOPPING,
     SLOT_BYTES,
 };
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::host::HostBuffer;
+use crate::spin_wait::SpinWait;
 
 mod modules {
     include!(concat!(env!("OUT_DIR"), "/agent_modules.rs"));
@@ -179,10 +180,6 @@ pub(crate) fn after_publish(seen: AgentState, launched: u32) -> AfterPublish {
             exited: seen.generation,
         },
     }
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
 }
 
 /// Whether [`AGENT_ENV`] asks for the agent. Opt-in (`IBGDA_EMU_AGENT=1`) until it has passed
@@ -650,23 +647,10 @@ impl Agent {
         timeout: Duration,
         what: &'static str,
     ) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 4000, what);
         // Every published command is covered by a running or enqueued agent (`cover_published`).
         while self.done() < seq {
-            if t0.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what,
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         Ok(())
     }

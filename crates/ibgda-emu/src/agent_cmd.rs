@@ -169,15 +169,7 @@ impl AgentCmd {
                 field_boundary,
             } => (OP_MFA64, add, field_boundary, 0),
         };
-        let masked = !matches!(
-            op,
-            AtomicOp::FetchAdd64 { .. } | AtomicOp::CompareSwap64 { .. }
-        );
-        let big = match order {
-            FetchOrder::Mlx5 => masked,
-            FetchOrder::BigEndian => true,
-            FetchOrder::HostOrder => false,
-        };
+        let big = order.reply_big_endian(&op);
         Self {
             op: code,
             flags: if big { FLAG_REPLY_BE } else { 0 },

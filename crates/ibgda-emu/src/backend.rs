@@ -228,10 +228,7 @@ pub trait Lane: Send + fmt::Debug {
         timeout: Duration,
     ) -> Result<(), EmuError> {
         // SAFETY: forwarded from the caller.
-        let old = unsafe { self.atomic(target, op, timeout)? };
-        let reply = fetch_reply(&op, old, order);
-        // SAFETY: forwarded from the caller.
-        unsafe { self.put(result, &reply) }
+        unsafe { atomic_then_put(self, target, op, result, order, timeout) }
     }
 
     /// Hands everything gathered so far to the hardware (the engine calls it at the end of every
@@ -288,6 +285,26 @@ pub trait Lane: Send + fmt::Debug {
 
     /// Waits until everything enqueued has landed, at most `timeout`.
     fn fence(&mut self, timeout: Duration) -> Result<(), EmuError>;
+}
+
+/// [`Lane::atomic_into`] done at once: [`Lane::atomic`], then [`Lane::put`] of the old value as
+/// `order` formats it. The default, and what a lane that defers some atomics does with the rest.
+///
+/// # Safety
+/// As [`Lane::atomic_into`].
+pub(crate) unsafe fn atomic_then_put<L: Lane + ?Sized>(
+    lane: &mut L,
+    target: Loc,
+    op: AtomicOp,
+    result: Loc,
+    order: FetchOrder,
+    timeout: Duration,
+) -> Result<(), EmuError> {
+    // SAFETY: forwarded from the caller.
+    let old = unsafe { lane.atomic(target, op, timeout)? };
+    let reply = fetch_reply(&op, old, order);
+    // SAFETY: forwarded from the caller.
+    unsafe { lane.put(result, &reply) }
 }
 
 #[cfg(test)]

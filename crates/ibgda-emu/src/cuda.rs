@@ -65,22 +65,18 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaContext, DriverError};
 
 use crate::agent::Agent;
-use crate::backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
+use crate::backend::{atomic_then_put, AtomicOp, Lane, Loc, Mark, MemoryBackend};
 use crate::cuda_agent::AgentLane;
 use crate::cuda_atomic::{atomic_on_device, WriteBackEvent};
 use crate::cuda_batch::{cqe_words, words_of, Batch};
 use crate::cuda_deferred::{Added, Deferred};
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::exec::FetchOrder;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
 
 /// Bytes of the pinned staging buffer for synchronous reads of GPU memory (ring slots, doorbell
 /// words); larger reads go in pieces.
 const STAGING_BYTES: usize = 64 << 10;
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
-}
 
 /// A non-blocking service stream of the context's stream pool
 /// ([`ibgda_device::stream_pool::service`]): it never synchronises with the legacy default
@@ -601,17 +597,11 @@ impl Lane for CudaLane {
     ) -> Result<(), EmuError> {
         let Loc::Device(a) = target else {
             // SAFETY: forwarded from the caller.
-            let old = unsafe { self.atomic(target, op, timeout)? };
-            let reply = crate::exec::fetch_reply(&op, old, order);
-            // SAFETY: forwarded from the caller.
-            return unsafe { self.put(result, &reply) };
+            return unsafe { atomic_then_put(self, target, op, result, order, timeout) };
         };
         if !(self.defer && self.memops && self.deferred.is_some()) {
             // SAFETY: forwarded from the caller.
-            let old = unsafe { self.atomic(target, op, timeout)? };
-            let reply = crate::exec::fetch_reply(&op, old, order);
-            // SAFETY: forwarded from the caller.
-            return unsafe { self.put(result, &reply) };
+            return unsafe { atomic_then_put(self, target, op, result, order, timeout) };
         }
         // The QP's earlier writes are submitted before the group (`close_group`), so a round's
         // atomics share one group even with writes between them (relaxed ordering).

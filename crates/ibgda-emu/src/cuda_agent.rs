@@ -26,22 +26,19 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
 
 use crate::agent::{Agent, AGENT_COPY_MAX};
 use crate::agent_cmd::{reached, AgentCmd, FLAG_JOIN, PAYLOAD_BYTES};
-use crate::backend::{AtomicOp, Lane, Loc, Mark};
+use crate::backend::{atomic_then_put, AtomicOp, Lane, Loc, Mark};
 use crate::cuda::Stream;
 use crate::cuda_atomic::store_word;
-use crate::error::EmuError;
-use crate::exec::{fetch_reply, FetchOrder};
+use crate::error::{check, EmuError};
+use crate::exec::FetchOrder;
 use crate::host::{host_atomic, store_cqe_host, HostBuffer};
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
-}
+use crate::spin_wait::SpinWait;
 
 /// A command held until the lane's copy-engine word reaches `ce`.
 #[derive(Debug, PartialEq, Eq)]
@@ -300,26 +297,13 @@ impl AgentLane {
     /// Waits, at most `timeout`, until every command the lane submitted has landed (publishing
     /// held ones as the copy engines catch up).
     fn commands_landed(&mut self, timeout: Duration) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 4000, "the GPU agent to execute a QP's commands");
         loop {
             self.publish_ready()?;
             if self.order.commands_landed(self.agent.lane_done(self.index)) {
                 return Ok(());
             }
-            if t0.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "the GPU agent to execute a QP's commands",
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
     }
 
@@ -331,22 +315,13 @@ impl AgentLane {
     /// this thread to publish it, and a `cuMemFree` elsewhere, waiting for the stream while it
     /// holds the driver lock, would block this thread's next driver call: a deadlock.
     fn ce_after_commands(&mut self) -> Result<(), EmuError> {
-        let t0 = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(
+            self.timeout,
+            4000,
+            "a QP's copy-engine work, to publish the commands behind it",
+        );
         while self.publish_ready()? {
-            if t0.elapsed() > self.timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "a QP's copy-engine work, to publish the commands behind it",
-                    waited: t0.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 4000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         let Some(want) = self
             .order
@@ -517,10 +492,7 @@ impl Lane for AgentLane {
             }
             _ => {
                 // SAFETY: forwarded from the caller.
-                let old = unsafe { self.atomic(target, op, timeout)? };
-                let reply = fetch_reply(&op, old, order);
-                // SAFETY: forwarded from the caller.
-                unsafe { self.put(result, &reply) }
+                unsafe { atomic_then_put(self, target, op, result, order, timeout) }
             }
         }
     }

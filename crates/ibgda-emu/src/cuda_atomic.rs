@@ -14,15 +14,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::backend::AtomicOp;
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::host::HostBuffer;
 
 /// Stripes of the word locks: enough that unrelated words rarely share one.
 pub(crate) const STRIPE_COUNT: usize = 256;
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
-}
 
 /// An event recorded after a write-back, shared by the lane that records it and the stripe that
 /// remembers it (it outlives either).

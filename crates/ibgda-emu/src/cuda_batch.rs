@@ -15,7 +15,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 
 /// Copies gathered into one `cuMemcpyBatchAsync` at most.
 pub(crate) const MAX_BATCH_COPIES: usize = 128;
@@ -40,10 +40,6 @@ pub const BATCH_COPIES_ENV: &str = "IBGDA_EMU_BATCH_COPIES";
 /// Whether [`BATCH_COPIES_ENV`] asks for batched copies.
 pub(crate) fn batch_copies_from_env() -> bool {
     std::env::var(BATCH_COPIES_ENV).is_ok_and(|v| v.trim() == "1")
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
 }
 
 /// One stream store of a 4- or 8-byte word.

@@ -57,9 +57,10 @@ use cudarc::driver::{sys, CudaContext};
 use crate::backend::{AtomicOp, Loc};
 use crate::cuda_atomic::{stripe_index, LastWrite, WriteBackEvent, STRIPES};
 use crate::cuda_batch::copy_many;
-use crate::error::EmuError;
+use crate::error::{check, EmuError};
 use crate::exec::{fetch_reply, FetchOrder};
 use crate::host::HostBuffer;
+use crate::spin_wait::SpinWait;
 
 /// Atomics in one group at most.
 pub(crate) const GROUP_ATOMICS: usize = 128;
@@ -80,10 +81,6 @@ const READ_OFFSET: usize = FLAG_OFFSET + 64;
 /// Whether counter value `have` has reached `want` (wrapping, as the stream wait compares).
 fn reached(have: u32, want: u32) -> bool {
     (have.wrapping_sub(want) as i32) >= 0
-}
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
-    r.result().map_err(EmuError::cuda(call))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -695,24 +692,11 @@ impl Deferred {
 
     /// Computes every group enqueued so far (bounded wait for their reads).
     pub fn settle(&mut self, timeout: Duration) -> Result<(), EmuError> {
-        let start = Instant::now();
-        let mut polls = 0u32;
+        let mut wait = SpinWait::new(timeout, 2000, "the reads of deferred atomics");
         while self.queue().iter().any(|g| !g.computed) {
             self.poll()?;
             help_all();
-            if start.elapsed() > timeout {
-                return Err(EmuError::BackendTimeout {
-                    backend: "cuda",
-                    what: "the reads of deferred atomics",
-                    waited: start.elapsed(),
-                });
-            }
-            polls += 1;
-            if polls < 2000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait.pause()?;
         }
         Ok(())
     }

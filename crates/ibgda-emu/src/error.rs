@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use cudarc::driver::sys;
 pub use cudarc::driver::DriverError;
 
 use crate::qp::QpState;
@@ -110,4 +111,9 @@ impl EmuError {
     pub(crate) fn cuda(call: &'static str) -> impl FnOnce(DriverError) -> EmuError {
         move |source| EmuError::Cuda { call, source }
     }
+}
+
+/// The result of driver call `call`: `Ok` for `CUDA_SUCCESS`, else [`EmuError::Cuda`].
+pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<(), EmuError> {
+    r.result().map_err(EmuError::cuda(call))
 }

@@ -65,6 +65,21 @@ pub enum FetchOrder {
     HostOrder,
 }
 
+impl FetchOrder {
+    /// Whether the old value of `op` is written big-endian.
+    pub(crate) fn reply_big_endian(self, op: &AtomicOp) -> bool {
+        let masked = !matches!(
+            op,
+            AtomicOp::FetchAdd64 { .. } | AtomicOp::CompareSwap64 { .. }
+        );
+        match self {
+            FetchOrder::Mlx5 => masked,
+            FetchOrder::BigEndian => true,
+            FetchOrder::HostOrder => false,
+        }
+    }
+}
+
 /// What executing a WQE came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -418,15 +433,7 @@ fn no_peer() -> Outcome {
 
 /// The bytes of an atomic's old value as the local result buffer receives them.
 pub(crate) fn fetch_reply(op: &AtomicOp, old: u64, order: FetchOrder) -> Vec<u8> {
-    let masked = !matches!(
-        op,
-        AtomicOp::FetchAdd64 { .. } | AtomicOp::CompareSwap64 { .. }
-    );
-    let big = match order {
-        FetchOrder::Mlx5 => masked,
-        FetchOrder::BigEndian => true,
-        FetchOrder::HostOrder => false,
-    };
+    let big = order.reply_big_endian(op);
     match (op.width(), big) {
         (4, true) => (old as u32).to_be_bytes().to_vec(),
         (4, false) => (old as u32).to_ne_bytes().to_vec(),

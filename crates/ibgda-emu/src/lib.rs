@@ -165,6 +165,7 @@ mod ipc;
 mod mr;
 mod nic;
 mod qp;
+mod spin_wait;
 mod strict;
 
 pub use agent::{

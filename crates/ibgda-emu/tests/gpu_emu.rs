@@ -129,6 +129,20 @@ impl Gpu2 {
         assert_eq!(c.wqe_counter.get(), i as u16);
         c
     }
+
+    /// Registers 4 KiB of `target` on `b` for remote atomics and 4 KiB of `fetch` on `a` for
+    /// their replies: (remote, local).
+    fn atomic_regs(&self, target: &Arc<DeviceBuffer>, fetch: &Arc<DeviceBuffer>) -> (Mr, Mr) {
+        let rm = self
+            .b
+            .register_device(target, 0, 4096, Access::REMOTE_ATOMIC)
+            .unwrap();
+        let lm = self
+            .a
+            .register_device(fetch, 0, 4096, Access::LOCAL_WRITE)
+            .unwrap();
+        (rm, lm)
+    }
 }
 
 #[test]
@@ -222,12 +236,7 @@ fn gpu_atomics() {
     target.fill_bytes(0).unwrap();
     fetch.fill_bytes(0xee).unwrap();
     settle(&g.ctxs);
-    let rm =
-        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
-            .unwrap();
-    let lm =
-        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
-            .unwrap();
+    let (rm, lm) = g.atomic_regs(&target, &fetch);
     let la = |off: u64| LocalAddr {
         addr: lm.addr + off,
         lkey: lm.lkey,
@@ -296,6 +305,83 @@ fn gpu_atomics() {
     assert_eq!(target.download::<u64>(128, 1).unwrap()[0], 800);
 }
 
+/// Initiator NICs of several QPs each, every QP connected to one of its own on a target NIC whose
+/// GPU buffer (zeroed) takes remote atomics; each initiator's GPU buffer (filled with 0xee) takes
+/// the fetched values. Fields drop in the order the tests' locals did: lanes first, fabric last.
+struct AtomicFanIn {
+    /// (initiator QP, target QP, the initiator's fetch registration, `nic * qps + qp`).
+    lanes: Vec<(HostQp, HostQp, Mr, usize)>,
+    /// Each initiator NIC with its fetch buffer.
+    nics: Vec<(Nic, Arc<DeviceBuffer>)>,
+    /// The target buffer's registration.
+    rm: Mr,
+    target: Arc<DeviceBuffer>,
+    _target_nic: Nic,
+    _fabric: Fabric,
+}
+
+impl AtomicFanIn {
+    fn new(
+        ctx: &Arc<CudaContext>,
+        nics: usize,
+        qps: usize,
+        target_bytes: usize,
+        fetch_bytes: usize,
+    ) -> Self {
+        let fabric = Fabric::new();
+        let b = fabric.cuda_nic(ctx, NicConfig::named("target")).unwrap();
+        let target = Arc::new(DeviceBuffer::new(ctx, target_bytes).unwrap());
+        target.fill_bytes(0).unwrap();
+        let rm = b
+            .register_device(&target, 0, target_bytes, Access::REMOTE_ATOMIC)
+            .unwrap();
+        let mut initiators = Vec::new();
+        let mut lanes = Vec::new();
+        for n in 0..nics {
+            let a = fabric
+                .cuda_nic(ctx, NicConfig::named(format!("init-{n}")))
+                .unwrap();
+            let fetch = Arc::new(DeviceBuffer::new(ctx, fetch_bytes).unwrap());
+            fetch.fill_bytes(0xee).unwrap();
+            let lm = a
+                .register_device(&fetch, 0, fetch.len(), Access::LOCAL_WRITE)
+                .unwrap();
+            for k in 0..qps {
+                let qp = a.create_host_qp(1024, CqMode::Ring, 1024).unwrap();
+                let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
+                a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
+                    .unwrap();
+                lanes.push((qp, peer, lm, n * qps + k));
+            }
+            initiators.push((a, fetch));
+        }
+        AtomicFanIn {
+            lanes,
+            nics: initiators,
+            rm,
+            target,
+            _target_nic: b,
+            _fabric: fabric,
+        }
+    }
+
+    /// Rings every QP's doorbell up to `posted` WQEs in steps of `step` (QPs round robin), then
+    /// waits for each QP's one CQE.
+    fn ring_in_steps_and_wait(&self, posted: u64, step: u64) {
+        let mut rung = 0;
+        while rung < posted {
+            rung = (rung + step).min(posted);
+            for (qp, ..) in &self.lanes {
+                qp.ring_dbr(rung);
+            }
+        }
+        for (qp, ..) in &self.lanes {
+            let c = wait_cqe(qp, 0);
+            assert!(!c.is_error(), "{c}");
+        }
+    }
+}
+
 /// Two initiator NICs (two progress threads), four QPs each, every QP posting fetch-adds on one
 /// shared word and a word of its own, each reply into a slot of its own, rung in pieces so that
 /// groups of deferred atomics of different QPs and NICs interleave on the shared word. Atomic
@@ -306,36 +392,11 @@ fn gpu_atomics_of_two_nics_fetch_every_value_once() {
     const QPS: usize = 4;
     const PER_QP: u64 = 300;
     let ctx = &ctxs[0];
-    let fabric = Fabric::new();
-    let b = fabric.cuda_nic(ctx, NicConfig::named("target")).unwrap();
-    let target = Arc::new(DeviceBuffer::new(ctx, 4096).unwrap());
-    target.fill_bytes(0).unwrap();
-    let rm = b
-        .register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
-        .unwrap();
-    let mut nics = Vec::new();
-    let mut lanes = Vec::new();
-    for n in 0..2 {
-        let a = fabric
-            .cuda_nic(ctx, NicConfig::named(format!("init-{n}")))
-            .unwrap();
-        let fetch = Arc::new(DeviceBuffer::new(ctx, QPS * 2 * PER_QP as usize * 8).unwrap());
-        fetch.fill_bytes(0xee).unwrap();
-        let lm = a
-            .register_device(&fetch, 0, fetch.len(), Access::LOCAL_WRITE)
-            .unwrap();
-        for k in 0..QPS {
-            let qp = a.create_host_qp(1024, CqMode::Ring, 1024).unwrap();
-            let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
-            a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
-                .unwrap();
-            lanes.push((qp, peer, lm, n * QPS + k));
-        }
-        nics.push((a, fetch));
-    }
+    let rig = AtomicFanIn::new(ctx, 2, QPS, 4096, QPS * 2 * PER_QP as usize * 8);
+    let (lanes, nics, rm, target) = (&rig.lanes, &rig.nics, &rig.rm, &rig.target);
     settle(&ctxs);
     // Post everything, then ring in pieces of 37 WQEs, QPs round robin.
-    for (qp, _, lm, id) in &lanes {
+    for (qp, _, lm, id) in lanes {
         for i in 0..2 * PER_QP {
             let (word, slot) = if i % 2 == 0 {
                 (0, (*id % QPS) as u64 * 2 * PER_QP + i)
@@ -345,7 +406,7 @@ fn gpu_atomics_of_two_nics_fetch_every_value_once() {
             let w = FetchAdd64::new(
                 qp.qpn(),
                 i as u16,
-                ra(&rm, word),
+                ra(rm, word),
                 LocalAddr {
                     addr: lm.addr + 8 * slot,
                     lkey: lm.lkey,
@@ -357,17 +418,7 @@ fn gpu_atomics_of_two_nics_fetch_every_value_once() {
             qp.post(i, &w);
         }
     }
-    let mut rung = 0;
-    while rung < 2 * PER_QP {
-        rung = (rung + 37).min(2 * PER_QP);
-        for (qp, ..) in &lanes {
-            qp.ring_dbr(rung);
-        }
-    }
-    for (qp, ..) in &lanes {
-        let c = wait_cqe(qp, 0);
-        assert!(!c.is_error(), "{c}");
-    }
+    rig.ring_in_steps_and_wait(2 * PER_QP, 37);
     let total = lanes.len() as u64 * PER_QP;
     let words: Vec<u64> = target.download(0, 8 * (1 + lanes.len())).unwrap();
     assert_eq!(words[0], total, "the shared word");
@@ -869,12 +920,7 @@ fn gpu_atomics_go_on_while_another_thread_frees_memory() {
     let fetch = Arc::new(DeviceBuffer::new(&ctx, 4096).unwrap());
     target.fill_bytes(0).unwrap();
     settle(&g.ctxs);
-    let rm =
-        g.b.register_device(&target, 0, 4096, Access::REMOTE_ATOMIC)
-            .unwrap();
-    let lm =
-        g.a.register_device(&fetch, 0, 4096, Access::LOCAL_WRITE)
-            .unwrap();
+    let (rm, lm) = g.atomic_regs(&target, &fetch);
     let stop = Arc::new(AtomicBool::new(false));
     let frees = Arc::new(AtomicU64::new(0));
     let (done_tx, done_rx) = mpsc::channel();
@@ -1031,42 +1077,18 @@ fn gpu_agent_atomics_from_many_qps_and_nics_sum_exactly() {
     const QPS: usize = 4;
     const PER_QP: u64 = 1000;
     let ctx = &ctxs[0];
-    let fabric = Fabric::new();
-    let b = fabric.cuda_nic(ctx, NicConfig::named("target")).unwrap();
-    let target = Arc::new(DeviceBuffer::new(ctx, 64).unwrap());
-    target.fill_bytes(0).unwrap();
-    let rm = b
-        .register_device(&target, 0, 64, Access::REMOTE_ATOMIC)
-        .unwrap();
-    let mut nics = Vec::new();
-    let mut lanes = Vec::new();
-    for n in 0..NICS {
-        let a = fabric
-            .cuda_nic(ctx, NicConfig::named(format!("init-{n}")))
-            .unwrap();
-        let fetch = Arc::new(DeviceBuffer::new(ctx, QPS * PER_QP as usize * 8).unwrap());
-        fetch.fill_bytes(0xee).unwrap();
-        let lm = a
-            .register_device(&fetch, 0, fetch.len(), Access::LOCAL_WRITE)
-            .unwrap();
-        for k in 0..QPS {
-            let qp = a.create_host_qp(1024, CqMode::Ring, 1024).unwrap();
-            let peer = b.create_host_qp(8, CqMode::Ring, 8).unwrap();
-            a.connect(qp.qpn(), &b.qp_info(peer.qpn()).unwrap())
-                .unwrap();
-            lanes.push((qp, peer, lm, k));
-        }
-        nics.push((a, fetch));
-    }
+    let rig = AtomicFanIn::new(ctx, NICS, QPS, 64, QPS * PER_QP as usize * 8);
+    let (lanes, nics, rm, target) = (&rig.lanes, &rig.nics, &rig.rm, &rig.target);
     settle(&ctxs);
-    for (qp, _, lm, k) in &lanes {
+    for (qp, _, lm, id) in lanes {
+        let k = id % QPS;
         for i in 0..PER_QP {
             let w = FetchAdd64::new(
                 qp.qpn(),
                 i as u16,
-                ra(&rm, 0),
+                ra(rm, 0),
                 LocalAddr {
-                    addr: lm.addr + 8 * (*k as u64 * PER_QP + i),
+                    addr: lm.addr + 8 * (k as u64 * PER_QP + i),
                     lkey: lm.lkey,
                 },
                 1,
@@ -1077,22 +1099,12 @@ fn gpu_agent_atomics_from_many_qps_and_nics_sum_exactly() {
         }
     }
     let t0 = Instant::now();
-    let mut rung = 0;
-    while rung < PER_QP {
-        rung = (rung + 100).min(PER_QP);
-        for (qp, ..) in &lanes {
-            qp.ring_dbr(rung);
-        }
-    }
-    for (qp, ..) in &lanes {
-        let c = wait_cqe(qp, 0);
-        assert!(!c.is_error(), "{c}");
-    }
+    rig.ring_in_steps_and_wait(PER_QP, 100);
     let took = t0.elapsed();
     let total = lanes.len() as u64 * PER_QP;
     assert_eq!(target.download::<u64>(0, 1).unwrap()[0], total, "the word");
     let mut seen = Vec::new();
-    for (_, fetch) in &nics {
+    for (_, fetch) in nics {
         seen.extend(fetch.download::<u64>(0, QPS * PER_QP as usize).unwrap());
     }
     seen.sort_unstable();

@@ -23,6 +23,8 @@ use ep::internode::{
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
 use ep_examples::bench::utc_date;
+use ep_examples::ranks::{drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids};
+use ep_examples::{visible_gpus_or_exit, Flags, InternodeSize};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -49,56 +51,37 @@ const LINE_RATE_GBPS: f64 = 50.0;
 
 #[derive(Debug, Clone)]
 struct Args {
-    nodes: usize,
-    rpn: usize,
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
+    size: InternodeSize,
     dtypes: Vec<bool>,
-    iters: usize,
     shape: bool,
     json: Option<String>,
 }
 
 fn parse() -> Result<Args> {
     let mut a = Args {
-        nodes: 2,
-        rpn: 2,
-        tokens: 4096,
-        hidden: 7168,
-        topk: 8,
-        experts: 256,
+        size: InternodeSize {
+            nodes: 2,
+            rpn: 2,
+            tokens: 4096,
+            hidden: 7168,
+            topk: 8,
+            experts: 256,
+            iters: 5,
+        },
         dtypes: vec![false, true],
-        iters: 5,
         shape: true,
         json: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        match f.as_str() {
-            "-h" | "--help" => {
-                print!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--no-shape" => {
-                a.shape = false;
-                continue;
-            }
-            _ => {}
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
+        if a.size.set(&f, &mut flags)? {
+            continue;
         }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
         match f.as_str() {
-            "--nodes" => a.nodes = v.parse()?,
-            "--ranks-per-node" => a.rpn = v.parse()?,
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--iters" => a.iters = v.parse()?,
-            "--json" => a.json = Some(v),
+            "--no-shape" => a.shape = false,
+            "--json" => a.json = Some(flags.string(&f)?),
             "--dtype" => {
-                a.dtypes = match v.as_str() {
+                a.dtypes = match flags.string(&f)?.as_str() {
                     "bf16" => vec![false],
                     "fp8" => vec![true],
                     "both" => vec![false, true],
@@ -108,18 +91,7 @@ fn parse() -> Result<Args> {
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    ensure!(
-        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
-        "nodes x ranks per node: 2..=8, 2+ nodes"
-    );
-    ensure!(
-        a.experts % (a.nodes * a.rpn) == 0 && a.topk <= a.experts,
-        "experts must be a multiple of the ranks"
-    );
-    ensure!(
-        a.hidden % 128 == 0 && a.iters >= 1,
-        "hidden a multiple of 128, iters at least 1"
-    );
+    a.size.check(128)?;
     Ok(a)
 }
 
@@ -133,29 +105,19 @@ struct Input {
 }
 
 fn gen(a: &Args, rng: &mut Rng) -> Input {
-    let mut ids = Vec::with_capacity(a.tokens * a.topk);
-    for _ in 0..a.tokens {
-        let mut row: Vec<i32> = Vec::new();
-        while row.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
+    let ids = random_topk_ids(rng, a.size.tokens, a.size.topk, a.size.experts);
     Input {
         ids,
-        weights: (0..a.tokens * a.topk)
+        weights: (0..a.size.tokens * a.size.topk)
             .map(|_| rng.below(1000) as f32 / 1000.0)
             .collect(),
-        x: (0..a.tokens * a.hidden)
-            .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
-            .collect(),
-        fp8: (0..a.tokens * a.hidden)
+        x: random_bf16(rng, a.size.tokens * a.size.hidden),
+        fp8: (0..a.size.tokens * a.size.hidden)
             .map(|_| Fp8E4M3((rng.below(126) + 1) as u8))
             .collect(),
-        scales: (0..a.tokens * a.hidden / 128).map(|_| 1.0).collect(),
+        scales: (0..a.size.tokens * a.size.hidden / 128)
+            .map(|_| 1.0)
+            .collect(),
     }
 }
 
@@ -177,19 +139,19 @@ fn run_rank(
     rdma_tokens: usize,
 ) -> Result<Timing> {
     let r = buf.rank();
-    let t = a.tokens;
-    let ids = Tensor::from_host(ctx, &inp.ids, &[t, a.topk])?;
-    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
+    let t = a.size.tokens;
+    let ids = Tensor::from_host(ctx, &inp.ids, &[t, a.size.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.size.topk])?;
     let (xb, xf, sf);
     let x = if fp8 {
-        xf = Tensor::from_host(ctx, &inp.fp8, &[t, a.hidden])?;
-        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
+        xf = Tensor::from_host(ctx, &inp.fp8, &[t, a.size.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.size.hidden / 128])?;
         DispatchX::Fp8 {
             x: &xf,
             scales: &sf,
         }
     } else {
-        xb = Tensor::from_host(ctx, &inp.x, &[t, a.hidden])?;
+        xb = Tensor::from_host(ctx, &inp.x, &[t, a.size.hidden])?;
         DispatchX::Bf16(&xb)
     };
     let layout = buf.get_dispatch_layout(&ids)?;
@@ -205,7 +167,7 @@ fn run_rank(
         order: StreamOrder::default(),
     };
     let (mut d_total, mut c_total) = (Duration::ZERO, Duration::ZERO);
-    for round in 0..=a.iters {
+    for round in 0..=a.size.iters {
         let t0 = Instant::now();
         let out = buf.dispatch(&args)?;
         buf.synchronize()?;
@@ -216,7 +178,7 @@ fn run_rank(
             out.num_recv_tokens
         );
         let rows = out.handle.num_rows();
-        let cx = Tensor::<Bf16>::filled(ctx, Bf16::from_f32(0.5), &[rows, a.hidden])?;
+        let cx = Tensor::<Bf16>::filled(ctx, Bf16::from_f32(0.5), &[rows, a.size.hidden])?;
         let t1 = Instant::now();
         let comb = buf.combine(&InternodeCombineArgs {
             x: &cx,
@@ -234,12 +196,12 @@ fn run_rank(
         }
     }
     let elem = if fp8 { 1.0 + 4.0 / 128.0 } else { 2.0 };
-    let n = a.iters as f64;
+    let n = a.size.iters as f64;
     Ok(Timing {
         dispatch_us: d_total.as_secs_f64() * 1e6 / n,
         combine_us: c_total.as_secs_f64() * 1e6 / n,
-        rdma_bytes: rdma_tokens as f64 * a.hidden as f64 * elem,
-        nvl_bytes: want_rows as f64 * a.hidden as f64 * elem,
+        rdma_bytes: rdma_tokens as f64 * a.size.hidden as f64 * elem,
+        nvl_bytes: want_rows as f64 * a.size.hidden as f64 * elem,
     })
 }
 
@@ -248,32 +210,28 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = parse()?;
-    let gpus = ep_kernels::testing::visible_gpus();
-    if gpus == 0 {
-        eprintln!("bench_internode: no GPU visible; nothing to run");
-        std::process::exit(2);
-    }
-    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let gpus = visible_gpus_or_exit("bench_internode");
+    let topo = Topology::virtual_nodes(a.size.nodes, a.size.rpn)?;
     let world = topo.world();
     let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
     let used_gpus = gpus.min(world);
     let machine = format!("{}x {}", used_gpus, ctxs[0].name().unwrap_or_default());
     println!(
         "bench_internode: {} nodes x {} ranks ({}), {} tokens x {}, top-{} of {} experts, NIC {}",
-        a.nodes,
-        a.rpn,
+        a.size.nodes,
+        a.size.rpn,
         ep_kernels::testing::mapping(world, gpus),
-        a.tokens,
-        a.hidden,
-        a.topk,
-        a.experts,
+        a.size.tokens,
+        a.size.hidden,
+        a.size.topk,
+        a.size.experts,
         if a.shape {
             "shaped to 400 Gb/s (50 GB/s, 2 us)"
         } else {
             "unshaped"
         }
     );
-    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let mut bo = BufferOptions::new(a.size.tokens, a.size.hidden, a.size.topk, a.size.experts);
     bo.timeout = Duration::from_secs(60);
     bo.max_live_outputs = 1;
     let opts = InternodeOptions {
@@ -291,11 +249,11 @@ fn main() -> Result<()> {
     let mut rng = Rng::new(0x5eed);
     let inputs: Vec<Input> = (0..world).map(|_| gen(&a, &mut rng)).collect();
     // Rows each rank receives and tokens it sends to other nodes, from the reference layout.
-    let rpn = a.rpn;
+    let rpn = a.size.rpn;
     let mut want_rows = vec![0usize; world];
     let mut rdma_tokens = vec![0usize; world];
     for (s, inp) in inputs.iter().enumerate() {
-        let l = reference::layout(&inp.ids, a.topk, &topo, a.experts)?;
+        let l = reference::layout(&inp.ids, a.size.topk, &topo, a.size.experts)?;
         for (d, c) in l.tokens_per_rank.iter().enumerate() {
             want_rows[d] += *c as usize;
         }
@@ -314,28 +272,16 @@ fn main() -> Result<()> {
         "bench", "dtype", "sms", "us", "rdma GB/s", "nvl GB/s"
     );
     for &fp8 in &a.dtypes {
-        let timings: Vec<Result<Timing>> = std::thread::scope(|s| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let (ctx, a, inp, wr, rt) = (
-                        ctxs[r].clone(),
-                        &a,
-                        &inputs[r],
-                        want_rows[r],
-                        rdma_tokens[r],
-                    );
-                    s.spawn(move || run_rank(buf, &ctx, a, inp, fp8, wr, rt))
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
-                })
-                .collect()
+        let timings: Vec<Result<Timing>> = on_rank_threads(&mut bufs, |r, buf| {
+            run_rank(
+                buf,
+                &ctxs[r],
+                &a,
+                &inputs[r],
+                fp8,
+                want_rows[r],
+                rdma_tokens[r],
+            )
         });
         let timings: Vec<Timing> = timings.into_iter().collect::<Result<_>>()?;
         let dtype = if fp8 { "fp8" } else { "bf16" };
@@ -368,21 +314,17 @@ fn main() -> Result<()> {
             records.push(format!(
                 "  {{\"bench\": \"{bench}\", \"dtype\": \"{dtype}\", \"rdma_gbps\": {rdma:.2}, \"nvl_gbps\": {nvl:.2}, \"line_rate_gbps\": {}, \"us\": {us:.1}, \"sms\": {sms}, \"nodes\": {}, \"ranks_per_node\": {}, \"gpus\": {used_gpus}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"shaped\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                 if a.shape { format!("{LINE_RATE_GBPS:.1}") } else { "null".into() },
-                a.nodes,
-                a.rpn,
-                a.tokens,
-                a.hidden,
-                a.topk,
-                a.experts,
+                a.size.nodes,
+                a.size.rpn,
+                a.size.tokens,
+                a.size.hidden,
+                a.size.topk,
+                a.size.experts,
                 a.shape
             ));
         }
     }
-    std::thread::scope(|s| {
-        for b in bufs {
-            s.spawn(move || drop(b));
-        }
-    });
+    drop_on_rank_threads(bufs);
     if let Some(p) = &a.json {
         std::fs::write(p, format!("[\n{}\n]\n", records.join(",\n")))
             .with_context(|| format!("writing {p}"))?;

@@ -27,6 +27,7 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, DispatchX, Event, Fp8E4M3,
     StreamOrder, Tensor, TopK,
 };
+use ep_examples::ranks::random_topk_ids;
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 
@@ -194,17 +195,7 @@ fn upload_rank(ctx: &Arc<CudaContext>, a: &Args, d: HostData) -> Result<RankData
 
 fn draw_rank(a: &Args, rng: &mut Rng) -> HostData {
     let (t, h, k) = (a.tokens, a.hidden, a.topk);
-    let mut ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let mut row: Vec<i32> = Vec::with_capacity(k);
-        while row.len() < k {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
+    let ids = random_topk_ids(rng, t, k, a.experts);
     let w: Vec<f32> = (0..t * k)
         .map(|_| rng.below(1000) as f32 / 1000.0)
         .collect();

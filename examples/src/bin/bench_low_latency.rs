@@ -38,6 +38,7 @@ use ep::low_latency::{
 };
 use ep::{Bf16, EpError, Event, Tensor};
 use ep_examples::bench::utc_date as date_utc;
+use ep_examples::ranks::random_topk_ids;
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -215,17 +216,7 @@ fn run_rank(b: &mut LowLatencyBuffer, a: &Args, iters: usize, seed: u64) -> Resu
     let x_host: Vec<Bf16> = (0..t * a.hidden)
         .map(|_| Bf16::from_f32(rng.below(2000) as f32 / 1000.0 - 1.0))
         .collect();
-    let mut ids = Vec::with_capacity(t * a.topk);
-    for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::new();
-        while chosen.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        ids.extend(chosen);
-    }
+    let ids = random_topk_ids(&mut rng, t, a.topk, a.experts);
     let w_host: Vec<f32> = (0..t * a.topk).map(|_| 1.0 / a.topk as f32).collect();
     let x = Tensor::from_host(&ctx, &x_host, &[t, a.hidden])?;
     let idx = Tensor::from_host(&ctx, &ids, &[t, a.topk])?;

@@ -26,6 +26,8 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, DispatchX, Event, RecvX,
     Tensor, TopK,
 };
+use ep_examples::ranks::{on_rank_threads, random_bf16, random_topk_ids, seed_or_clock};
+use ep_examples::Flags;
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 
@@ -71,51 +73,27 @@ fn parse() -> Result<Args> {
         sms: None,
         seed: 0,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        if f == "--procs" {
-            a.procs = true;
-            continue;
-        }
-        if f == "-h" || f == "--help" {
-            print!("{USAGE}");
-            std::process::exit(0);
-        }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
         match f.as_str() {
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--sms" => a.sms = Some(v.parse()?),
-            "--ranks" => a.ranks = Some(v.parse()?),
-            "--seed" => a.seed = v.parse()?,
+            "--procs" => a.procs = true,
+            "--tokens" => a.tokens = flags.value(&f)?,
+            "--hidden" => a.hidden = flags.value(&f)?,
+            "--topk" => a.topk = flags.value(&f)?,
+            "--experts" => a.experts = flags.value(&f)?,
+            "--sms" => a.sms = Some(flags.value(&f)?),
+            "--ranks" => a.ranks = Some(flags.value(&f)?),
+            "--seed" => a.seed = flags.value(&f)?,
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    if a.seed == 0 {
-        a.seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64;
-    }
+    a.seed = seed_or_clock(a.seed)?;
     Ok(a)
 }
 
 fn gen(a: &Args, rng: &mut Rng) -> (RankInput, Vec<Bf16>) {
-    let mut ids = Vec::with_capacity(a.tokens * a.topk);
-    for _ in 0..a.tokens {
-        let mut row: Vec<i32> = Vec::new();
-        while row.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
-    let x: Vec<Bf16> = (0..a.tokens * a.hidden)
-        .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
-        .collect();
+    let ids = random_topk_ids(rng, a.tokens, a.topk, a.experts);
+    let x: Vec<Bf16> = random_bf16(rng, a.tokens * a.hidden);
     let bytes: Vec<u8> = x.iter().flat_map(|v| v.0.to_le_bytes()).collect();
     let weights = (0..a.tokens * a.topk)
         .map(|_| rng.below(1000) as f32 / 1000.0)
@@ -352,32 +330,17 @@ fn run_threads(a: &Args, n: usize, gpus: usize) -> Result<()> {
     let mut bufs = Buffer::create_group(&ctxs, &options(a))?;
     ready(a, n, started);
     let p = problem(a, n);
-    let reports: Vec<Result<RankReport, String>> = std::thread::scope(|s| {
-        let js: Vec<_> = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(r, b)| {
-                let (ctx, p) = (&ctxs[r], &p);
-                s.spawn(move || {
-                    run_rank(
-                        b,
-                        ctx,
-                        a,
-                        &p.inputs[r],
-                        &p.xs[r],
-                        &p.want[r],
-                        &p.want_out[r].0,
-                    )
-                    .map_err(|e| format!("{e:#}"))
-                })
-            })
-            .collect();
-        js.into_iter()
-            .map(|j| {
-                j.join()
-                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
-            })
-            .collect()
+    let reports: Vec<Result<RankReport, String>> = on_rank_threads(&mut bufs, |r, b| {
+        run_rank(
+            b,
+            &ctxs[r],
+            a,
+            &p.inputs[r],
+            &p.xs[r],
+            &p.want[r],
+            &p.want_out[r].0,
+        )
+        .map_err(|e| format!("{e:#}"))
     });
     report(a, reports)
 }
