@@ -6,14 +6,20 @@
 //! bit, combine within the rounding of the BF16 node sums. Prints host timings and the bytes each
 //! hop carried. With no GPU it exits with status 2 and says so.
 //!
+//! With `--procs` the ranks are processes: the program starts them itself
+//! (`ep::bootstrap::Launcher`: one copy of itself per rank, rendezvous over TCP on loopback, the
+//! seed passed on), each builds its buffer with `InternodeBuffer::new` over the job's
+//! communicator and checks its own part against the reference.
+//!
 //! `internode [--nodes N] [--ranks-per-node R] [--tokens T] [--hidden H] [--topk K]
-//!  [--experts E] [--fp8] [--handler gpu|cpu_host_memory|auto] [--iters I] [--seed S]`
-//! (`--help` says what each does).
+//!  [--experts E] [--fp8] [--handler gpu|cpu_host_memory|cpu|auto] [--iters I] [--seed S]
+//!  [--procs]` (`--help` says what each does).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::internode::reference::{self, InternodeDispatch};
 use ep::internode::{
     InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, Topology,
@@ -29,7 +35,7 @@ const USAGE: &str = "\
 usage: internode [options]
 
 Internode dispatch and combine on virtual nodes (every inter-node byte through the NIC), ranks as
-threads on the visible GPUs, checked against the CPU reference.
+threads (or with --procs processes) on the visible GPUs, checked against the CPU reference.
 
 options:
   --nodes N            nodes, 2..=8 (default 2)
@@ -42,6 +48,7 @@ options:
   --handler M          NIC handler mode: gpu, cpu_host_memory, cpu or auto (default gpu)
   --iters I            dispatch+combine rounds, each checked (default 2)
   --seed S             seed of the random inputs (default: from the clock)
+  --procs              ranks as processes (this program started once per rank) instead of threads
   -h, --help           this text
 
 EP_NIC picks the NIC (default: the emulated NIC); IBGDA_NIC_HANDLER overrides --handler.
@@ -59,6 +66,7 @@ struct Args {
     handler: HandlerChoice,
     iters: usize,
     seed: u64,
+    procs: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -73,6 +81,7 @@ fn parse() -> Result<Args> {
         handler: HandlerChoice::Gpu,
         iters: 2,
         seed: 0,
+        procs: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(f) = it.next() {
@@ -83,6 +92,10 @@ fn parse() -> Result<Args> {
             }
             "--fp8" => {
                 a.fp8 = true;
+                continue;
+            }
+            "--procs" => {
+                a.procs = true;
                 continue;
             }
             _ => {}
@@ -307,6 +320,139 @@ fn run_rank(
     })
 }
 
+/// One iteration's inputs on every rank and the reference's answers.
+struct Round {
+    inputs: Vec<RankInput>,
+    want: InternodeDispatch,
+    comb_in: Vec<CombineInput>,
+    want_out: Vec<(Vec<Bf16>, Vec<f32>)>,
+    /// The combine of the inputs' magnitudes: the rounding bound of each element.
+    scale: Vec<(Vec<Bf16>, Vec<f32>)>,
+}
+
+impl Round {
+    /// Draws every rank's inputs from its generator (so a rank in its own process draws the
+    /// whole group's, and computes the reference itself).
+    fn generate(a: &Args, topo: &Topology, rngs: &mut [Rng]) -> Result<Round> {
+        let world = topo.world();
+        let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(a, rng)).collect();
+        let want = reference::dispatch(topo, &inputs, a.experts, 1)?;
+        let comb_in: Vec<CombineInput> = (0..world)
+            .map(|d| CombineInput {
+                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.hidden),
+                weights: want.received[d].weights.clone(),
+            })
+            .collect();
+        let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
+        let nob = vec![[None, None]; world];
+        let want_out =
+            reference::combine(topo, &want, &comb_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let abs_in: Vec<CombineInput> = comb_in
+            .iter()
+            .map(|c| CombineInput {
+                x: c.x
+                    .iter()
+                    .map(|v| Bf16::from_f32(v.to_f32().abs()))
+                    .collect(),
+                weights: c.weights.clone(),
+            })
+            .collect();
+        let scale = reference::combine(topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        Ok(Round {
+            inputs,
+            want,
+            comb_in,
+            want_out,
+            scale,
+        })
+    }
+}
+
+/// One generator per rank, all from the seed.
+fn rank_rngs(seed: u64, world: usize) -> Vec<Rng> {
+    (0..world)
+        .map(|r| Rng::new(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect()
+}
+
+fn options(a: &Args) -> InternodeOptions {
+    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    bo.timeout = Duration::from_secs(30);
+    bo.max_live_outputs = 2;
+    InternodeOptions {
+        buffer: bo,
+        nic: NicChoice::Emulated,
+        nic_handler: a.handler,
+    }
+}
+
+fn print_report(it: usize, r: usize, rep: &Result<Report>) -> bool {
+    match rep {
+        Ok(p) => {
+            println!(
+                "  it {it} rank {r}: {} rows received; dispatch {:.1} ms, combine {:.1} ms (host, incl. syncs); combine max err {:e}",
+                p.received,
+                p.dispatch.as_secs_f64() * 1e3,
+                p.combine.as_secs_f64() * 1e3,
+                p.worst_err
+            );
+            true
+        }
+        Err(e) => {
+            println!("  it {it} rank {r}: FAILED: {e:#}");
+            false
+        }
+    }
+}
+
+/// Ranks as processes: this program re-executed once per rank, the seed passed on.
+fn run_processes(a: &Args, topo: &Topology) -> Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    args.extend(["--seed".to_string(), a.seed.to_string()]);
+    Launcher::new(topo.world())
+        .args(args)
+        .run_shared(|comm| rank_process(comm, a, topo))?;
+    if Launcher::is_rank_process() {
+        return Ok(());
+    }
+    println!(
+        "internode: OK, {} iteration(s) match the reference on every rank (processes)",
+        a.iters
+    );
+    Ok(())
+}
+
+/// One rank process: its buffer over the job's communicator, every iteration (each rank stays
+/// in step whatever an earlier one gave), then the shutdown every rank makes together.
+fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, topo: &Topology) -> Result<()> {
+    let r = comm.rank();
+    let ctx = ep_kernels::testing::rank_context(comm.local_rank())?;
+    let mut buf = InternodeBuffer::new(&ctx, comm.clone(), topo, &options(a))?;
+    let mut rngs = rank_rngs(a.seed, topo.world());
+    let mut ok = true;
+    for it in 0..a.iters {
+        let round = Round::generate(a, topo, &mut rngs)?;
+        let rep = run_rank(
+            &mut buf,
+            &ctx,
+            a,
+            &round.inputs[r],
+            &round.want,
+            &round.comb_in[r],
+            &round.want_out[r].0,
+            &round.scale[r].0,
+        );
+        ok &= print_report(it, r, &rep);
+    }
+    buf.shutdown()?;
+    ensure!(
+        ok,
+        "rank {r}: did not match the reference (seed {})",
+        a.seed
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -332,43 +478,20 @@ fn main() -> Result<()> {
         a.handler,
         a.seed
     );
+    if a.procs {
+        return run_processes(&a, &topo);
+    }
     let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
-    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
-    bo.timeout = Duration::from_secs(30);
-    bo.max_live_outputs = 2;
-    let opts = InternodeOptions {
-        buffer: bo,
-        nic: NicChoice::Emulated,
-        nic_handler: a.handler,
-    };
-    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &opts)?;
-    let mut rngs: Vec<Rng> = (0..world)
-        .map(|r| Rng::new(a.seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-        .collect();
+    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &options(&a))?;
+    let mut rngs = rank_rngs(a.seed, world);
     for it in 0..a.iters {
-        let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(&a, rng)).collect();
-        let want = reference::dispatch(&topo, &inputs, a.experts, 1)?;
-        let comb_in: Vec<CombineInput> = (0..world)
-            .map(|d| CombineInput {
-                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.hidden),
-                weights: want.received[d].weights.clone(),
-            })
-            .collect();
-        let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
-        let nob = vec![[None, None]; world];
-        let want_out =
-            reference::combine(&topo, &want, &comb_in, &tokens, a.hidden, a.topk, &nob)?.out;
-        let abs_in: Vec<CombineInput> = comb_in
-            .iter()
-            .map(|c| CombineInput {
-                x: c.x
-                    .iter()
-                    .map(|v| Bf16::from_f32(v.to_f32().abs()))
-                    .collect(),
-                weights: c.weights.clone(),
-            })
-            .collect();
-        let scale = reference::combine(&topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let Round {
+            inputs,
+            want,
+            comb_in,
+            want_out,
+            scale,
+        } = Round::generate(&a, &topo, &mut rngs)?;
         let reports: Vec<Result<Report>> = std::thread::scope(|s| {
             let joins: Vec<_> = bufs
                 .iter_mut()
@@ -396,19 +519,7 @@ fn main() -> Result<()> {
         });
         let mut failed = false;
         for (r, rep) in reports.iter().enumerate() {
-            match rep {
-                Ok(p) => println!(
-                    "  it {it} rank {r}: {} rows received; dispatch {:.1} ms, combine {:.1} ms (host, incl. syncs); combine max err {:e}",
-                    p.received,
-                    p.dispatch.as_secs_f64() * 1e3,
-                    p.combine.as_secs_f64() * 1e3,
-                    p.worst_err
-                ),
-                Err(e) => {
-                    failed = true;
-                    println!("  it {it} rank {r}: FAILED: {e:#}");
-                }
-            }
+            failed |= !print_report(it, r, rep);
         }
         let row = inputs[0].row_bytes;
         println!(

@@ -636,6 +636,11 @@ impl InternodeBuffer {
                 "internode teardown: leaking the net buffer and QPs"
             );
             std::mem::forget(net);
+            if met.is_ok() && !self.group.same_process() {
+                // The peers that closed their QPs meet a second time (below): so does this rank,
+                // so that the node's teardown after this one pairs with theirs.
+                let _ = self.group.all_gather(&[]);
+            }
             return drained.and(met.map(|_| ()));
         }
         let closed = net.mesh.take().map(Mesh::close).unwrap_or(Ok(()));
