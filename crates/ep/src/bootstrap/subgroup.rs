@@ -64,6 +64,12 @@ impl SubGroup {
         })
     }
 
+    /// The index `members` gives parent rank `me` in a parent of `world` ranks, or `None` when
+    /// they are not valid members including it: what [`new`](Self::new) would make its rank.
+    pub fn sub_rank_of(me: usize, world: usize, members: &[usize]) -> Option<usize> {
+        sub_rank(me, world, members).ok()
+    }
+
     /// This rank in the parent.
     pub fn parent_rank(&self) -> usize {
         self.parent.rank()

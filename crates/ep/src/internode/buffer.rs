@@ -692,6 +692,35 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_builds_its_nvlink_hop_over_its_own_node() {
+        let t = Topology::virtual_nodes(4, 2).unwrap();
+        assert_eq!(node_members(&t, 0).unwrap(), vec![0, 1]);
+        assert_eq!(node_members(&t, 5).unwrap(), vec![4, 5]);
+        assert_eq!(node_members(&t, 7).unwrap(), vec![6, 7]);
+        let t21 = Topology::virtual_nodes(2, 1).unwrap();
+        assert_eq!(node_members(&t21, 1).unwrap(), vec![1]);
+        assert!(matches!(
+            node_members(&t21, 2),
+            Err(EpError::InvalidArgument { rank: 2, .. })
+        ));
+        // The node's sub-group numbers its members by local index, as the node's buffer does.
+        for r in 0..8 {
+            let (_, local) = t.locate(r).unwrap();
+            let members = node_members(&t, r).unwrap();
+            assert_eq!(
+                crate::bootstrap::SubGroup::sub_rank_of(r, 8, &members),
+                Some(local)
+            );
+        }
+        // A node holds its share of the experts; one live NVLink output per source node.
+        let mut o = BufferOptions::new(128, 1024, 8, 32);
+        o.max_live_outputs = 2;
+        let i = intra_options(&t, &o);
+        assert_eq!((i.num_experts, i.max_live_outputs), (8, 8));
+        assert_eq!(i.max_tokens_per_rank, 128);
+    }
+
+    #[test]
     fn options_are_checked_before_anything_is_built() {
         let t22 = Topology::virtual_nodes(2, 2).unwrap();
         assert!(InternodeBuffer::check_options(0, &t22, 4, &opts(128, 16)).is_ok());
