@@ -55,6 +55,11 @@ const SMOKE_EXAMPLES: &[(&str, &str)] = &[
         "internode",
         "--nodes 4 --ranks-per-node 2 --handler cpu_host_memory",
     ),
+    ("internode", "--nodes 2 --ranks-per-node 2 --handler cpu"),
+    (
+        "internode",
+        "--procs --nodes 2 --ranks-per-node 2 --tokens 256 --hidden 2048",
+    ),
 ];
 
 /// Libraries every Linux system has (glibc and the C++ runtime): never bundled.

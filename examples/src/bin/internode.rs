@@ -6,14 +6,20 @@
 //! bit, combine within the rounding of the BF16 node sums. Prints host timings and the bytes each
 //! hop carried. With no GPU it exits with status 2 and says so.
 //!
+//! With `--procs` the ranks are processes: the program starts them itself
+//! (`ep::bootstrap::Launcher`: one copy of itself per rank, rendezvous over TCP on loopback, the
+//! seed passed on), each builds its buffer with `InternodeBuffer::new` over the job's
+//! communicator and checks its own part against the reference.
+//!
 //! `internode [--nodes N] [--ranks-per-node R] [--tokens T] [--hidden H] [--topk K]
-//!  [--experts E] [--fp8] [--handler gpu|cpu_host_memory|auto] [--iters I] [--seed S]`
-//! (`--help` says what each does).
+//!  [--experts E] [--fp8] [--handler gpu|cpu_host_memory|cpu|auto] [--iters I] [--seed S]
+//!  [--procs]` (`--help` says what each does).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use ep::bootstrap::{Communicator, Launcher, TcpCommunicator};
 use ep::internode::reference::{self, InternodeDispatch};
 use ep::internode::{
     InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, Topology,
@@ -21,10 +27,6 @@ use ep::internode::{
 use ep::reference::{CombineInput, RankInput};
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
-use ep_examples::ranks::{
-    drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids, seed_or_clock,
-};
-use ep_examples::{visible_gpus_or_exit, Flags, InternodeSize};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -33,7 +35,7 @@ const USAGE: &str = "\
 usage: internode [options]
 
 Internode dispatch and combine on virtual nodes (every inter-node byte through the NIC), ranks as
-threads on the visible GPUs, checked against the CPU reference.
+threads (or with --procs processes) on the visible GPUs, checked against the CPU reference.
 
 options:
   --nodes N            nodes, 2..=8 (default 2)
@@ -46,6 +48,7 @@ options:
   --handler M          NIC handler mode: gpu, cpu_host_memory, cpu or auto (default gpu)
   --iters I            dispatch+combine rounds, each checked (default 2)
   --seed S             seed of the random inputs (default: from the clock)
+  --procs              ranks as processes (this program started once per rank) instead of threads
   -h, --help           this text
 
 EP_NIC picks the NIC (default: the emulated NIC); IBGDA_NIC_HANDLER overrides --handler.
@@ -53,37 +56,62 @@ EP_NIC picks the NIC (default: the emulated NIC); IBGDA_NIC_HANDLER overrides --
 
 #[derive(Debug, Clone)]
 struct Args {
-    size: InternodeSize,
+    nodes: usize,
+    rpn: usize,
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
     fp8: bool,
     handler: HandlerChoice,
+    iters: usize,
     seed: u64,
+    procs: bool,
 }
 
 fn parse() -> Result<Args> {
     let mut a = Args {
-        size: InternodeSize {
-            nodes: 2,
-            rpn: 2,
-            tokens: 512,
-            hidden: 7168,
-            topk: 8,
-            experts: 64,
-            iters: 2,
-        },
+        nodes: 2,
+        rpn: 2,
+        tokens: 512,
+        hidden: 7168,
+        topk: 8,
+        experts: 64,
         fp8: false,
         handler: HandlerChoice::Gpu,
+        iters: 2,
         seed: 0,
+        procs: false,
     };
-    let mut flags = Flags::new(USAGE);
-    while let Some(f) = flags.next_flag() {
-        if a.size.set(&f, &mut flags)? {
-            continue;
-        }
+    let mut it = std::env::args().skip(1);
+    while let Some(f) = it.next() {
         match f.as_str() {
-            "--fp8" => a.fp8 = true,
-            "--seed" => a.seed = flags.value(&f)?,
+            "-h" | "--help" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--fp8" => {
+                a.fp8 = true;
+                continue;
+            }
+            "--procs" => {
+                a.procs = true;
+                continue;
+            }
+            _ => {}
+        }
+        let v = it.next().with_context(|| format!("{f} needs a value"))?;
+        match f.as_str() {
+            "--nodes" => a.nodes = v.parse()?,
+            "--ranks-per-node" => a.rpn = v.parse()?,
+            "--tokens" => a.tokens = v.parse()?,
+            "--hidden" => a.hidden = v.parse()?,
+            "--topk" => a.topk = v.parse()?,
+            "--experts" => a.experts = v.parse()?,
+            "--iters" => a.iters = v.parse()?,
+            "--seed" => a.seed = v.parse()?,
             "--handler" => {
-                a.handler = match flags.string(&f)?.as_str() {
+                a.handler = match v.as_str() {
                     "gpu" => HandlerChoice::Gpu,
                     "cpu_host_memory" => HandlerChoice::CpuHostMemory,
                     "cpu" => HandlerChoice::Cpu,
@@ -94,39 +122,74 @@ fn parse() -> Result<Args> {
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    a.size.check(if a.fp8 { 128 } else { 8 })?;
-    a.seed = seed_or_clock(a.seed)?;
+    ensure!(
+        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
+        "nodes x ranks per node must be 2..=8 with 2+ nodes"
+    );
+    ensure!(
+        a.experts > 0 && a.experts % (a.nodes * a.rpn) == 0,
+        "experts must be a multiple of the rank count"
+    );
+    ensure!(
+        a.topk >= 1 && a.topk <= a.experts,
+        "topk must be 1..=experts"
+    );
+    ensure!(
+        a.hidden % if a.fp8 { 128 } else { 8 } == 0,
+        "hidden must be a multiple of 8 (128 with --fp8)"
+    );
+    if a.seed == 0 {
+        a.seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as u64;
+    }
     Ok(a)
 }
 
+fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
+    (0..n)
+        .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
+        .collect()
+}
+
 fn gen(a: &Args, rng: &mut Rng) -> RankInput {
-    let ids = random_topk_ids(rng, a.size.tokens, a.size.topk, a.size.experts);
+    let mut ids = Vec::with_capacity(a.tokens * a.topk);
+    for _ in 0..a.tokens {
+        let mut row: Vec<i32> = Vec::new();
+        while row.len() < a.topk {
+            let e = rng.below(a.experts as u64) as i32;
+            if !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        ids.extend(row);
+    }
     let (row_bytes, x, scale_words, scales) = if a.fp8 {
-        let x = (0..a.size.tokens * a.size.hidden)
+        let x = (0..a.tokens * a.hidden)
             .map(|_| (rng.below(126) + 1) as u8)
             .collect();
-        let sw = a.size.hidden / 128;
-        let s = (0..a.size.tokens * sw)
+        let sw = a.hidden / 128;
+        let s = (0..a.tokens * sw)
             .map(|_| rng.below(1000) as f32 / 1000.0 + 0.5)
             .collect();
-        (a.size.hidden, x, sw, s)
+        (a.hidden, x, sw, s)
     } else {
         (
-            a.size.hidden * 2,
-            bytemuck_bytes(&random_bf16(rng, a.size.tokens * a.size.hidden)),
+            a.hidden * 2,
+            bytemuck_bytes(&random_bf16(rng, a.tokens * a.hidden)),
             0,
             Vec::new(),
         )
     };
     RankInput {
-        tokens: a.size.tokens,
+        tokens: a.tokens,
         row_bytes,
         x,
         scale_words,
         scales,
-        topk: a.size.topk,
+        topk: a.topk,
         topk_idx: ids,
-        weights: (0..a.size.tokens * a.size.topk)
+        weights: (0..a.tokens * a.topk)
             .map(|_| rng.below(1000) as f32 / 1000.0)
             .collect(),
     }
@@ -156,13 +219,13 @@ fn run_rank(
 ) -> Result<Report> {
     let r = buf.rank();
     let t = inp.tokens;
-    let ids = Tensor::from_host(ctx, &inp.topk_idx, &[t, a.size.topk])?;
-    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.size.topk])?;
+    let ids = Tensor::from_host(ctx, &inp.topk_idx, &[t, a.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
     let (xb, xf, sf);
     let x = if a.fp8 {
         let fp8: Vec<Fp8E4M3> = inp.x.iter().map(|&b| Fp8E4M3(b)).collect();
-        xf = Tensor::from_host(ctx, &fp8, &[t, a.size.hidden])?;
-        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.size.hidden / 128])?;
+        xf = Tensor::from_host(ctx, &fp8, &[t, a.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
         DispatchX::Fp8 {
             x: &xf,
             scales: &sf,
@@ -173,7 +236,7 @@ fn run_rank(
             .chunks_exact(2)
             .map(|c| Bf16(u16::from_le_bytes([c[0], c[1]])))
             .collect();
-        xb = Tensor::from_host(ctx, &v, &[t, a.size.hidden])?;
+        xb = Tensor::from_host(ctx, &v, &[t, a.hidden])?;
         DispatchX::Bf16(&xb)
     };
     let layout = buf.get_dispatch_layout(&ids)?;
@@ -225,8 +288,8 @@ fn run_rank(
         "rank {r}: per-expert counts differ"
     );
 
-    let cx = Tensor::from_host(ctx, &comb_in.x, &[n, a.size.hidden])?;
-    let cw = Tensor::from_host(ctx, &comb_in.weights, &[n, a.size.topk])?;
+    let cx = Tensor::from_host(ctx, &comb_in.x, &[n, a.hidden])?;
+    let cw = Tensor::from_host(ctx, &comb_in.weights, &[n, a.topk])?;
     let t1 = Instant::now();
     let comb = buf.combine(&InternodeCombineArgs {
         x: &cx,
@@ -257,61 +320,33 @@ fn run_rank(
     })
 }
 
-fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .init();
-    let a = parse()?;
-    let gpus = visible_gpus_or_exit("internode");
-    let topo = Topology::virtual_nodes(a.size.nodes, a.size.rpn)?;
-    let world = topo.world();
-    println!(
-        "internode: {} nodes x {} ranks ({}), {} tokens x {} {}, top-{} of {} experts, handler {:?}, seed {}",
-        a.size.nodes,
-        a.size.rpn,
-        ep_kernels::testing::mapping(world, gpus),
-        a.size.tokens,
-        a.size.hidden,
-        if a.fp8 { "FP8" } else { "BF16" },
-        a.size.topk,
-        a.size.experts,
-        a.handler,
-        a.seed
-    );
-    let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
-    let mut bo = BufferOptions::new(a.size.tokens, a.size.hidden, a.size.topk, a.size.experts);
-    bo.timeout = Duration::from_secs(30);
-    bo.max_live_outputs = 2;
-    let opts = InternodeOptions {
-        buffer: bo,
-        nic: NicChoice::Emulated,
-        nic_handler: a.handler,
-    };
-    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &opts)?;
-    let mut rngs: Vec<Rng> = (0..world)
-        .map(|r| Rng::new(a.seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-        .collect();
-    for it in 0..a.size.iters {
-        let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(&a, rng)).collect();
-        let want = reference::dispatch(&topo, &inputs, a.size.experts, 1)?;
+/// One iteration's inputs on every rank and the reference's answers.
+struct Round {
+    inputs: Vec<RankInput>,
+    want: InternodeDispatch,
+    comb_in: Vec<CombineInput>,
+    want_out: Vec<(Vec<Bf16>, Vec<f32>)>,
+    /// The combine of the inputs' magnitudes: the rounding bound of each element.
+    scale: Vec<(Vec<Bf16>, Vec<f32>)>,
+}
+
+impl Round {
+    /// Draws every rank's inputs from its generator (so a rank in its own process draws the
+    /// whole group's, and computes the reference itself).
+    fn generate(a: &Args, topo: &Topology, rngs: &mut [Rng]) -> Result<Round> {
+        let world = topo.world();
+        let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(a, rng)).collect();
+        let want = reference::dispatch(topo, &inputs, a.experts, 1)?;
         let comb_in: Vec<CombineInput> = (0..world)
             .map(|d| CombineInput {
-                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.size.hidden),
+                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.hidden),
                 weights: want.received[d].weights.clone(),
             })
             .collect();
         let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
         let nob = vec![[None, None]; world];
-        let want_out = reference::combine(
-            &topo,
-            &want,
-            &comb_in,
-            &tokens,
-            a.size.hidden,
-            a.size.topk,
-            &nob,
-        )?
-        .out;
+        let want_out =
+            reference::combine(topo, &want, &comb_in, &tokens, a.hidden, a.topk, &nob)?.out;
         let abs_in: Vec<CombineInput> = comb_in
             .iter()
             .map(|c| CombineInput {
@@ -322,43 +357,169 @@ fn main() -> Result<()> {
                 weights: c.weights.clone(),
             })
             .collect();
-        let scale = reference::combine(
-            &topo,
-            &want,
-            &abs_in,
-            &tokens,
-            a.size.hidden,
-            a.size.topk,
-            &nob,
-        )?
-        .out;
-        let reports: Vec<Result<Report>> = on_rank_threads(&mut bufs, |r, buf| {
-            run_rank(
-                buf,
-                &ctxs[r],
-                &a,
-                &inputs[r],
-                &want,
-                &comb_in[r],
-                &want_out[r].0,
-                &scale[r].0,
-            )
+        let scale = reference::combine(topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        Ok(Round {
+            inputs,
+            want,
+            comb_in,
+            want_out,
+            scale,
+        })
+    }
+}
+
+/// One generator per rank, all from the seed.
+fn rank_rngs(seed: u64, world: usize) -> Vec<Rng> {
+    (0..world)
+        .map(|r| Rng::new(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect()
+}
+
+fn options(a: &Args) -> InternodeOptions {
+    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    bo.timeout = Duration::from_secs(30);
+    bo.max_live_outputs = 2;
+    InternodeOptions {
+        buffer: bo,
+        nic: NicChoice::Emulated,
+        nic_handler: a.handler,
+    }
+}
+
+fn print_report(it: usize, r: usize, rep: &Result<Report>) -> bool {
+    match rep {
+        Ok(p) => {
+            println!(
+                "  it {it} rank {r}: {} rows received; dispatch {:.1} ms, combine {:.1} ms (host, incl. syncs); combine max err {:e}",
+                p.received,
+                p.dispatch.as_secs_f64() * 1e3,
+                p.combine.as_secs_f64() * 1e3,
+                p.worst_err
+            );
+            true
+        }
+        Err(e) => {
+            println!("  it {it} rank {r}: FAILED: {e:#}");
+            false
+        }
+    }
+}
+
+/// Ranks as processes: this program re-executed once per rank, the seed passed on.
+fn run_processes(a: &Args, topo: &Topology) -> Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    args.extend(["--seed".to_string(), a.seed.to_string()]);
+    Launcher::new(topo.world())
+        .args(args)
+        .run_shared(|comm| rank_process(comm, a, topo))?;
+    if Launcher::is_rank_process() {
+        return Ok(());
+    }
+    println!(
+        "internode: OK, {} iteration(s) match the reference on every rank (processes)",
+        a.iters
+    );
+    Ok(())
+}
+
+/// One rank process: its buffer over the job's communicator, every iteration (each rank stays
+/// in step whatever an earlier one gave), then the shutdown every rank makes together.
+fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, topo: &Topology) -> Result<()> {
+    let r = comm.rank();
+    let ctx = ep_kernels::testing::rank_context(comm.local_rank())?;
+    let mut buf = InternodeBuffer::new(&ctx, comm.clone(), topo, &options(a))?;
+    let mut rngs = rank_rngs(a.seed, topo.world());
+    let mut ok = true;
+    for it in 0..a.iters {
+        let round = Round::generate(a, topo, &mut rngs)?;
+        let rep = run_rank(
+            &mut buf,
+            &ctx,
+            a,
+            &round.inputs[r],
+            &round.want,
+            &round.comb_in[r],
+            &round.want_out[r].0,
+            &round.scale[r].0,
+        );
+        ok &= print_report(it, r, &rep);
+    }
+    buf.shutdown()?;
+    ensure!(
+        ok,
+        "rank {r}: did not match the reference (seed {})",
+        a.seed
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let a = parse()?;
+    let gpus = ep_kernels::testing::visible_gpus();
+    if gpus == 0 {
+        eprintln!("internode: no GPU visible; nothing to run");
+        std::process::exit(2);
+    }
+    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let world = topo.world();
+    println!(
+        "internode: {} nodes x {} ranks ({}), {} tokens x {} {}, top-{} of {} experts, handler {:?}, seed {}",
+        a.nodes,
+        a.rpn,
+        ep_kernels::testing::mapping(world, gpus),
+        a.tokens,
+        a.hidden,
+        if a.fp8 { "FP8" } else { "BF16" },
+        a.topk,
+        a.experts,
+        a.handler,
+        a.seed
+    );
+    if a.procs {
+        return run_processes(&a, &topo);
+    }
+    let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
+    let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &options(&a))?;
+    let mut rngs = rank_rngs(a.seed, world);
+    for it in 0..a.iters {
+        let Round {
+            inputs,
+            want,
+            comb_in,
+            want_out,
+            scale,
+        } = Round::generate(&a, &topo, &mut rngs)?;
+        let reports: Vec<Result<Report>> = std::thread::scope(|s| {
+            let joins: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, buf)| {
+                    let (ctx, a, inp, want, ci, wo, sc) = (
+                        ctxs[r].clone(),
+                        &a,
+                        &inputs[r],
+                        &want,
+                        &comb_in[r],
+                        &want_out[r].0,
+                        &scale[r].0,
+                    );
+                    s.spawn(move || run_rank(buf, &ctx, a, inp, want, ci, wo, sc))
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| {
+                    j.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
+                })
+                .collect()
         });
         let mut failed = false;
         for (r, rep) in reports.iter().enumerate() {
-            match rep {
-                Ok(p) => println!(
-                    "  it {it} rank {r}: {} rows received; dispatch {:.1} ms, combine {:.1} ms (host, incl. syncs); combine max err {:e}",
-                    p.received,
-                    p.dispatch.as_secs_f64() * 1e3,
-                    p.combine.as_secs_f64() * 1e3,
-                    p.worst_err
-                ),
-                Err(e) => {
-                    failed = true;
-                    println!("  it {it} rank {r}: FAILED: {e:#}");
-                }
-            }
+            failed |= !print_report(it, r, rep);
         }
         let row = inputs[0].row_bytes;
         println!(
@@ -374,10 +535,14 @@ fn main() -> Result<()> {
             );
         }
     }
-    drop_on_rank_threads(bufs);
+    std::thread::scope(|s| {
+        for b in bufs {
+            s.spawn(move || drop(b));
+        }
+    });
     println!(
         "internode: OK, {} iteration(s) match the reference",
-        a.size.iters
+        a.iters
     );
     Ok(())
 }

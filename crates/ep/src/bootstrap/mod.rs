@@ -48,6 +48,7 @@ mod error;
 mod ipc;
 mod launcher;
 mod launcher_env;
+mod subgroup;
 mod tcp;
 mod thread;
 mod token;
@@ -62,6 +63,7 @@ pub use launcher::{launch, Launcher};
 pub use launcher_env::{
     launcher_vars, LaunchEnv, LaunchEnvError, LauncherKind, Rendezvous, RendezvousSource,
 };
+pub use subgroup::SubGroup;
 pub use tcp::TcpCommunicator;
 pub use thread::{ThreadCommunicator, ThreadGroup};
 pub use token::JobToken;

@@ -11,6 +11,7 @@ use ibgda_emu::firmware::EmuSubnet;
 
 use super::staged_plan::StagedPlan;
 use super::Topology;
+use crate::bootstrap::{BootstrapError, Communicator, SubGroup};
 use crate::config::BufferOptions;
 use crate::error::{invalid, EpError};
 use crate::intranode::Buffer;
@@ -92,17 +93,17 @@ pub(super) struct Net {
 /// rewritten only after its reader acknowledged the previous operation, a send slot only after
 /// the QPs carrying it were quieted; every wait is bounded and a timeout names rank, peer, what
 /// and the sequence number. Ranks are threads of one process, built together by
-/// [`create_group`](Self::create_group); those sharing a GPU meet on the host around every
-/// launch of a kernel that spins (puts with their quiet, signal waits), as the intranode and
-/// low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank must make the same
-/// calls in the same order.
+/// [`create_group`](Self::create_group), or processes, each building its own with
+/// [`new`](Self::new) over a bootstrap communicator. Ranks of one process sharing a GPU meet on
+/// the host around every launch of a kernel that spins (puts with their quiet, signal waits), as
+/// the intranode and low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank
+/// must make the same calls in the same order.
 ///
 /// Limits of this first version: every dispatch waits on the host (for the rows each node
 /// sent, and inside the NVLink hop), so it cannot be captured in a CUDA graph, and
 /// `num_worst_tokens` only pads the outputs; the NVLink hop runs once per source node; the
 /// compute stream is the intranode buffer's and also orders the NVLink hop, so `async_finish`
-/// leaves it waiting for that hop; ranks as processes (launchers) are not supported yet; at most
-/// 8 ranks.
+/// leaves it waiting for that hop; at most 8 ranks.
 pub struct InternodeBuffer {
     pub(super) id: u64,
     pub(super) rank: usize,
@@ -139,7 +140,56 @@ pub struct InternodeBuffer {
     /// Set when a rank sharing the GPU never came to the gate.
     pub(super) gate_failure: std::sync::OnceLock<String>,
     group: Arc<dyn Exchange>,
+    /// Ranks as processes: the node's ranks, over which the NVLink hop's buffer was built (its
+    /// teardown is a collective of theirs). Taken by the teardown.
+    node_group: Option<SubGroup>,
     pub(super) net: Option<Net>,
+}
+
+/// A shared communicator seen as one of its own (the world group of [`InternodeBuffer::new`],
+/// which the node's [`SubGroup`] also holds).
+struct World(Arc<dyn Communicator>);
+
+impl Communicator for World {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn local_rank(&self) -> usize {
+        self.0.local_rank()
+    }
+    fn same_process(&self) -> bool {
+        self.0.same_process()
+    }
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError> {
+        self.0.all_gather_bytes(mine)
+    }
+    fn barrier(&self) -> Result<(), BootstrapError> {
+        self.0.barrier()
+    }
+}
+
+/// The parent ranks of `rank`'s node, in local-rank order: the members of the sub-group its
+/// NVLink hop is built over.
+pub(super) fn node_members(topo: &Topology, rank: usize) -> Result<Vec<usize>, EpError> {
+    topo.nvlink_peers(rank)
+        .map(Iterator::collect)
+        .map_err(|e| invalid(rank, e.to_string()))
+}
+
+/// The options of a node's intranode buffer: the node's share of the experts; a live output of
+/// the NVLink hop per source node.
+pub(super) fn intra_options(topo: &Topology, o: &BufferOptions) -> BufferOptions {
+    BufferOptions {
+        num_experts: o.num_experts / topo.nodes(),
+        max_live_outputs: o
+            .max_live_outputs
+            .saturating_mul(topo.nodes())
+            .clamp(1, 1024),
+        ..o.clone()
+    }
 }
 
 impl std::fmt::Debug for InternodeBuffer {
@@ -172,17 +222,10 @@ impl InternodeBuffer {
         opts: &InternodeOptions,
     ) -> Result<Vec<InternodeBuffer>, EpError> {
         let world = topo.world();
-        Self::check_options(topo, ctxs.len(), opts)?;
+        Self::check_options(0, topo, ctxs.len(), opts)?;
         let rpn = topo.ranks_per_node();
         let o = &opts.buffer;
-        let intra_opts = BufferOptions {
-            num_experts: o.num_experts / topo.nodes(),
-            max_live_outputs: o
-                .max_live_outputs
-                .saturating_mul(topo.nodes())
-                .clamp(1, 1024),
-            ..o.clone()
-        };
+        let intra_opts = intra_options(topo, o);
         let mut intra: Vec<Option<Buffer>> = Vec::with_capacity(world);
         for node in 0..topo.nodes() {
             for b in Buffer::create_group(&ctxs[node * rpn..(node + 1) * rpn], &intra_opts)? {
@@ -216,17 +259,62 @@ impl InternodeBuffer {
         })
     }
 
-    fn check_options(topo: &Topology, ctxs: usize, opts: &InternodeOptions) -> Result<(), EpError> {
+    /// Builds this rank's buffer on `ctx` (this rank's GPU), ranks as processes: every rank of
+    /// `group` (the world: rank `r` is local rank `r % ranks_per_node` of node
+    /// `r / ranks_per_node`) calls this at the same time, with the same topology and options.
+    ///
+    /// The group may come from [`Launcher::run_shared`](crate::bootstrap::Launcher::run_shared)
+    /// (one host: pass [`Topology::virtual_nodes`]) or from an existing launcher
+    /// ([`TcpCommunicator::from_launcher_env`](crate::bootstrap::TcpCommunicator::from_launcher_env),
+    /// with [`Topology::from_launch`] over the same [`LaunchEnv`](crate::bootstrap::LaunchEnv)).
+    /// The NVLink hop is an intranode [`Buffer`] over the node's ranks only (a [`SubGroup`] of
+    /// `group`: its windows shared through CUDA IPC); the RDMA hop runs on this process's own
+    /// NIC (the emulated NIC: one fabric per process, the peers' buffers opened through CUDA IPC
+    /// when the QPs connect), QPs to every other rank connected through `group`.
+    ///
+    /// Every rank must end with [`shutdown`](Self::shutdown) (or drop), all at once: the
+    /// teardown meets the world, then the node.
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        group: Arc<dyn Communicator>,
+        topo: &Topology,
+        opts: &InternodeOptions,
+    ) -> Result<InternodeBuffer, EpError> {
+        let rank = group.rank();
+        Self::check_options(rank, topo, group.world_size(), opts)?;
+        let members = node_members(topo, rank)?;
+        let node_group = SubGroup::new(group.clone(), members)
+            .map_err(|source| EpError::Bootstrap { rank, source })?;
+        let choice = NicChoice::from_env_or(opts.nic)
+            .map_err(|e| transport_err(rank, "choosing the NIC (EP_NIC)", e))?;
+        let decision =
+            decide_nic(choice).map_err(|e| transport_err(rank, "choosing the NIC", e))?;
+        // Ranks as processes: this process's own NIC (on the process's fabric) for this rank.
+        let nic = open_transport(&decision.kind, ctx, rank as u32, None)
+            .map_err(|e| transport_err(rank, &format!("opening the NIC ({})", decision.kind), e))?;
+        let intra = Buffer::new(ctx, &node_group, &intra_options(topo, &opts.buffer))?;
+        let world: Arc<dyn Exchange> = Arc::new(World(group));
+        let mut b = Self::build(ctx, world, topo, opts, intra, nic)?;
+        b.node_group = Some(node_group);
+        Ok(b)
+    }
+
+    fn check_options(
+        rank: usize,
+        topo: &Topology,
+        ctxs: usize,
+        opts: &InternodeOptions,
+    ) -> Result<(), EpError> {
         let world = topo.world();
         if ctxs != world {
             return Err(invalid(
-                0,
-                format!("{ctxs} contexts for a topology of {world} ranks"),
+                rank,
+                format!("{ctxs} ranks (contexts or group members) for a topology of {world} ranks"),
             ));
         }
         if topo.nodes() < 2 || world > k::MAX_NODES {
             return Err(invalid(
-                0,
+                rank,
                 format!(
                     "{} nodes × {} ranks: the internode buffer needs 2 or more nodes and at most {} ranks",
                     topo.nodes(),
@@ -238,16 +326,16 @@ impl InternodeBuffer {
         let e = opts.buffer.num_experts;
         if e == 0 || e % world != 0 {
             return Err(invalid(
-                0,
+                rank,
                 format!("num_experts {e} is not a positive multiple of {world} ranks"),
             ));
         }
         if e > 48 * 1024 / 4 {
             // The layout kernel keeps a histogram of every expert in shared memory.
-            return Err(invalid(0, format!("num_experts {e} above 12288")));
+            return Err(invalid(rank, format!("num_experts {e} above 12288")));
         }
         if opts.buffer.max_tokens_per_rank > i32::MAX as usize / 2 {
-            return Err(invalid(0, "max_tokens_per_rank out of range"));
+            return Err(invalid(rank, "max_tokens_per_rank out of range"));
         }
         if StagedPlan::new(
             opts.buffer.max_tokens_per_rank,
@@ -257,7 +345,7 @@ impl InternodeBuffer {
         )
         .is_none()
         {
-            return Err(invalid(0, "the net buffer's size overflows"));
+            return Err(invalid(rank, "the net buffer's size overflows"));
         }
         Ok(())
     }
@@ -271,6 +359,9 @@ impl InternodeBuffer {
         nic: Arc<dyn RankTransport>,
     ) -> Result<InternodeBuffer, EpError> {
         let rank = group.rank();
+        // Ranks as processes: GPU ordinals mean nothing across processes, and the NICs open the
+        // peers' buffers through CUDA IPC when the QPs connect.
+        let procs = !group.same_process();
         // The NVLink hop is ordered by this buffer through the intranode buffer's compute
         // stream: it must be this rank's alone (ranks of other nodes may share the GPU).
         intra.private_compute_stream()?;
@@ -289,9 +380,15 @@ impl InternodeBuffer {
         .ok_or_else(|| invalid(rank, "the net buffer's size overflows"))?;
         let asked = HandlerChoice::from_env_or(opts.nic_handler)
             .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
-        let (handler, why) = nic
-            .select(asked)
-            .map_err(|e| transport_err(rank, &format!("NIC handler {}", asked.name()), e))?;
+        let (handler, why) = nic.select(asked).map_err(|e| {
+            let need = if asked == HandlerChoice::Cpu {
+                " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
+                 libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
+            } else {
+                ""
+            };
+            transport_err(rank, &format!("NIC handler {}{need}", asked.name()), e)
+        })?;
         tracing::info!(target: "ep", "rank {rank}: internode NIC {}; handler mode {} ({why})", nic.nic(), handler.name());
         let f = |module, name| {
             ep_kernels::load_function(ctx, module, name)
@@ -357,6 +454,9 @@ impl InternodeBuffer {
                         "rank {r} builds a different internode buffer ({v:?}, this rank {mine:?})"
                     ),
                 });
+            }
+            if procs {
+                continue;
             }
             // The emulated NIC's copies between GPUs go peer to peer.
             let peer_ctx = ibgda_device::cuda::context(v[0] as usize).map_err(dev)?;
@@ -431,6 +531,7 @@ impl InternodeBuffer {
             gate,
             gate_failure: std::sync::OnceLock::new(),
             group,
+            node_group: None,
             net: Some(Net {
                 mesh: Some(mesh),
                 registration,
@@ -491,8 +592,8 @@ impl InternodeBuffer {
 
     /// Replaces the fault plan of this rank's emulated NIC (from its next round): delayed
     /// completions, error CQEs, shaping to a line rate ([`ibgda_emu::FaultPlan::nic_400g`]).
-    /// With ranks as threads each rank has its own NIC, so the plan touches only the WQEs this
-    /// rank posts. `Err` on a real NIC.
+    /// Each rank has its own NIC (threads and processes alike), so the plan touches only the
+    /// WQEs this rank posts. `Err` on a real NIC.
     pub fn set_fault_plan(&self, plan: ibgda_emu::FaultPlan) -> Result<(), EpError> {
         let nic = self.net.as_ref().and_then(|n| n._nic.emulated_nic());
         match nic {
@@ -505,8 +606,20 @@ impl InternodeBuffer {
     }
 
     /// Waits (bounded) for the stream, meets every rank (bounded), then closes the QPs: no peer's
-    /// NIC writes into this rank's buffer any more. On a failure the net buffer is leaked.
+    /// NIC writes into this rank's buffer any more (ranks as processes meet once more, so that
+    /// no peer's NIC still has it open when it is freed). On a failure the net buffer is leaked.
+    /// Ranks as processes then shut the NVLink hop's buffer down with the node's ranks (always, so
+    /// that every rank makes the same collectives).
     fn teardown(&mut self) -> Result<(), EpError> {
+        let net = self.teardown_net();
+        let node = match self.node_group.take() {
+            Some(g) => self.intra.shutdown_in_place(&g),
+            None => Ok(()),
+        };
+        net.and(node)
+    }
+
+    fn teardown_net(&mut self) -> Result<(), EpError> {
         let Some(mut net) = self.net.take() else {
             return Ok(());
         };
@@ -523,9 +636,27 @@ impl InternodeBuffer {
                 "internode teardown: leaking the net buffer and QPs"
             );
             std::mem::forget(net);
+            if met.is_ok() && !self.group.same_process() {
+                // The peers that closed their QPs meet a second time (below): so does this rank,
+                // so that the node's teardown after this one pairs with theirs.
+                let _ = self.group.all_gather(&[]);
+            }
             return drained.and(met.map(|_| ()));
         }
         let closed = net.mesh.take().map(Mesh::close).unwrap_or(Ok(()));
+        // Ranks as processes: a peer's NIC holds this rank's net buffer open (CUDA IPC) until
+        // it has closed its QPs; meet again before the buffer is freed.
+        if !self.group.same_process() {
+            if let Err(e) = self.group.all_gather(&[]) {
+                tracing::error!(
+                    rank = self.rank,
+                    "internode teardown: the ranks did not meet after closing their QPs: \
+                     leaking the net buffer"
+                );
+                std::mem::forget(net);
+                return Err(e);
+            }
+        }
         drop(net);
         closed.map_err(|(peer, e)| EpError::Transport {
             rank: self.rank,
@@ -561,11 +692,40 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_builds_its_nvlink_hop_over_its_own_node() {
+        let t = Topology::virtual_nodes(4, 2).unwrap();
+        assert_eq!(node_members(&t, 0).unwrap(), vec![0, 1]);
+        assert_eq!(node_members(&t, 5).unwrap(), vec![4, 5]);
+        assert_eq!(node_members(&t, 7).unwrap(), vec![6, 7]);
+        let t21 = Topology::virtual_nodes(2, 1).unwrap();
+        assert_eq!(node_members(&t21, 1).unwrap(), vec![1]);
+        assert!(matches!(
+            node_members(&t21, 2),
+            Err(EpError::InvalidArgument { rank: 2, .. })
+        ));
+        // The node's sub-group numbers its members by local index, as the node's buffer does.
+        for r in 0..8 {
+            let (_, local) = t.locate(r).unwrap();
+            let members = node_members(&t, r).unwrap();
+            assert_eq!(
+                crate::bootstrap::SubGroup::sub_rank_of(r, 8, &members),
+                Some(local)
+            );
+        }
+        // A node holds its share of the experts; one live NVLink output per source node.
+        let mut o = BufferOptions::new(128, 1024, 8, 32);
+        o.max_live_outputs = 2;
+        let i = intra_options(&t, &o);
+        assert_eq!((i.num_experts, i.max_live_outputs), (8, 8));
+        assert_eq!(i.max_tokens_per_rank, 128);
+    }
+
+    #[test]
     fn options_are_checked_before_anything_is_built() {
         let t22 = Topology::virtual_nodes(2, 2).unwrap();
-        assert!(InternodeBuffer::check_options(&t22, 4, &opts(128, 16)).is_ok());
+        assert!(InternodeBuffer::check_options(0, &t22, 4, &opts(128, 16)).is_ok());
         let bad = [
-            (t22, 3, opts(128, 16), "contexts"),
+            (t22, 3, opts(128, 16), "group members"),
             (
                 Topology::virtual_nodes(1, 4).unwrap(),
                 4,
@@ -583,7 +743,7 @@ mod tests {
             (t22, 4, opts(usize::MAX / 4, 16), "max_tokens_per_rank"),
         ];
         for (topo, ctxs, o, want) in bad {
-            match InternodeBuffer::check_options(&topo, ctxs, &o) {
+            match InternodeBuffer::check_options(0, &topo, ctxs, &o) {
                 Err(EpError::InvalidArgument { what, .. }) => {
                     assert!(what.contains(want), "{what}")
                 }

@@ -64,6 +64,14 @@ pub enum TopologyError {
         /// What does not fit.
         detail: String,
     },
+    /// A launcher placed a rank elsewhere than the topology's numbering says.
+    #[error("rank {rank}: {detail}")]
+    Placement {
+        /// The rank.
+        rank: usize,
+        /// Where the launcher put it and where the topology expects it.
+        detail: String,
+    },
 }
 
 /// Where the nodes of a [`Topology`] are.
@@ -157,6 +165,38 @@ impl Topology {
                 Self::virtual_nodes(env.local_world / rpn, rpn)
             }
         }
+        .and_then(|t| t.check_placement(env).map(|()| t))
+    }
+
+    /// Whether the launch in `env` put its rank where this topology's numbering says: the same
+    /// number of ranks, and rank `r` at local index `r % ranks_per_node` of host
+    /// `r / ranks_per_node` (hosts as nodes; what a launcher that numbers ranks host by host
+    /// gives: torchrun, srun's default block distribution, mpirun's default `--map-by slot`),
+    /// or at local index `r` of the one host (virtual nodes). A cyclic placement (`srun
+    /// --distribution=cyclic`, `mpirun --map-by node`) is refused: its node's ranks would not
+    /// be the ones this topology groups.
+    pub fn check_placement(&self, env: &LaunchEnv) -> Result<(), TopologyError> {
+        let rank = env.rank;
+        let refuse = |detail: String| Err(TopologyError::Placement { rank, detail });
+        if env.world != self.world() {
+            return refuse(format!(
+                "the launch has {} ranks, the topology {}",
+                env.world,
+                self.world()
+            ));
+        }
+        let (node, local) = match self.kind {
+            NodeKind::Hosts => self.locate(rank)?,
+            NodeKind::Virtual => (0, rank),
+        };
+        if (env.node, env.local_rank) != (node, local) {
+            return refuse(format!(
+                "the launcher put it at local index {} of host {}; numbering ranks host by host \
+                 ({} nodes × {} ranks, {:?}) puts it at local index {local} of host {node}",
+                env.local_rank, env.node, self.nodes, self.ranks_per_node, self.kind
+            ));
+        }
+        Ok(())
     }
 
     fn with_kind(
@@ -388,5 +428,47 @@ mod tests {
         assert!(Topology::from_launch(&launched(4, 0), Some(2)).is_err());
         let e = Topology::from_launch(&launched(16, 16), None).unwrap_err();
         assert!(e.to_string().contains("ranks_per_node 16"), "{e}");
+    }
+
+    fn placed(
+        rank: usize,
+        world: usize,
+        local_world: usize,
+        node: usize,
+        local: usize,
+    ) -> LaunchEnv {
+        LaunchEnv {
+            rank,
+            node,
+            local_rank: local,
+            ..launched(world, local_world)
+        }
+    }
+
+    #[test]
+    fn a_launch_must_number_ranks_host_by_host() {
+        // Two hosts of four, block placement: rank 5 is local 1 of host 1.
+        let t = Topology::from_launch(&placed(5, 8, 4, 1, 1), None).unwrap();
+        assert_eq!((t.nodes(), t.ranks_per_node()), (2, 4));
+        for r in 0..8 {
+            assert!(t.check_placement(&placed(r, 8, 4, r / 4, r % 4)).is_ok());
+        }
+        // Cyclic placement: rank 5 on host 1 at local index 2.
+        let e = Topology::from_launch(&placed(5, 8, 4, 1, 2), None).unwrap_err();
+        assert!(
+            matches!(e, TopologyError::Placement { rank: 5, .. })
+                && e.to_string().contains("local index 2 of host 1")
+                && e.to_string().contains("local index 1 of host 1"),
+            "{e}"
+        );
+        let e = t.check_placement(&placed(5, 8, 4, 0, 1)).unwrap_err();
+        assert!(e.to_string().contains("of host 0"), "{e}");
+        // Virtual nodes of one host: the local index is the rank.
+        let v = Topology::from_launch(&placed(3, 4, 4, 0, 3), Some(2)).unwrap();
+        assert_eq!((v.nodes(), v.kind()), (2, NodeKind::Virtual));
+        assert!(Topology::from_launch(&placed(3, 4, 4, 0, 1), Some(2)).is_err());
+        // A launch of another size.
+        let e = v.check_placement(&placed(1, 8, 8, 0, 1)).unwrap_err();
+        assert!(e.to_string().contains("8 ranks, the topology 4"), "{e}");
     }
 }

@@ -378,6 +378,16 @@ impl Buffer {
     /// every rank leaks its window, which that rank's kernels may still write into. Each leak
     /// is logged.
     pub fn shutdown(mut self, group: &dyn Communicator) -> Result<(), EpError> {
+        let r = self.shutdown_in_place(group);
+        drop(self);
+        r
+    }
+
+    /// [`shutdown`](Self::shutdown) for a buffer another one owns (the internode buffer's
+    /// NVLink hop): the same waits, unmapping and meeting; this rank's own memory is freed when
+    /// the buffer is dropped, which may be later (never sooner). Call it once; the drop then
+    /// does nothing more.
+    pub(crate) fn shutdown_in_place(&mut self, group: &dyn Communicator) -> Result<(), EpError> {
         self.shut_down = true;
         let drained = self.wait_stream();
         let finished = drained.is_ok();
@@ -406,7 +416,6 @@ impl Buffer {
                 "shutdown: a rank's stream did not finish, or the ranks could not meet",
             );
         }
-        drop(self);
         drained.and(device).and(met)
     }
 

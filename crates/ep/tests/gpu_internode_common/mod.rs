@@ -1,0 +1,595 @@
+//! Shared by the internode GPU tests (ranks as threads in `gpu_internode.rs`, ranks as
+//! processes in `gpu_internode_procs.rs`): cases, options, random inputs with the routing mix,
+//! one rank's round (layout, dispatch, cached dispatch, combine) and its checks against the CPU
+//! reference (`ep::internode::reference`). Every rank's inputs derive from one generator per
+//! rank seeded from one seed, so a rank in its own process draws the whole group's inputs and
+//! checks its own results itself.
+
+// Each test binary uses its own part of this module.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use ep::internode::reference::{self, InternodeDispatch};
+use ep::internode::{
+    InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput,
+    InternodeOptions, Topology,
+};
+use ep::reference::{CombineInput, RankInput, Received};
+use ep::transport::NicChoice;
+use ep::{Bf16, BufferOptions, DispatchX, EpError, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
+use ep_kernels::testing::Rng;
+use ibgda_device::protocol::HandlerChoice;
+
+pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
+
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: &'static str,
+    pub max_tokens: usize,
+    pub hidden: usize,
+    pub topk: usize,
+    pub experts_per_rank: usize,
+    pub fp8: bool,
+    pub worst: bool,
+    pub cached: bool,
+    pub biases: usize,
+    pub alignment: usize,
+    pub handler: HandlerChoice,
+    pub iterations: usize,
+    /// Every CQE of every NIC delayed by this much (quiet must wait for the NIC all the same).
+    pub delay_completions: Option<Duration>,
+    /// Three tokens in four go to expert 0 alone (imbalanced routing).
+    pub hot_expert: bool,
+}
+
+impl Case {
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            max_tokens: 96,
+            hidden: 1024,
+            topk: 6,
+            experts_per_rank: 4,
+            fp8: false,
+            worst: false,
+            cached: false,
+            biases: 0,
+            alignment: 1,
+            handler: HandlerChoice::Gpu,
+            iterations: 2,
+            delay_completions: None,
+            hot_expert: false,
+        }
+    }
+}
+
+pub fn topologies() -> Vec<(usize, usize)> {
+    let worlds = ep_kernels::testing::rank_counts(&[2, 4, 8]);
+    TOPOLOGIES
+        .into_iter()
+        .filter(|(n, r)| worlds.contains(&(n * r)))
+        .collect()
+}
+
+pub fn options(c: &Case, timeout: Duration) -> InternodeOptions {
+    let mut b = BufferOptions::new(c.max_tokens, c.hidden, c.topk, 1);
+    b.timeout = timeout;
+    b.poison_outputs = true;
+    b.max_live_outputs = 2;
+    InternodeOptions {
+        buffer: b,
+        nic: NicChoice::Emulated,
+        nic_handler: c.handler,
+    }
+}
+
+pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
+    (0..n)
+        .map(|_| Bf16::from_f32((rng.below(1 << 20) as f32 / (1 << 19) as f32) - 1.0))
+        .collect()
+}
+
+pub fn random_f32(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.below(1 << 24) as f32 / (1 << 24) as f32 + 0.01)
+        .collect()
+}
+
+/// Top-k ids of one token: nowhere, only its own node, every node, or random (distinct ids).
+pub fn route(rng: &mut Rng, c: &Case, topo: &Topology, rank: usize) -> Vec<i32> {
+    let world = topo.world();
+    let experts = world * c.experts_per_rank;
+    let per_node = experts / topo.nodes();
+    let my_node = rank / topo.ranks_per_node();
+    let mut row: Vec<i32> = Vec::new();
+    if c.hot_expert && rng.below(4) != 0 {
+        row.push(0);
+        row.resize(c.topk, -1);
+        return row;
+    }
+    let kind = rng.below(4);
+    let push = |row: &mut Vec<i32>, e: i32| {
+        if !row.contains(&e) {
+            row.push(e);
+        }
+    };
+    match kind {
+        0 => {}
+        1 => {
+            for _ in 0..c.topk {
+                let e = (my_node * per_node) as i32 + rng.below(per_node as u64) as i32;
+                push(&mut row, e);
+            }
+        }
+        2 => {
+            for n in 0..topo.nodes() {
+                let e = (n * per_node) as i32 + rng.below(per_node as u64) as i32;
+                push(&mut row, e);
+            }
+        }
+        _ => {
+            for _ in 0..c.topk {
+                if rng.below(6) != 0 {
+                    push(&mut row, rng.below(experts as u64) as i32);
+                }
+            }
+        }
+    }
+    row.truncate(c.topk);
+    // Shuffle the -1 slots in among the ids.
+    while row.len() < c.topk {
+        let at = rng.below(row.len() as u64 + 1) as usize;
+        row.insert(at, -1);
+    }
+    row
+}
+
+pub fn gen_input(rng: &mut Rng, c: &Case, topo: &Topology, rank: usize) -> RankInput {
+    let tokens = 1 + rng.below(c.max_tokens as u64) as usize;
+    let ids: Vec<i32> = (0..tokens)
+        .flat_map(|_| route(rng, c, topo, rank))
+        .collect();
+    let (row_bytes, x, scale_words, scales) = if c.fp8 {
+        let x: Vec<u8> = (0..tokens * c.hidden)
+            .map(|_| loop {
+                let b = rng.below(256) as u8;
+                if b & 0x7f != 0x7f {
+                    break b;
+                }
+            })
+            .collect();
+        let sw = c.hidden / 128;
+        (c.hidden, x, sw, random_f32(rng, tokens * sw))
+    } else {
+        let x = random_bf16(rng, tokens * c.hidden);
+        (
+            c.hidden * 2,
+            bytemuck::cast_slice(&x).to_vec(),
+            0,
+            Vec::new(),
+        )
+    };
+    RankInput {
+        tokens,
+        row_bytes,
+        x,
+        scale_words,
+        scales,
+        topk: c.topk,
+        topk_idx: ids,
+        weights: random_f32(rng, tokens * c.topk),
+    }
+}
+
+/// Fresh rows with the same routing (cached dispatch).
+pub fn fresh_x(rng: &mut Rng, c: &Case, inp: &RankInput) -> RankInput {
+    let mut out = inp.clone();
+    if c.fp8 {
+        out.x = (0..inp.x.len())
+            .map(|_| (rng.below(126) + 1) as u8)
+            .collect();
+        out.scales = random_f32(rng, inp.scales.len());
+    } else {
+        out.x = bytemuck::cast_slice(&random_bf16(rng, inp.x.len() / 2)).to_vec();
+    }
+    out
+}
+
+pub fn check_eq<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} elements, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let wrong = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        return Err(format!(
+            "{what}: {wrong} of {} differ, first at {i}: got {:?}, expected {:?}",
+            got.len(),
+            got[i],
+            want[i]
+        ));
+    }
+    Ok(())
+}
+
+/// Everything one round needs, computed on the host for every rank.
+pub struct Round {
+    topo: Topology,
+    inputs: Vec<RankInput>,
+    cached: Vec<RankInput>,
+    want: InternodeDispatch,
+    want_cached: Option<InternodeDispatch>,
+    combine_in: Vec<CombineInput>,
+    biases: Vec<[Option<Vec<Bf16>>; 2]>,
+    want_combine: Vec<(Vec<Bf16>, Vec<f32>)>,
+    /// The reference combine of |x|: how large the summed parts are (the tolerance's scale).
+    abs_combine: Vec<(Vec<Bf16>, Vec<f32>)>,
+}
+
+impl Round {
+    pub fn generate(c: &Case, topo: &Topology, rngs: &mut [Rng]) -> Round {
+        let world = topo.world();
+        let experts = world * c.experts_per_rank;
+        let inputs: Vec<RankInput> = (0..world)
+            .map(|r| gen_input(&mut rngs[r], c, topo, r))
+            .collect();
+        let want =
+            reference::dispatch(topo, &inputs, experts, c.alignment).expect("reference dispatch");
+        let (cached, want_cached) = if c.cached {
+            let cached: Vec<RankInput> = (0..world)
+                .map(|r| fresh_x(&mut rngs[r], c, &inputs[r]))
+                .collect();
+            let w = reference::dispatch(topo, &cached, experts, c.alignment)
+                .expect("reference dispatch");
+            (cached, Some(w))
+        } else {
+            (Vec::new(), None)
+        };
+        let combine_in: Vec<CombineInput> = (0..world)
+            .map(|d| {
+                let rows = want.received[d].sources.len();
+                CombineInput {
+                    x: random_bf16(&mut rngs[d], rows * c.hidden),
+                    weights: want.received[d].weights.clone(),
+                }
+            })
+            .collect();
+        let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
+        let biases: Vec<[Option<Vec<Bf16>>; 2]> = (0..world)
+            .map(|r| {
+                let mut b = [None, None];
+                for slot in b.iter_mut().take(c.biases) {
+                    *slot = Some(random_bf16(&mut rngs[r], tokens[r] * c.hidden));
+                }
+                b
+            })
+            .collect();
+        let want_combine =
+            reference::combine(topo, &want, &combine_in, &tokens, c.hidden, c.topk, &biases)
+                .expect("reference combine")
+                .out;
+        let abs_in: Vec<CombineInput> = combine_in
+            .iter()
+            .map(|i| CombineInput {
+                x: i.x
+                    .iter()
+                    .map(|v| Bf16::from_f32(v.to_f32().abs()))
+                    .collect(),
+                weights: i.weights.clone(),
+            })
+            .collect();
+        let abs_bias: Vec<[Option<Vec<Bf16>>; 2]> = biases
+            .iter()
+            .map(|b| {
+                b.clone().map(|o| {
+                    o.map(|v| v.iter().map(|x| Bf16::from_f32(x.to_f32().abs())).collect())
+                })
+            })
+            .collect();
+        let abs_combine =
+            reference::combine(topo, &want, &abs_in, &tokens, c.hidden, c.topk, &abs_bias)
+                .expect("reference combine")
+                .out;
+        Round {
+            topo: *topo,
+            inputs,
+            cached,
+            want,
+            want_cached,
+            combine_in,
+            biases,
+            want_combine,
+            abs_combine,
+        }
+    }
+}
+
+pub fn upload<T: ep::Element>(
+    ctx: &Arc<CudaContext>,
+    data: &[T],
+    shape: &[usize],
+) -> Result<Tensor<T>, String> {
+    Tensor::from_host(ctx, data, shape).map_err(|e| e.to_string())
+}
+
+/// The rows to dispatch, uploaded.
+pub enum Up {
+    Bf16(Tensor<Bf16>),
+    Fp8(Tensor<Fp8E4M3>, Tensor<f32>),
+}
+
+impl Up {
+    pub fn new(ctx: &Arc<CudaContext>, c: &Case, inp: &RankInput) -> Result<Self, String> {
+        let t = inp.tokens;
+        Ok(if c.fp8 {
+            Up::Fp8(
+                upload(
+                    ctx,
+                    bytemuck::cast_slice::<u8, Fp8E4M3>(&inp.x),
+                    &[t, c.hidden],
+                )?,
+                upload(ctx, &inp.scales, &[t, c.hidden / 128])?,
+            )
+        } else {
+            Up::Bf16(upload(
+                ctx,
+                bytemuck::cast_slice::<u8, Bf16>(&inp.x),
+                &[t, c.hidden],
+            )?)
+        })
+    }
+    pub fn x(&self) -> DispatchX<'_> {
+        match self {
+            Up::Bf16(t) => DispatchX::Bf16(t),
+            Up::Fp8(x, scales) => DispatchX::Fp8 { x, scales },
+        }
+    }
+}
+
+pub fn check_dispatch(
+    out: &InternodeDispatchOutput,
+    want: &Received,
+    row_bytes: usize,
+    topk: Option<usize>,
+    worst: Option<usize>,
+    what: &str,
+) -> Result<(), String> {
+    let n = want.sources.len();
+    if out.num_recv_tokens != n {
+        return Err(format!(
+            "{what}: received {} rows, expected {n}",
+            out.num_recv_tokens
+        ));
+    }
+    let rows = worst.unwrap_or(n);
+    let e = |e: EpError| format!("{what}: {e}");
+    let x: Vec<u8> = match &out.x {
+        RecvX::Bf16(t) => {
+            if t.dim(0) != rows {
+                return Err(format!("{what}: {} output rows, expected {rows}", t.dim(0)));
+            }
+            bytemuck::cast_slice(&t.to_host().map_err(e)?).to_vec()
+        }
+        RecvX::Fp8 { x, scales } => {
+            let s = scales.to_host().map_err(e)?;
+            check_eq(
+                &format!("{what} scales"),
+                &s[..n * scales.dim(1)],
+                &want.scales,
+            )?;
+            bytemuck::cast_slice(&x.to_host().map_err(e)?).to_vec()
+        }
+    };
+    check_eq(&format!("{what} x"), &x[..n * row_bytes], &want.x)?;
+    if let Some(k) = topk {
+        let idx = out
+            .topk_idx
+            .as_ref()
+            .ok_or("no topk_idx")?
+            .to_host()
+            .map_err(e)?;
+        let w = out
+            .topk_weights
+            .as_ref()
+            .ok_or("no topk_weights")?
+            .to_host()
+            .map_err(e)?;
+        check_eq(&format!("{what} topk_idx"), &idx[..n * k], &want.topk_idx)?;
+        check_eq(&format!("{what} topk_weights"), &w[..n * k], &want.weights)?;
+        if idx[n * k..].iter().any(|&i| i != -1) || w[n * k..].iter().any(|&v| v != 0.0) {
+            return Err(format!("{what}: padding rows carry an expert or a weight"));
+        }
+        let c = out
+            .num_recv_tokens_per_expert
+            .as_ref()
+            .ok_or("no per-expert counts")?;
+        check_eq(&format!("{what} per-expert counts"), c, &want.per_expert)?;
+        let dev: Vec<usize> = out
+            .recv_tokens_per_expert
+            .as_ref()
+            .ok_or("no device per-expert counts")?
+            .to_host()
+            .map_err(e)?
+            .into_iter()
+            .map(|v| v as usize)
+            .collect();
+        check_eq(
+            &format!("{what} per-expert counts (device)"),
+            &dev,
+            &want.per_expert,
+        )?;
+    }
+    Ok(())
+}
+
+pub fn check_combine(
+    got: (&[Bf16], Option<&[f32]>),
+    want: &(Vec<Bf16>, Vec<f32>),
+    scale: &[Bf16],
+    what: &str,
+) -> Result<(), String> {
+    check_eq(&format!("{what} length"), &[got.0.len()], &[want.0.len()])?;
+    let mut worst = 0f32;
+    for (i, ((g, w), s)) in got.0.iter().zip(&want.0).zip(scale).enumerate() {
+        let (g, w) = (g.to_f32(), w.to_f32());
+        let err = (g - w).abs();
+        // The node sums are rounded to BF16 (as the reference does); a different summation order
+        // inside a node moves a sum by at most a step of the parts' magnitude.
+        if err.is_nan() || err > s.to_f32() / 64.0 + 1e-5 {
+            return Err(format!(
+                "{what}: element {i}: got {g}, expected {w} (parts' magnitude {})",
+                s.to_f32()
+            ));
+        }
+        worst = worst.max(err);
+    }
+    if let Some(gw) = got.1 {
+        for (i, (g, w)) in gw.iter().zip(&want.1).enumerate() {
+            if (g - w).abs() > 1e-5 * w.abs().max(1.0) {
+                return Err(format!("{what}: weight {i}: got {g}, expected {w}"));
+            }
+        }
+    }
+    eprintln!("{what}: combine max abs error {worst:e}");
+    Ok(())
+}
+
+/// One rank's round: every operation first (all ranks make the same calls whatever they get),
+/// then the checks.
+pub fn rank_round(
+    c: &Case,
+    r: usize,
+    buf: &mut InternodeBuffer,
+    ctx: &Arc<CudaContext>,
+    round: &Round,
+    what: &str,
+) -> Result<(), String> {
+    let e = |e: EpError| format!("{what}: {e}");
+    let inp = &round.inputs[r];
+    let t = inp.tokens;
+    let ids = upload(ctx, &inp.topk_idx, &[t, c.topk])?;
+    let weights = upload(ctx, &inp.weights, &[t, c.topk])?;
+    let layout = buf.get_dispatch_layout(&ids).map_err(e)?;
+    let experts = round.topo.world() * c.experts_per_rank;
+    let want_layout = reference::layout(&inp.topk_idx, c.topk, &round.topo, experts)
+        .map_err(|x| x.to_string())?;
+    check_eq(
+        "tokens_per_rank",
+        &layout.tokens_per_rank().to_host().map_err(e)?,
+        &want_layout.tokens_per_rank,
+    )?;
+    check_eq(
+        "tokens_per_rdma_rank",
+        &layout.tokens_per_rdma_rank().to_host().map_err(e)?,
+        &want_layout.tokens_per_rdma_rank,
+    )?;
+    check_eq(
+        "tokens_per_expert",
+        &layout.tokens_per_expert().to_host().map_err(e)?,
+        &want_layout.tokens_per_expert,
+    )?;
+    check_eq(
+        "is_token_in_rank",
+        &layout.is_token_in_rank().to_host().map_err(e)?,
+        &want_layout.is_token_in_rank,
+    )?;
+
+    let up = Up::new(ctx, c, inp)?;
+    let worst = c.worst.then(|| round.topo.world() * c.max_tokens);
+    let out = buf
+        .dispatch(&InternodeDispatchArgs {
+            x: up.x(),
+            layout: &layout,
+            topk: TopK {
+                idx: &ids,
+                weights: &weights,
+            },
+            num_worst_tokens: worst,
+            expert_alignment: c.alignment,
+            order: StreamOrder::default(),
+        })
+        .map_err(e)?;
+    let cached = if c.cached {
+        let up2 = Up::new(ctx, c, &round.cached[r])?;
+        Some(
+            buf.dispatch_cached(up2.x(), &out.handle, &StreamOrder::default())
+                .map_err(e)?,
+        )
+    } else {
+        None
+    };
+    let rows = out.handle.num_rows();
+    let mut cx = round.combine_in[r].x.clone();
+    let mut cw = round.combine_in[r].weights.clone();
+    // Worst-token padding rows: anything (they are not summed).
+    cx.resize(rows * c.hidden, Bf16::from_f32(7.0));
+    cw.resize(rows * c.topk, 3.0);
+    let cx = upload(ctx, &cx, &[rows, c.hidden])?;
+    let cw = upload(ctx, &cw, &[rows, c.topk])?;
+    let bias: Vec<Tensor<Bf16>> = round.biases[r]
+        .iter()
+        .flatten()
+        .map(|b| upload(ctx, b, &[t, c.hidden]))
+        .collect::<Result<_, _>>()?;
+    let comb = buf
+        .combine(&InternodeCombineArgs {
+            x: &cx,
+            handle: &out.handle,
+            topk_weights: Some(&cw),
+            bias: [bias.first(), bias.get(1)],
+            order: StreamOrder::default(),
+        })
+        .map_err(e)?;
+    buf.synchronize().map_err(e)?;
+
+    let row_bytes = inp.row_bytes;
+    check_dispatch(
+        &out,
+        &round.want.received[r],
+        row_bytes,
+        Some(c.topk),
+        worst,
+        &format!("{what} dispatch"),
+    )?;
+    if let (Some(o), Some(w)) = (&cached, &round.want_cached) {
+        check_dispatch(
+            o,
+            &w.received[r],
+            row_bytes,
+            None,
+            worst,
+            &format!("{what} cached dispatch"),
+        )?;
+    }
+    let gx = comb.x.to_host().map_err(e)?;
+    let gw = comb
+        .topk_weights
+        .as_ref()
+        .ok_or("no combined weights")?
+        .to_host()
+        .map_err(e)?;
+    check_combine(
+        (&gx, Some(&gw)),
+        &round.want_combine[r],
+        &round.abs_combine[r].0,
+        &format!("{what} combine"),
+    )
+}
+
+/// One generator per rank, all from `seed`: every process of a group draws every rank's inputs
+/// (so each can compute the reference) from the seed the launcher passes on.
+pub fn rank_rngs(seed: u64, world: usize) -> Vec<Rng> {
+    (0..world)
+        .map(|r| Rng::new(seed ^ (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect()
+}
