@@ -218,6 +218,40 @@ impl InternodeBuffer {
         Ok(())
     }
 
+    /// Launches the signal-wait kernel over this rank's `which` words (one per node): every
+    /// word must reach `target` (compared after `>> shift`); with `counts_out`, the low 32 bits
+    /// of each are written there (rows per node). Bounded; `what` names the wait in errors.
+    fn launch_wait(
+        &self,
+        which: Words,
+        target: u64,
+        shift: i32,
+        counts_out: u64,
+        what: u32,
+    ) -> Result<(), EpError> {
+        let p = k::WaitParams {
+            words: self.base + self.plan.word(which, 0) as u64,
+            counts_out,
+            error: self.errors.kernel_addr(),
+            timeout_ns: self.timeout_ns(),
+            target,
+            rank: self.rank as i32,
+            nodes: self.nodes() as i32,
+            my_node: self.my_node() as i32,
+            shift,
+            what: what as i32,
+            cap: self.plan.cap as i32,
+            peer_rank: self.peer_ranks(),
+        };
+        self.launch_waiting(
+            &self.kernels.wait,
+            1,
+            k::WAIT_THREADS,
+            &p,
+            "cuLaunchKernel(ep_internode_wait)",
+        )
+    }
+
     /// Launches a kernel that spins (for peers' signals or the NIC's completions): through the
     /// launch gate where ranks of this process share the GPU ([`crate::residency`]), as the
     /// intranode and low-latency buffers do. Every rank launches the same sequence of these.
@@ -569,29 +603,14 @@ impl InternodeBuffer {
         let plan = self.plan.clone();
         self.dispatch_seq += 1;
         let seq = self.dispatch_seq;
-        let peer_rank = self.peer_ranks();
         let error = self.errors.kernel_addr();
         if seq > 1 {
-            let p = k::WaitParams {
-                words: self.base + plan.word(Words::DispatchAck, 0) as u64,
-                counts_out: 0,
-                error,
-                timeout_ns: self.timeout_ns(),
-                target: seq - 1,
-                rank: self.rank as i32,
-                nodes: nodes as i32,
-                my_node: me as i32,
-                shift: 0,
-                what: k::wait_what::DISPATCH_ACK as i32,
-                cap: plan.cap as i32,
-                peer_rank,
-            };
-            self.launch_waiting(
-                &self.kernels.wait,
-                1,
-                k::WAIT_THREADS,
-                &p,
-                "cuLaunchKernel(ep_internode_wait)",
+            self.launch_wait(
+                Words::DispatchAck,
+                seq - 1,
+                0,
+                0,
+                k::wait_what::DISPATCH_ACK,
             )?;
         }
         let kk = topk.map_or(0, |t| t.idx.dim(1));
@@ -666,26 +685,12 @@ impl InternodeBuffer {
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
-        let wait = k::WaitParams {
-            words: self.base + plan.word(Words::DispatchData, 0) as u64,
-            counts_out: self.mapped.device_addr(COUNTS_OFFSET),
-            error,
-            timeout_ns: self.timeout_ns(),
-            target: seq,
-            rank: self.rank as i32,
-            nodes: nodes as i32,
-            my_node: me as i32,
-            shift: 32,
-            what: k::wait_what::DISPATCH_DATA as i32,
-            cap: plan.cap as i32,
-            peer_rank,
-        };
-        self.launch_waiting(
-            &self.kernels.wait,
-            1,
-            k::WAIT_THREADS,
-            &wait,
-            "cuLaunchKernel(ep_internode_wait)",
+        self.launch_wait(
+            Words::DispatchData,
+            seq,
+            32,
+            self.mapped.device_addr(COUNTS_OFFSET),
+            k::wait_what::DISPATCH_DATA,
         )?;
         self.sync("the internode dispatch's RDMA hop")?;
         Ok((0..nodes)
@@ -1123,30 +1128,9 @@ impl InternodeBuffer {
         self.combine_seq += 1;
         let seq = self.combine_seq;
         let error = self.errors.kernel_addr();
-        let peer_rank = self.peer_ranks();
         self.start(&args.order)?;
         if seq > 1 {
-            let p = k::WaitParams {
-                words: self.base + plan.word(Words::CombineAck, 0) as u64,
-                counts_out: 0,
-                error,
-                timeout_ns: self.timeout_ns(),
-                target: seq - 1,
-                rank: self.rank as i32,
-                nodes: nodes as i32,
-                my_node: me as i32,
-                shift: 0,
-                what: k::wait_what::COMBINE_ACK as i32,
-                cap: plan.cap as i32,
-                peer_rank,
-            };
-            self.launch_waiting(
-                &self.kernels.wait,
-                1,
-                k::WAIT_THREADS,
-                &p,
-                "cuLaunchKernel(ep_internode_wait)",
-            )?;
+            self.launch_wait(Words::CombineAck, seq - 1, 0, 0, k::wait_what::COMBINE_ACK)?;
         }
         // NVLink hop, node by node: the rail peer's sums of this node's rows.
         let cfg = self.intra_config();
@@ -1210,27 +1194,7 @@ impl InternodeBuffer {
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
-        let wait = k::WaitParams {
-            words: self.base + plan.word(Words::CombineData, 0) as u64,
-            counts_out: 0,
-            error,
-            timeout_ns: self.timeout_ns(),
-            target: seq,
-            rank: self.rank as i32,
-            nodes: nodes as i32,
-            my_node: me as i32,
-            shift: 0,
-            what: k::wait_what::COMBINE_DATA as i32,
-            cap: plan.cap as i32,
-            peer_rank,
-        };
-        self.launch_waiting(
-            &self.kernels.wait,
-            1,
-            k::WAIT_THREADS,
-            &wait,
-            "cuLaunchKernel(ep_internode_wait)",
-        )?;
+        self.launch_wait(Words::CombineData, seq, 0, 0, k::wait_what::COMBINE_DATA)?;
         let t = h.num_tokens;
         let dev = |source| EpError::Device {
             rank: self.rank,
