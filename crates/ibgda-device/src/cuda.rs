@@ -67,6 +67,23 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The driver's text for a `CUresult` (`cuGetErrorString`), or the code's name when the driver
+/// has none.
+pub fn error_string(r: cudarc::driver::sys::CUresult) -> String {
+    use cudarc::driver::sys;
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `p` is a valid out-pointer; the driver only writes a pointer to a static string.
+    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: on success the driver returns a NUL-terminated static string.
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("{r:?}")
+    }
+}
+
 /// Number of visible CUDA devices, or an error when there is no driver.
 pub fn device_count() -> Result<usize, CudaError> {
     if !driver_present() {
