@@ -403,7 +403,9 @@ impl Drop for DeviceBuffer {
     }
 }
 
-fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
+/// Makes `ctx` current on this thread (`cuCtxSetCurrent`), as every driver call on its memory
+/// or streams needs first.
+pub fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
     ctx.bind_to_thread().map_err(|source| CudaError::Driver {
         call: "cuCtxSetCurrent",
         source,
