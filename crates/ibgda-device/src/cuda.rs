@@ -3,6 +3,11 @@
 //! cudarc loads `libcuda` lazily and panics when it is absent; every GPU entry point in this
 //! project goes through [`context`] or [`device_count`], which look for the library first and
 //! turn its absence into [`CudaError::DriverMissing`].
+//!
+//! The one home of the driver layer: the "is libcuda present" check ([`driver_present`]), GPU
+//! count and context lookup, [`DeviceBuffer`], and the bounded stream waits ([`wait_stream`],
+//! [`wait_legacy_stream`]). `ibgda-verbs`, `ibgda-gdr` and `ep` call these (or re-export them)
+//! rather than keeping copies of their own.
 
 use std::sync::Arc;
 
