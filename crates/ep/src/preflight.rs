@@ -457,7 +457,7 @@ pub fn preflight() -> Preflight {
 
 /// GPU 0's context and the GPU count, or why there is none.
 fn gpu_context() -> Result<(std::sync::Arc<cudarc::driver::CudaContext>, usize), Missing> {
-    if !ibgda_gdr::cuda_driver_present() {
+    if !ibgda_device::cuda::driver_present() {
         return Err(Missing::new(
             "the CUDA driver (libcuda.so) is not installed",
             "install the NVIDIA driver",

@@ -62,8 +62,7 @@ impl Backing {
             });
         }
         let driver = |call, source| CudaError::Driver { call, source };
-        ctx.bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        ibgda_device::cuda::bind(ctx)?;
         // SAFETY: `from_device_ptr`'s caller promised `len` readable bytes at `ptr` on this
         // context's device for the tensor's life; the range was checked above and `bytes` is
         // writable host memory of exactly that size.

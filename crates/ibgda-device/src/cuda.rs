@@ -3,6 +3,11 @@
 //! cudarc loads `libcuda` lazily and panics when it is absent; every GPU entry point in this
 //! project goes through [`context`] or [`device_count`], which look for the library first and
 //! turn its absence into [`CudaError::DriverMissing`].
+//!
+//! The one home of the driver layer: the "is libcuda present" check ([`driver_present`]), GPU
+//! count and context lookup, [`DeviceBuffer`], and the bounded stream waits ([`wait_stream`],
+//! [`wait_legacy_stream`]). `ibgda-verbs`, `ibgda-gdr` and `ep` call these (or re-export them)
+//! rather than keeping copies of their own.
 
 use std::sync::Arc;
 
@@ -65,6 +70,23 @@ pub enum CudaError {
 pub fn driver_present() -> bool {
     // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and drops the handles.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The driver's text for a `CUresult` (`cuGetErrorString`), or the code's name when the driver
+/// has none.
+pub fn error_string(r: cudarc::driver::sys::CUresult) -> String {
+    use cudarc::driver::sys;
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `p` is a valid out-pointer; the driver only writes a pointer to a static string.
+    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS;
+    if ok && !p.is_null() {
+        // SAFETY: on success the driver returns a NUL-terminated static string.
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("{r:?}")
+    }
 }
 
 /// Number of visible CUDA devices, or an error when there is no driver.
@@ -386,7 +408,9 @@ impl Drop for DeviceBuffer {
     }
 }
 
-fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
+/// Makes `ctx` current on this thread (`cuCtxSetCurrent`), as every driver call on its memory
+/// or streams needs first.
+pub fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
     ctx.bind_to_thread().map_err(|source| CudaError::Driver {
         call: "cuCtxSetCurrent",
         source,

@@ -6,33 +6,18 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
+use ibgda_device::cuda::CudaError;
 
 use crate::error::{GdrError, Result};
 use crate::view::CpuView;
 
-/// Whether `libcuda` can be loaded on this machine.
-pub fn cuda_driver_present() -> bool {
-    // SAFETY: `is_culib_present` only tries to dlopen the candidate names and closes them.
-    unsafe { sys::is_culib_present() }
-}
+pub use ibgda_device::cuda::driver_present as cuda_driver_present;
 
 fn cuda_error(call: &'static str, r: sys::CUresult) -> GdrError {
-    let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: valid out-pointer; the driver writes a pointer to a static string.
-    let ok =
-        unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS && !p.is_null();
-    let text = if ok {
-        // SAFETY: non-null static NUL-terminated string from the driver.
-        unsafe { std::ffi::CStr::from_ptr(p) }
-            .to_string_lossy()
-            .into_owned()
-    } else {
-        format!("{r:?}")
-    };
     GdrError::Cuda {
         call,
         code: r as u32,
-        text,
+        text: ibgda_device::cuda::error_string(r),
     }
 }
 
@@ -44,17 +29,24 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
+/// This crate's error for a failed [`ibgda_device::cuda`] lookup of the GPUs.
+fn from_device(e: CudaError) -> GdrError {
+    match e {
+        CudaError::DriverMissing => GdrError::CudaDriverMissing("counting GPUs"),
+        CudaError::Driver { call, source } => cuda_error(call, source.0),
+        CudaError::NoSuchDevice { ordinal, count } => GdrError::NoSuchGpu { ordinal, count },
+        // Not returned by `device_count` or `context`.
+        other => GdrError::Cuda {
+            call: "the CUDA driver",
+            code: 0,
+            text: other.to_string(),
+        },
+    }
+}
+
 /// Number of visible GPUs; [`GdrError::CudaDriverMissing`] without a driver.
 pub fn gpu_count() -> Result<usize> {
-    if !cuda_driver_present() {
-        return Err(GdrError::CudaDriverMissing("counting GPUs"));
-    }
-    // SAFETY: the driver is present; cuInit may be called any number of times.
-    check("cuInit", unsafe { sys::cuInit(0) })?;
-    let mut n = 0;
-    // SAFETY: valid out-pointer after cuInit.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n.max(0) as usize)
+    ibgda_device::cuda::device_count().map_err(from_device)
 }
 
 /// Pinned host memory mapped into a GPU (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`), zeroed.
@@ -121,12 +113,7 @@ impl HostMapping {
 
     /// Allocates on GPU `ordinal` (retaining its primary context).
     pub fn for_device(ordinal: usize, len: usize) -> Result<Self> {
-        let count = gpu_count()?;
-        if ordinal >= count {
-            return Err(GdrError::NoSuchGpu { ordinal, count });
-        }
-        let ctx =
-            CudaContext::new(ordinal).map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e.0))?;
+        let ctx = ibgda_device::cuda::context(ordinal).map_err(from_device)?;
         Self::new(&ctx, len)
     }
 

@@ -2,9 +2,9 @@
 //! UAR (NIC doorbell page) into the GPU's address space.
 //!
 //! `libcuda` is loaded at run time by cudarc, which panics when it is absent; every entry point
-//! here checks [`driver_present`] first and returns [`VerbsError::CudaDriverMissing`] instead.
+//! here checks [`driver_present`] (`ibgda_device::cuda`'s, the one check of the workspace) first
+//! and returns [`VerbsError::CudaDriverMissing`] instead.
 
-use std::ffi::CStr;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
@@ -12,24 +12,8 @@ use cudarc::driver::CudaContext;
 
 use crate::error::{Result, VerbsError};
 
-/// Whether `libcuda` can be loaded on this machine.
-pub fn driver_present() -> bool {
-    // SAFETY: `is_culib_present` only tries to dlopen the candidate library names and closes them.
-    unsafe { sys::is_culib_present() }
-}
-
-/// The driver's text for a `CUresult`.
-fn error_text(r: sys::CUresult) -> String {
-    let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: `p` is a valid out-pointer; the driver only writes a pointer to a static string.
-    let ok = unsafe { sys::cuGetErrorString(r, &mut p) } == sys::CUresult::CUDA_SUCCESS;
-    if ok && !p.is_null() {
-        // SAFETY: on success the driver returns a NUL-terminated static string.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    } else {
-        format!("{r:?}")
-    }
-}
+pub use ibgda_device::cuda::driver_present;
+use ibgda_device::cuda::error_string;
 
 /// Turns a `CUresult` into this crate's error, naming the call.
 pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
@@ -39,7 +23,7 @@ pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     Err(VerbsError::Cuda {
         call,
         code: r as u32,
-        text: error_text(r),
+        text: error_string(r),
     })
 }
 
@@ -58,7 +42,7 @@ pub(crate) fn enter(ctx: &CudaContext, what: &'static str) -> Result<()> {
     ctx.bind_to_thread().map_err(|e| VerbsError::Cuda {
         call: "cuCtxSetCurrent",
         code: e.0 as u32,
-        text: error_text(e.0),
+        text: error_string(e.0),
     })
 }
 

@@ -3,22 +3,11 @@
 use std::io::Write as _;
 
 use cudarc::driver::CudaContext;
-use ibgda_verbs::cuda::{dma_buf_export_supported, driver_present};
-
-fn gpu_count() -> usize {
-    if !driver_present() {
-        return 0;
-    }
-    cudarc::driver::result::init()
-        .ok()
-        .and_then(|_| CudaContext::device_count().ok())
-        .unwrap_or(0)
-        .max(0) as usize
-}
+use ibgda_verbs::cuda::dma_buf_export_supported;
 
 #[test]
 fn gpu_dma_buf_export_probe_answers() {
-    let found = gpu_count();
+    let found = ibgda_device::cuda::device_count().unwrap_or(0);
     if found < 1 {
         let _ = writeln!(
             std::io::stderr(),

@@ -264,7 +264,7 @@ fn readiness(d: &DeviceInfo, c: &Capabilities) -> Vec<String> {
 
 fn show_gpu_side() {
     println!("GPU side:");
-    if ibgda_gdr::cuda_driver_present() {
+    if ibgda_device::cuda::driver_present() {
         match ibgda_gdr::gpu_count() {
             Ok(n) => {
                 println!("  CUDA driver: present, {n} GPU(s)");

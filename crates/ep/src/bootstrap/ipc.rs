@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
-use ibgda_device::cuda::{CudaContext, CudaError, DeviceBuffer, DriverError};
+use ibgda_device::cuda::{bind, CudaContext, CudaError, DeviceBuffer, DriverError};
 
 use super::{BootstrapError, Communicator};
 
@@ -40,10 +40,6 @@ impl fmt::Debug for IpcHandle {
 
 fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
     move |source| CudaError::Driver { call, source }
-}
-
-fn bind(ctx: &CudaContext) -> Result<(), CudaError> {
-    ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))
 }
 
 /// Exports `buf` for other processes (`cuIpcGetMemHandle`). The buffer must stay alive while any
