@@ -27,6 +27,10 @@ use ep::internode::{
 use ep::reference::{CombineInput, RankInput};
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
+use ep_examples::ranks::{
+    drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids, seed_or_clock,
+};
+use ep_examples::{visible_gpus_or_exit, Flags, InternodeSize};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
 use ibgda_device::protocol::HandlerChoice;
@@ -56,62 +60,40 @@ EP_NIC picks the NIC (default: the emulated NIC); IBGDA_NIC_HANDLER overrides --
 
 #[derive(Debug, Clone)]
 struct Args {
-    nodes: usize,
-    rpn: usize,
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
+    size: InternodeSize,
     fp8: bool,
     handler: HandlerChoice,
-    iters: usize,
     seed: u64,
     procs: bool,
 }
 
 fn parse() -> Result<Args> {
     let mut a = Args {
-        nodes: 2,
-        rpn: 2,
-        tokens: 512,
-        hidden: 7168,
-        topk: 8,
-        experts: 64,
+        size: InternodeSize {
+            nodes: 2,
+            rpn: 2,
+            tokens: 512,
+            hidden: 7168,
+            topk: 8,
+            experts: 64,
+            iters: 2,
+        },
         fp8: false,
         handler: HandlerChoice::Gpu,
-        iters: 2,
         seed: 0,
         procs: false,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(f) = it.next() {
-        match f.as_str() {
-            "-h" | "--help" => {
-                print!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--fp8" => {
-                a.fp8 = true;
-                continue;
-            }
-            "--procs" => {
-                a.procs = true;
-                continue;
-            }
-            _ => {}
+    let mut flags = Flags::new(USAGE);
+    while let Some(f) = flags.next_flag() {
+        if a.size.set(&f, &mut flags)? {
+            continue;
         }
-        let v = it.next().with_context(|| format!("{f} needs a value"))?;
         match f.as_str() {
-            "--nodes" => a.nodes = v.parse()?,
-            "--ranks-per-node" => a.rpn = v.parse()?,
-            "--tokens" => a.tokens = v.parse()?,
-            "--hidden" => a.hidden = v.parse()?,
-            "--topk" => a.topk = v.parse()?,
-            "--experts" => a.experts = v.parse()?,
-            "--iters" => a.iters = v.parse()?,
-            "--seed" => a.seed = v.parse()?,
+            "--fp8" => a.fp8 = true,
+            "--procs" => a.procs = true,
+            "--seed" => a.seed = flags.value(&f)?,
             "--handler" => {
-                a.handler = match v.as_str() {
+                a.handler = match flags.string(&f)?.as_str() {
                     "gpu" => HandlerChoice::Gpu,
                     "cpu_host_memory" => HandlerChoice::CpuHostMemory,
                     "cpu" => HandlerChoice::Cpu,
@@ -122,74 +104,40 @@ fn parse() -> Result<Args> {
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
-    ensure!(
-        a.nodes >= 2 && a.rpn >= 1 && a.nodes * a.rpn <= 8,
-        "nodes x ranks per node must be 2..=8 with 2+ nodes"
-    );
-    ensure!(
-        a.experts > 0 && a.experts % (a.nodes * a.rpn) == 0,
-        "experts must be a multiple of the rank count"
-    );
-    ensure!(
-        a.topk >= 1 && a.topk <= a.experts,
-        "topk must be 1..=experts"
-    );
-    ensure!(
-        a.hidden % if a.fp8 { 128 } else { 8 } == 0,
-        "hidden must be a multiple of 8 (128 with --fp8)"
-    );
-    if a.seed == 0 {
-        a.seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos() as u64;
-    }
+    a.size.check(if a.fp8 { 128 } else { 8 })?;
+    a.seed = seed_or_clock(a.seed)?;
     Ok(a)
 }
 
-fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
-    (0..n)
-        .map(|_| Bf16::from_f32(rng.below(1 << 16) as f32 / 32768.0 - 1.0))
-        .collect()
-}
-
 fn gen(a: &Args, rng: &mut Rng) -> RankInput {
-    let mut ids = Vec::with_capacity(a.tokens * a.topk);
-    for _ in 0..a.tokens {
-        let mut row: Vec<i32> = Vec::new();
-        while row.len() < a.topk {
-            let e = rng.below(a.experts as u64) as i32;
-            if !row.contains(&e) {
-                row.push(e);
-            }
-        }
-        ids.extend(row);
-    }
+    let (tokens, hidden, topk) = (a.size.tokens, a.size.hidden, a.size.topk);
+    let ids = random_topk_ids(rng, tokens, topk, a.size.experts);
     let (row_bytes, x, scale_words, scales) = if a.fp8 {
-        let x = (0..a.tokens * a.hidden)
+        let x = (0..tokens * hidden)
             .map(|_| (rng.below(126) + 1) as u8)
             .collect();
-        let sw = a.hidden / 128;
-        let s = (0..a.tokens * sw)
+        let sw = hidden / 128;
+        let s = (0..tokens * sw)
             .map(|_| rng.below(1000) as f32 / 1000.0 + 0.5)
             .collect();
-        (a.hidden, x, sw, s)
+        (hidden, x, sw, s)
     } else {
         (
-            a.hidden * 2,
-            bytemuck_bytes(&random_bf16(rng, a.tokens * a.hidden)),
+            hidden * 2,
+            bytemuck_bytes(&random_bf16(rng, tokens * hidden)),
             0,
             Vec::new(),
         )
     };
     RankInput {
-        tokens: a.tokens,
+        tokens,
         row_bytes,
         x,
         scale_words,
         scales,
-        topk: a.topk,
+        topk,
         topk_idx: ids,
-        weights: (0..a.tokens * a.topk)
+        weights: (0..tokens * topk)
             .map(|_| rng.below(1000) as f32 / 1000.0)
             .collect(),
     }
@@ -219,13 +167,13 @@ fn run_rank(
 ) -> Result<Report> {
     let r = buf.rank();
     let t = inp.tokens;
-    let ids = Tensor::from_host(ctx, &inp.topk_idx, &[t, a.topk])?;
-    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.topk])?;
+    let ids = Tensor::from_host(ctx, &inp.topk_idx, &[t, a.size.topk])?;
+    let weights = Tensor::from_host(ctx, &inp.weights, &[t, a.size.topk])?;
     let (xb, xf, sf);
     let x = if a.fp8 {
         let fp8: Vec<Fp8E4M3> = inp.x.iter().map(|&b| Fp8E4M3(b)).collect();
-        xf = Tensor::from_host(ctx, &fp8, &[t, a.hidden])?;
-        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.hidden / 128])?;
+        xf = Tensor::from_host(ctx, &fp8, &[t, a.size.hidden])?;
+        sf = Tensor::from_host(ctx, &inp.scales, &[t, a.size.hidden / 128])?;
         DispatchX::Fp8 {
             x: &xf,
             scales: &sf,
@@ -236,7 +184,7 @@ fn run_rank(
             .chunks_exact(2)
             .map(|c| Bf16(u16::from_le_bytes([c[0], c[1]])))
             .collect();
-        xb = Tensor::from_host(ctx, &v, &[t, a.hidden])?;
+        xb = Tensor::from_host(ctx, &v, &[t, a.size.hidden])?;
         DispatchX::Bf16(&xb)
     };
     let layout = buf.get_dispatch_layout(&ids)?;
@@ -288,8 +236,8 @@ fn run_rank(
         "rank {r}: per-expert counts differ"
     );
 
-    let cx = Tensor::from_host(ctx, &comb_in.x, &[n, a.hidden])?;
-    let cw = Tensor::from_host(ctx, &comb_in.weights, &[n, a.topk])?;
+    let cx = Tensor::from_host(ctx, &comb_in.x, &[n, a.size.hidden])?;
+    let cw = Tensor::from_host(ctx, &comb_in.weights, &[n, a.size.topk])?;
     let t1 = Instant::now();
     let comb = buf.combine(&InternodeCombineArgs {
         x: &cx,
@@ -336,17 +284,25 @@ impl Round {
     fn generate(a: &Args, topo: &Topology, rngs: &mut [Rng]) -> Result<Round> {
         let world = topo.world();
         let inputs: Vec<RankInput> = rngs.iter_mut().map(|rng| gen(a, rng)).collect();
-        let want = reference::dispatch(topo, &inputs, a.experts, 1)?;
+        let want = reference::dispatch(topo, &inputs, a.size.experts, 1)?;
         let comb_in: Vec<CombineInput> = (0..world)
             .map(|d| CombineInput {
-                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.hidden),
+                x: random_bf16(&mut rngs[d], want.received[d].sources.len() * a.size.hidden),
                 weights: want.received[d].weights.clone(),
             })
             .collect();
         let tokens: Vec<usize> = inputs.iter().map(|i| i.tokens).collect();
         let nob = vec![[None, None]; world];
-        let want_out =
-            reference::combine(topo, &want, &comb_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let want_out = reference::combine(
+            topo,
+            &want,
+            &comb_in,
+            &tokens,
+            a.size.hidden,
+            a.size.topk,
+            &nob,
+        )?
+        .out;
         let abs_in: Vec<CombineInput> = comb_in
             .iter()
             .map(|c| CombineInput {
@@ -357,7 +313,16 @@ impl Round {
                 weights: c.weights.clone(),
             })
             .collect();
-        let scale = reference::combine(topo, &want, &abs_in, &tokens, a.hidden, a.topk, &nob)?.out;
+        let scale = reference::combine(
+            topo,
+            &want,
+            &abs_in,
+            &tokens,
+            a.size.hidden,
+            a.size.topk,
+            &nob,
+        )?
+        .out;
         Ok(Round {
             inputs,
             want,
@@ -376,7 +341,7 @@ fn rank_rngs(seed: u64, world: usize) -> Vec<Rng> {
 }
 
 fn options(a: &Args) -> InternodeOptions {
-    let mut bo = BufferOptions::new(a.tokens, a.hidden, a.topk, a.experts);
+    let mut bo = BufferOptions::new(a.size.tokens, a.size.hidden, a.size.topk, a.size.experts);
     bo.timeout = Duration::from_secs(30);
     bo.max_live_outputs = 2;
     InternodeOptions {
@@ -417,7 +382,7 @@ fn run_processes(a: &Args, topo: &Topology) -> Result<()> {
     }
     println!(
         "internode: OK, {} iteration(s) match the reference on every rank (processes)",
-        a.iters
+        a.size.iters
     );
     Ok(())
 }
@@ -430,7 +395,7 @@ fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, topo: &Topology) -> Result
     let mut buf = InternodeBuffer::new(&ctx, comm.clone(), topo, &options(a))?;
     let mut rngs = rank_rngs(a.seed, topo.world());
     let mut ok = true;
-    for it in 0..a.iters {
+    for it in 0..a.size.iters {
         let round = Round::generate(a, topo, &mut rngs)?;
         let rep = run_rank(
             &mut buf,
@@ -458,23 +423,19 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = parse()?;
-    let gpus = ep_kernels::testing::visible_gpus();
-    if gpus == 0 {
-        eprintln!("internode: no GPU visible; nothing to run");
-        std::process::exit(2);
-    }
-    let topo = Topology::virtual_nodes(a.nodes, a.rpn)?;
+    let gpus = visible_gpus_or_exit("internode");
+    let topo = Topology::virtual_nodes(a.size.nodes, a.size.rpn)?;
     let world = topo.world();
     println!(
         "internode: {} nodes x {} ranks ({}), {} tokens x {} {}, top-{} of {} experts, handler {:?}, seed {}",
-        a.nodes,
-        a.rpn,
+        a.size.nodes,
+        a.size.rpn,
         ep_kernels::testing::mapping(world, gpus),
-        a.tokens,
-        a.hidden,
+        a.size.tokens,
+        a.size.hidden,
         if a.fp8 { "FP8" } else { "BF16" },
-        a.topk,
-        a.experts,
+        a.size.topk,
+        a.size.experts,
         a.handler,
         a.seed
     );
@@ -484,7 +445,7 @@ fn main() -> Result<()> {
     let ctxs = ep_kernels::testing::rank_contexts(world, gpus)?;
     let mut bufs = InternodeBuffer::create_group(&ctxs, &topo, &options(&a))?;
     let mut rngs = rank_rngs(a.seed, world);
-    for it in 0..a.iters {
+    for it in 0..a.size.iters {
         let Round {
             inputs,
             want,
@@ -492,30 +453,17 @@ fn main() -> Result<()> {
             want_out,
             scale,
         } = Round::generate(&a, &topo, &mut rngs)?;
-        let reports: Vec<Result<Report>> = std::thread::scope(|s| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let (ctx, a, inp, want, ci, wo, sc) = (
-                        ctxs[r].clone(),
-                        &a,
-                        &inputs[r],
-                        &want,
-                        &comb_in[r],
-                        &want_out[r].0,
-                        &scale[r].0,
-                    );
-                    s.spawn(move || run_rank(buf, &ctx, a, inp, want, ci, wo, sc))
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked")))
-                })
-                .collect()
+        let reports: Vec<Result<Report>> = on_rank_threads(&mut bufs, |r, buf| {
+            run_rank(
+                buf,
+                &ctxs[r],
+                &a,
+                &inputs[r],
+                &want,
+                &comb_in[r],
+                &want_out[r].0,
+                &scale[r].0,
+            )
         });
         let mut failed = false;
         for (r, rep) in reports.iter().enumerate() {
@@ -535,14 +483,10 @@ fn main() -> Result<()> {
             );
         }
     }
-    std::thread::scope(|s| {
-        for b in bufs {
-            s.spawn(move || drop(b));
-        }
-    });
+    drop_on_rank_threads(bufs);
     println!(
         "internode: OK, {} iteration(s) match the reference",
-        a.iters
+        a.size.iters
     );
     Ok(())
 }
