@@ -202,3 +202,35 @@ impl Rng {
         self.next_u64() % n
     }
 }
+
+/// `n` values in `[0.01, 1.01)` in steps of 2^-24 (weights and scales that are never zero).
+pub fn random_f32(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.below(1 << 24) as f32 / (1 << 24) as f32 + 0.01)
+        .collect()
+}
+
+/// `Ok` when `got` equals `want`; else says, as `what`, how many elements differ and the first.
+pub fn check_eq<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} elements, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let wrong = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        return Err(format!(
+            "{what}: {wrong} of {} differ, first at {i}: got {:?}, expected {:?}",
+            got.len(),
+            got[i],
+            want[i]
+        ));
+    }
+    Ok(())
+}

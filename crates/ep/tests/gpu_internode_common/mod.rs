@@ -21,7 +21,13 @@ use ep::reference::{CombineInput, RankInput, Received};
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, EpError, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK};
 use ep_kernels::testing::Rng;
+pub use ep_kernels::testing::{check_eq, random_f32};
+
 use ibgda_device::protocol::HandlerChoice;
+
+#[path = "../gpu_shared/mod.rs"]
+mod gpu_shared;
+pub use gpu_shared::{random_bf16, upload};
 
 pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
 
@@ -84,18 +90,6 @@ pub fn options(c: &Case, timeout: Duration) -> InternodeOptions {
         nic: NicChoice::Emulated,
         nic_handler: c.handler,
     }
-}
-
-pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
-    (0..n)
-        .map(|_| Bf16::from_f32((rng.below(1 << 20) as f32 / (1 << 19) as f32) - 1.0))
-        .collect()
-}
-
-pub fn random_f32(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| rng.below(1 << 24) as f32 / (1 << 24) as f32 + 0.01)
-        .collect()
 }
 
 /// Top-k ids of one token: nowhere, only its own node, every node, or random (distinct ids).
@@ -198,30 +192,6 @@ pub fn fresh_x(rng: &mut Rng, c: &Case, inp: &RankInput) -> RankInput {
     out
 }
 
-pub fn check_eq<T: PartialEq + std::fmt::Debug>(
-    what: &str,
-    got: &[T],
-    want: &[T],
-) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!(
-            "{what}: {} elements, expected {}",
-            got.len(),
-            want.len()
-        ));
-    }
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        let wrong = (0..got.len()).filter(|&i| got[i] != want[i]).count();
-        return Err(format!(
-            "{what}: {wrong} of {} differ, first at {i}: got {:?}, expected {:?}",
-            got.len(),
-            got[i],
-            want[i]
-        ));
-    }
-    Ok(())
-}
-
 /// Everything one round needs, computed on the host for every rank.
 pub struct Round {
     topo: Topology,
@@ -312,14 +282,6 @@ impl Round {
             abs_combine,
         }
     }
-}
-
-pub fn upload<T: ep::Element>(
-    ctx: &Arc<CudaContext>,
-    data: &[T],
-    shape: &[usize],
-) -> Result<Tensor<T>, String> {
-    Tensor::from_host(ctx, data, shape).map_err(|e| e.to_string())
 }
 
 /// The rows to dispatch, uploaded.

@@ -16,6 +16,11 @@ use ep::{
     EpError, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK,
 };
 use ep_kernels::testing::Rng;
+pub use ep_kernels::testing::{check_eq, random_f32};
+
+#[path = "../gpu_shared/mod.rs"]
+mod gpu_shared;
+pub use gpu_shared::{random_bf16, upload};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Routing {
@@ -65,18 +70,6 @@ impl Case {
             iterations: 1,
         }
     }
-}
-
-pub fn random_bf16(rng: &mut Rng, n: usize) -> Vec<Bf16> {
-    (0..n)
-        .map(|_| Bf16::from_f32((rng.below(1 << 20) as f32 / (1 << 19) as f32) - 1.0))
-        .collect()
-}
-
-pub fn random_f32(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| rng.below(1 << 24) as f32 / (1 << 24) as f32 + 0.01)
-        .collect()
 }
 
 pub fn gen_input(c: &Case, rng: &mut Rng, ranks: usize) -> RankInput {
@@ -146,30 +139,6 @@ pub fn replace_x(c: &Case, inp: &RankInput, rng: &mut Rng) -> RankInput {
     fresh.topk_idx = inp.topk_idx.clone();
     fresh.weights = inp.weights.clone();
     fresh
-}
-
-pub fn check_eq<T: PartialEq + std::fmt::Debug>(
-    what: &str,
-    got: &[T],
-    want: &[T],
-) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!(
-            "{what}: {} elements, expected {}",
-            got.len(),
-            want.len()
-        ));
-    }
-    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
-        let wrong = (0..got.len()).filter(|&i| got[i] != want[i]).count();
-        return Err(format!(
-            "{what}: {wrong} of {} differ, first at {i}: got {:?}, expected {:?}",
-            got.len(),
-            got[i],
-            want[i]
-        ));
-    }
-    Ok(())
 }
 
 /// Checks a dispatch output against the reference (first `n` rows; padding rows when worst).
@@ -268,14 +237,6 @@ pub fn check_combine(
     }
     eprintln!("{what}: combine max abs error {worst:e}");
     Ok(())
-}
-
-pub fn upload<T: ep::Element>(
-    ctx: &Arc<CudaContext>,
-    data: &[T],
-    shape: &[usize],
-) -> Result<Tensor<T>, String> {
-    Tensor::from_host(ctx, data, shape).map_err(|e| e.to_string())
 }
 
 /// Every rank's inputs for one round.
