@@ -234,3 +234,30 @@ pub fn check_eq<T: PartialEq + std::fmt::Debug>(
     }
     Ok(())
 }
+
+/// Runs `f(rank, buffer)` on a thread per buffer (a collective needs every rank at once) and
+/// returns the results in rank order; a thread that panicked gives `Err("rank thread panicked")`.
+pub fn on_rank_threads<B, T, F>(bufs: &mut [B], f: F) -> Vec<Result<T, String>>
+where
+    B: Send,
+    T: Send,
+    F: Fn(usize, &mut B) -> Result<T, String> + Sync,
+{
+    std::thread::scope(|sc| {
+        let joins: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, buf)| {
+                let f = &f;
+                sc.spawn(move || f(r, buf))
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
+            })
+            .collect()
+    })
+}

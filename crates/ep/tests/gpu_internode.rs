@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 use ep::internode::{InternodeBuffer, Topology};
-use ep_kernels::testing::{rank_gpus, seed, Rng};
+use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
 use gpu_internode_common::{options, rank_rngs, rank_round, topologies, Case, Round};
 use ibgda_device::protocol::HandlerChoice;
 
@@ -53,30 +53,14 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
     let mut rngs = rank_rngs(s, world);
     for it in 0..c.iterations {
         let round = Round::generate(c, topo, &mut rngs);
-        let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let (round, ctx) = (&round, ctxs[r].clone());
-                    sc.spawn(move || {
-                        let what = format!(
-                            "{} it {it} rank {r} ({}x{})",
-                            c.name,
-                            topo.nodes(),
-                            topo.ranks_per_node()
-                        );
-                        rank_round(c, r, buf, &ctx, round, &what)
-                    })
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err("rank thread panicked".into()))
-                })
-                .collect()
+        let results = on_rank_threads(&mut bufs, |r, buf| {
+            let what = format!(
+                "{} it {it} rank {r} ({}x{})",
+                c.name,
+                topo.nodes(),
+                topo.ranks_per_node()
+            );
+            rank_round(c, r, buf, &ctxs[r], &round, &what)
         });
         let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
         assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));

@@ -15,7 +15,7 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, DispatchArgs, DispatchOutput, DispatchX, EpError,
     Fp8E4M3, Tensor,
 };
-use ep_kernels::testing::{rank_gpus, seed, Rng};
+use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
 use gpu_intranode_common::{case_options, random_bf16, rank_rngs, Case, Round, Routing};
 
 /// Every case runs at each of these, on however many GPUs there are (ranks share them).
@@ -36,26 +36,9 @@ fn run_case_on(c: &Case, ctxs: &[Arc<CudaContext>]) {
     let mut rngs = rank_rngs(s, ranks);
     for it in 0..c.iterations {
         let round = Round::generate(c, ranks, &mut rngs);
-        let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
-            let joins: Vec<_> = bufs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, buf)| {
-                    let round = &round;
-                    let ctx = ctxs[r].clone();
-                    sc.spawn(move || {
-                        let what = format!("{} it {it} rank {r}/{ranks}", c.name);
-                        round.check_rank(c, r, buf, &ctx, &what)
-                    })
-                })
-                .collect();
-            joins
-                .into_iter()
-                .map(|j| {
-                    j.join()
-                        .unwrap_or_else(|_| Err("rank thread panicked".into()))
-                })
-                .collect()
+        let results = on_rank_threads(&mut bufs, |r, buf| {
+            let what = format!("{} it {it} rank {r}/{ranks}", c.name);
+            round.check_rank(c, r, buf, &ctxs[r], &what)
         });
         let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
         assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
@@ -586,22 +569,8 @@ fn gpu_intranode_graph_capture_worst_tokens() {
     }
     let eager = Round::generate(&c, ranks, &mut rngs);
     let mut bufs = Buffer::create_group(&ctxs, &case_options(&c, ranks)).expect("create buffers");
-    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
-        let joins: Vec<_> = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(r, buf)| {
-                let (c, ctx, replays, eager) = (&c, ctxs[r].clone(), &replays, &eager);
-                sc.spawn(move || graph_rank(c, r, buf, &ctx, replays, eager, 1))
-            })
-            .collect();
-        joins
-            .into_iter()
-            .map(|j| {
-                j.join()
-                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
-            })
-            .collect()
+    let results = on_rank_threads(&mut bufs, |r, buf| {
+        graph_rank(&c, r, buf, &ctxs[r], &replays, &eager, 1)
     });
     let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
     assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
