@@ -22,6 +22,7 @@ mod error;
 mod event;
 pub mod internode;
 mod intranode;
+mod kernel_launch;
 pub mod low_latency;
 mod mapped;
 pub mod preflight;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr};
 use ep_kernels::internode as k;
 use ep_kernels::intranode as ik;
 use ibgda_device::cuda::DeviceBuffer;
@@ -17,6 +17,7 @@ use crate::intranode::{
     CombineArgs, CombineOutput, DispatchArgs, DispatchX, Handle, RecvX, StreamOrder, TopK,
     FP8_BLOCK,
 };
+use crate::kernel_launch::launch_with_params;
 use crate::tensor::Tensor;
 
 /// Where each token goes, across nodes: [`InternodeBuffer::get_dispatch_layout`]'s result.
@@ -203,19 +204,12 @@ impl InternodeBuffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        let mut b = self.stream.launch_builder(f);
-        b.arg(p);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
         // SAFETY: each internode kernel takes exactly one by-value parameter struct and `P` is
         // its #[repr(C)] mirror (layouts asserted on both sides; the caller pairs them); every
         // address in it is a live allocation of this rank, its registered buffer, or a QP
         // descriptor of its live mesh.
-        unsafe { b.launch(cfg) }.map_err(self.cuda(call))?;
-        Ok(())
+        unsafe { launch_with_params(&self.stream, f, grid, block, smem, p) }
+            .map_err(self.cuda(call))
     }
 
     /// Launches the signal-wait kernel over this rank's `which` words (one per node): every

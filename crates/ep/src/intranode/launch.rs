@@ -1,13 +1,14 @@
 //! What every operation shares: argument checks, kernel launches, stream ordering and the
 //! device error report.
 
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr};
 use ep_kernels::intranode as k;
 
 use crate::config::Config;
 use crate::dtype::Element;
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::kernel_launch::launch_with_params;
 use crate::residency::gated;
 use crate::tensor::{Region, Tensor};
 
@@ -82,18 +83,10 @@ impl Buffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        let mut b = self.comm.launch_builder(f);
-        b.arg(p);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
         // SAFETY: every kernel of ep-kernels takes exactly one by-value parameter struct, and `P`
         // is the #[repr(C)] mirror of that kernel's struct (the caller pairs them); every address
         // in it is a live allocation of this rank or a peer-mapped one.
-        unsafe { b.launch(cfg) }.map_err(self.cuda(call))?;
-        Ok(())
+        unsafe { launch_with_params(&self.comm, f, grid, block, smem, p) }.map_err(self.cuda(call))
     }
 
     /// Whether the communication stream is being captured into a CUDA graph (see

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaStream, DeviceRepr};
 use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::qp_desc::NicHandler;
@@ -14,6 +14,7 @@ use super::errors::{device_error, DeviceErrorContext};
 use super::setup::{LowLatencyBuffer, ERROR_OFFSET};
 use crate::dtype::Element;
 use crate::error::{invalid, EpError};
+use crate::kernel_launch::launch_with_params;
 use crate::residency::{gated, LaunchGate, EMULATED_NIC_SMS};
 use crate::tensor::Tensor;
 
@@ -44,19 +45,12 @@ fn launch_now<P: DeviceRepr>(
     rank: usize,
     call: &'static str,
 ) -> Result<(), EpError> {
-    let mut b = stream.launch_builder(f);
-    b.arg(p);
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (k::THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // Every address in `P` is a live allocation of this rank (kept alive by the buffer or the
     // hook) or a peer's window, which stays mapped until the group's teardown barrier.
     // SAFETY: every low-latency kernel takes exactly one by-value parameter struct and `P` is the
     // #[repr(C)] mirror of that kernel's struct (the callers pair them); addresses as above.
-    unsafe { b.launch(cfg) }.map_err(|source| EpError::Cuda { rank, call, source })?;
-    Ok(())
+    unsafe { launch_with_params(stream, f, grid, k::THREADS, 0, p) }
+        .map_err(|source| EpError::Cuda { rank, call, source })
 }
 
 impl LowLatencyBuffer {
@@ -237,21 +231,15 @@ impl LowLatencyBuffer {
         let p = k::LlSleepParams {
             ns: duration.as_nanos().min(u64::MAX as u128) as u64,
         };
-        let mut b = self.stream.launch_builder(&self.sleep_fn);
-        b.arg(&p);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: ep_ll_sleep takes one by-value LlSleepParams (its #[repr(C)] mirror) and
         // touches no memory.
-        unsafe { b.launch(cfg) }.map_err(|source| EpError::Cuda {
-            rank: self.rank,
-            call: "cuLaunchKernel(ep_ll_sleep)",
-            source,
-        })?;
-        Ok(())
+        unsafe { launch_with_params(&self.stream, &self.sleep_fn, 1, 32, 0, &p) }.map_err(
+            |source| EpError::Cuda {
+                rank: self.rank,
+                call: "cuLaunchKernel(ep_ll_sleep)",
+                source,
+            },
+        )
     }
 
     /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
