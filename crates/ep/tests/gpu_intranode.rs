@@ -351,7 +351,8 @@ impl Replay {
     /// layout is computed once, before the capture).
     fn generate(c: &Case, first: Option<&Replay>, rngs: &mut [Rng]) -> Self {
         use ep::reference::{self, CombineInput};
-        use gpu_intranode_common::{gen_input, random_f32, replace_x};
+        use ep_kernels::testing::random_f32;
+        use gpu_intranode_common::{gen_input, replace_x};
         let ranks = rngs.len();
         let num_experts = ranks * c.experts_per_rank;
         let inputs: Vec<_> = (0..ranks)

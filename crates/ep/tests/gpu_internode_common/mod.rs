@@ -27,7 +27,7 @@ use ibgda_device::protocol::HandlerChoice;
 
 #[path = "../gpu_shared/mod.rs"]
 mod gpu_shared;
-pub use gpu_shared::{random_bf16, upload};
+pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
 pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
 
@@ -146,36 +146,7 @@ pub fn gen_input(rng: &mut Rng, c: &Case, topo: &Topology, rank: usize) -> RankI
     let ids: Vec<i32> = (0..tokens)
         .flat_map(|_| route(rng, c, topo, rank))
         .collect();
-    let (row_bytes, x, scale_words, scales) = if c.fp8 {
-        let x: Vec<u8> = (0..tokens * c.hidden)
-            .map(|_| loop {
-                let b = rng.below(256) as u8;
-                if b & 0x7f != 0x7f {
-                    break b;
-                }
-            })
-            .collect();
-        let sw = c.hidden / 128;
-        (c.hidden, x, sw, random_f32(rng, tokens * sw))
-    } else {
-        let x = random_bf16(rng, tokens * c.hidden);
-        (
-            c.hidden * 2,
-            bytemuck::cast_slice(&x).to_vec(),
-            0,
-            Vec::new(),
-        )
-    };
-    RankInput {
-        tokens,
-        row_bytes,
-        x,
-        scale_words,
-        scales,
-        topk: c.topk,
-        topk_idx: ids,
-        weights: random_f32(rng, tokens * c.topk),
-    }
+    random_rank_input(rng, tokens, c.hidden, c.topk, c.fp8, ids)
 }
 
 /// Fresh rows with the same routing (cached dispatch).

@@ -15,12 +15,12 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, Config, DispatchArgs, DispatchOutput, DispatchX,
     EpError, Fp8E4M3, RecvX, StreamOrder, Tensor, TopK,
 };
+pub use ep_kernels::testing::check_eq;
 use ep_kernels::testing::Rng;
-pub use ep_kernels::testing::{check_eq, random_f32};
 
 #[path = "../gpu_shared/mod.rs"]
 mod gpu_shared;
-pub use gpu_shared::{random_bf16, upload};
+pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Routing {
@@ -95,36 +95,7 @@ pub fn gen_input(c: &Case, rng: &mut Rng, ranks: usize) -> RankInput {
         }
         ids.extend(row);
     }
-    let (row_bytes, x, scale_words, scales) = if c.fp8 {
-        let x: Vec<u8> = (0..tokens * c.hidden)
-            .map(|_| loop {
-                let b = rng.below(256) as u8;
-                if b & 0x7f != 0x7f {
-                    break b;
-                }
-            })
-            .collect();
-        let sw = c.hidden / 128;
-        (c.hidden, x, sw, random_f32(rng, tokens * sw))
-    } else {
-        let x = random_bf16(rng, tokens * c.hidden);
-        (
-            c.hidden * 2,
-            bytemuck::cast_slice(&x).to_vec(),
-            0,
-            Vec::new(),
-        )
-    };
-    RankInput {
-        tokens,
-        row_bytes,
-        x,
-        scale_words,
-        scales,
-        topk: c.topk,
-        topk_idx: ids,
-        weights: random_f32(rng, tokens * c.topk),
-    }
+    random_rank_input(rng, tokens, c.hidden, c.topk, c.fp8, ids)
 }
 
 pub fn replace_x(c: &Case, inp: &RankInput, rng: &mut Rng) -> RankInput {
