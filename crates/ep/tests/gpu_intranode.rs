@@ -625,66 +625,50 @@ fn gpu_intranode_tcp_threads() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a local port");
     let port = listener.local_addr().expect("local address").port();
     let token = JobToken::generate().expect("job token");
-    let mut listener = Some(listener);
-    let results: Vec<Result<(), String>> = std::thread::scope(|sc| {
-        let joins: Vec<_> = ctxs
-            .iter()
-            .enumerate()
-            .map(|(r, ctx)| {
-                let l = listener.take().filter(|_| r == 0);
-                let cases = &cases;
-                sc.spawn(move || -> Result<(), String> {
-                    let cfg = RankConfig::new(r, ranks, port)
-                        .map_err(|e| e.to_string())?
-                        .with_token(token)
-                        .with_timeout(Duration::from_secs(60));
-                    let comm = match l {
-                        Some(l) => TcpCommunicator::with_listener(&cfg, l),
-                        None => TcpCommunicator::connect(&cfg),
-                    }
-                    .map_err(|e| format!("rank {r}: rendezvous: {e}"))?;
-                    if comm.same_process() {
-                        return Err("a TCP group of 2 claims to be one process".into());
-                    }
-                    for c in cases {
-                        let mut buf = Buffer::new(ctx, &comm, &case_options(c, ranks))
-                            .map_err(|e| format!("{} rank {r}: create: {e}", c.name))?;
-                        let debug = format!("{buf:?}");
-                        if !debug.contains("same_space: false") {
-                            return Err(format!(
-                                "rank {r}: expected window-offset combine: {debug}"
-                            ));
-                        }
-                        let mut rngs = rank_rngs(s, ranks);
-                        let mut res = Ok(());
-                        for it in 0..c.iterations {
-                            let round = Round::generate(c, ranks, &mut rngs);
-                            res = round.check_rank(
-                                c,
-                                r,
-                                &mut buf,
-                                ctx,
-                                &format!("{} it {it} rank {r}/{ranks} (tcp threads)", c.name),
-                            );
-                            if res.is_err() {
-                                break;
-                            }
-                        }
-                        let shut = buf.shutdown(&comm).map_err(|e| e.to_string());
-                        res.and(shut)?;
-                        eprintln!("{} rank {r}: matches the reference", c.name);
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        joins
-            .into_iter()
-            .map(|j| {
-                j.join()
-                    .unwrap_or_else(|_| Err("rank thread panicked".into()))
-            })
-            .collect()
+    // Rank 0 accepts on the listener; rank 1 connects.
+    let mut ranks_io: Vec<_> = ctxs.iter().zip([Some(listener), None]).collect();
+    let results = on_rank_threads(&mut ranks_io, |r, (ctx, l)| -> Result<(), String> {
+        let l = l.take();
+        let cases = &cases;
+        let cfg = RankConfig::new(r, ranks, port)
+            .map_err(|e| e.to_string())?
+            .with_token(token)
+            .with_timeout(Duration::from_secs(60));
+        let comm = match l {
+            Some(l) => TcpCommunicator::with_listener(&cfg, l),
+            None => TcpCommunicator::connect(&cfg),
+        }
+        .map_err(|e| format!("rank {r}: rendezvous: {e}"))?;
+        if comm.same_process() {
+            return Err("a TCP group of 2 claims to be one process".into());
+        }
+        for c in cases {
+            let mut buf = Buffer::new(ctx, &comm, &case_options(c, ranks))
+                .map_err(|e| format!("{} rank {r}: create: {e}", c.name))?;
+            let debug = format!("{buf:?}");
+            if !debug.contains("same_space: false") {
+                return Err(format!("rank {r}: expected window-offset combine: {debug}"));
+            }
+            let mut rngs = rank_rngs(s, ranks);
+            let mut res = Ok(());
+            for it in 0..c.iterations {
+                let round = Round::generate(c, ranks, &mut rngs);
+                res = round.check_rank(
+                    c,
+                    r,
+                    &mut buf,
+                    ctx,
+                    &format!("{} it {it} rank {r}/{ranks} (tcp threads)", c.name),
+                );
+                if res.is_err() {
+                    break;
+                }
+            }
+            let shut = buf.shutdown(&comm).map_err(|e| e.to_string());
+            res.and(shut)?;
+            eprintln!("{} rank {r}: matches the reference", c.name);
+        }
+        Ok(())
     });
     let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
     assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
