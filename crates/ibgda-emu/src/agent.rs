@@ -334,10 +334,11 @@ impl std::fmt::Debug for Agent {
     }
 }
 
-// SAFETY: the raw module handle is only used by `Drop` (with the context bound), the function
-// handle only by launches, under `launch` and with the context bound (driver handles may be
-// used from any thread); every other field is Send and Sync (pinned buffers are, the stream
-// wrapper is, the counters are behind mutexes or atomics).
+// The raw module handle is only used by `Drop` (with the context bound), the function handle
+// only by launches, under `launch` and with the context bound (driver handles may be used from
+// any thread); every other field is Send and Sync (pinned buffers are, the stream wrapper is,
+// the counters are behind mutexes or atomics).
+// SAFETY: no field is tied to the thread that made it, as said above.
 unsafe impl Send for Agent {}
 // SAFETY: as for Send: shared use goes through `&self` methods that lock or use atomics.
 unsafe impl Sync for Agent {}
@@ -507,10 +508,10 @@ impl Agent {
             idle_exit_ns: AGENT_IDLE_EXIT.as_nanos() as u64,
         };
         let mut args = [&mut params as *mut AgentParams as *mut c_void];
-        // SAFETY: `emu_agent(emu_agent_params)` takes one 32-byte struct, which `AgentParams`
-        // is (asserted on both sides); the ring and control block are pinned and outlive the
-        // kernel (the agent is stopped and waited for before they are freed, see Drop); the
-        // context is current.
+        // `emu_agent(emu_agent_params)` takes one 32-byte struct, which `AgentParams` is
+        // (asserted on both sides); the ring and control block are pinned and outlive the
+        // kernel (the agent is stopped and waited for before they are freed, see Drop).
+        // SAFETY: the arguments match the kernel, as said above, and the context is current.
         check("cuLaunchKernel (emu_agent)", unsafe {
             sys::cuLaunchKernel(
                 self.func,

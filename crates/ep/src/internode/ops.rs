@@ -204,10 +204,10 @@ impl InternodeBuffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        // SAFETY: each internode kernel takes exactly one by-value parameter struct and `P` is
-        // its #[repr(C)] mirror (layouts asserted on both sides; the caller pairs them); every
-        // address in it is a live allocation of this rank, its registered buffer, or a QP
-        // descriptor of its live mesh.
+        // Each internode kernel takes one by-value parameter struct, `P` is its asserted
+        // #[repr(C)] mirror (the caller pairs them), and every address in it is a live
+        // allocation of this rank, its registered buffer, or a QP descriptor of its live mesh.
+        // SAFETY: launch_with_params' contract holds, as said above.
         unsafe { launch_with_params(&self.stream, f, grid, block, smem, p) }
             .map_err(self.cuda(call))
     }
