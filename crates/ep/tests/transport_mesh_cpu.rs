@@ -399,14 +399,20 @@ fn mesh_survives_many_rounds(
     });
 }
 
-#[test]
-fn the_verbs_transport_survives_many_rounds_at_4_ranks() {
+/// 60 rounds of a 4-rank verbs mesh on the emulated firmware in both CPU-runnable modes
+/// (`racing`: quiets race the posts).
+fn verbs_mesh_rounds(racing: bool) {
     for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
         let subnet = EmuSubnet::new();
-        mesh_survives_many_rounds("verbs", mode, 4, 60, false, |r| {
+        mesh_survives_many_rounds("verbs", mode, 4, 60, racing, |r| {
             Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
         });
     }
+}
+
+#[test]
+fn the_verbs_transport_survives_many_rounds_at_4_ranks() {
+    verbs_mesh_rounds(false);
 }
 
 #[test]
@@ -421,12 +427,7 @@ fn the_emulated_transport_survives_many_rounds_at_4_ranks() {
 
 #[test]
 fn the_verbs_transport_survives_quiets_racing_posts_at_4_ranks() {
-    for mode in [HandlerChoice::CpuHostMemory, HandlerChoice::Gpu] {
-        let subnet = EmuSubnet::new();
-        mesh_survives_many_rounds("verbs", mode, 4, 60, true, |r| {
-            Box::new(VerbsTransport::emulated_host(&subnet, r as u32).expect("emulated device"))
-        });
-    }
+    verbs_mesh_rounds(true);
 }
 
 /// A quiet that times out on a verbs QP says how far the NIC has read the send queue

@@ -138,6 +138,20 @@ impl Buffer {
         Ok(e)
     }
 
+    /// `t` tokens fit the buffer's `max_tokens_per_rank`.
+    pub(super) fn tokens_within_limit(&self, t: usize) -> Result<(), EpError> {
+        if t > self.opts.max_tokens_per_rank {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{t} tokens, more than max_tokens_per_rank {}",
+                    self.opts.max_tokens_per_rank
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn check_config(&self, c: &Config) -> Result<(), EpError> {
         if c.num_sms == 0 || c.num_sms > 1024 {
             return Err(invalid(

@@ -42,15 +42,7 @@ impl Buffer {
             ));
         }
         let (t, kk) = (topk_idx.dim(0), topk_idx.dim(1));
-        if t > self.opts.max_tokens_per_rank {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{t} tokens, more than max_tokens_per_rank {}",
-                    self.opts.max_tokens_per_rank
-                ),
-            ));
-        }
+        self.tokens_within_limit(t)?;
         if kk > self.opts.max_topk {
             return Err(invalid(
                 self.rank,
@@ -158,15 +150,7 @@ impl Buffer {
                 ));
             }
         }
-        if t > self.opts.max_tokens_per_rank {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{t} tokens, more than max_tokens_per_rank {}",
-                    self.opts.max_tokens_per_rank
-                ),
-            ));
-        }
+        self.tokens_within_limit(t)?;
         if h > self.opts.max_hidden {
             return Err(invalid(
                 self.rank,
