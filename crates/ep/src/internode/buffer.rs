@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use ep_kernels::internode as k;
-use ibgda_device::protocol::{HandlerChoice, HANDLER_ENV};
+use ibgda_device::protocol::HandlerChoice;
 use ibgda_emu::firmware::EmuSubnet;
 
 use super::staged_plan::StagedPlan;
@@ -22,6 +22,7 @@ use crate::transport::{
     connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicKind, QpGroupConfig,
     RankTransport, Registration, TransportError,
 };
+use crate::transport::{handler_for, HandlerRefusal};
 
 /// Error word at this offset of the mapped page; the received counts after it.
 pub(super) const ERROR_OFFSET: usize = 0;
@@ -378,16 +379,9 @@ impl InternodeBuffer {
             topo.nodes(),
         )
         .ok_or_else(|| invalid(rank, "the net buffer's size overflows"))?;
-        let asked = HandlerChoice::from_env_or(opts.nic_handler)
-            .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
-        let (handler, why) = nic.select(asked).map_err(|e| {
-            let need = if asked == HandlerChoice::Cpu {
-                " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
-                 libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
-            } else {
-                ""
-            };
-            transport_err(rank, &format!("NIC handler {}{need}", asked.name()), e)
+        let (handler, why) = handler_for(&*nic, opts.nic_handler).map_err(|r| match r {
+            HandlerRefusal::Env(m) => invalid(rank, m),
+            HandlerRefusal::Select(doing, e) => transport_err(rank, &doing, e),
         })?;
         tracing::info!(target: "ep", "rank {rank}: internode NIC {}; handler mode {} ({why})", nic.nic(), handler.name());
         let f = |module, name| {

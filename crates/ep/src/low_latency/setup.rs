@@ -6,8 +6,6 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
 use ep_kernels::low_latency as k;
 use ibgda_device::cuda::DeviceBuffer;
-use ibgda_device::protocol::HandlerChoice;
-use ibgda_device::protocol::HANDLER_ENV;
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::firmware::EmuSubnet;
 
@@ -25,6 +23,7 @@ use crate::transport::{
     connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicDecision, NicKind, QpGroupConfig,
     RankTransport, Registration, TransportError, NIC_ENV,
 };
+use crate::transport::{handler_for, HandlerRefusal};
 
 /// Error word (`ep_kernels::intranode::ErrorWord`) at this offset of the mapped page.
 pub(super) const ERROR_OFFSET: usize = 0;
@@ -289,16 +288,9 @@ impl LowLatencyBuffer {
         };
         let handler = match &nic {
             Some((t, decision)) => {
-                let asked = HandlerChoice::from_env_or(opts.nic_handler)
-                    .map_err(|e| invalid(rank, format!("{HANDLER_ENV}: {e}")))?;
-                let (mode, why) = t.select(asked).map_err(|e| {
-                    let need = if asked == HandlerChoice::Cpu {
-                        " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
-                         libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
-                    } else {
-                        ""
-                    };
-                    transport_err(rank, &format!("NIC handler {}{need}", asked.name()), e)
+                let (mode, why) = handler_for(&**t, opts.nic_handler).map_err(|r| match r {
+                    HandlerRefusal::Env(m) => invalid(rank, m),
+                    HandlerRefusal::Select(doing, e) => transport_err(rank, &doing, e),
                 })?;
                 tracing::info!(
                     target: "ep",

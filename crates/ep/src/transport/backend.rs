@@ -128,3 +128,32 @@ pub trait RankTransport: Send + Sync + fmt::Debug {
         cfg: &QpGroupConfig,
     ) -> Result<Box<dyn QpSet>, TransportError>;
 }
+
+/// Why [`handler_for`] found no mode.
+pub(crate) enum HandlerRefusal {
+    /// `IBGDA_NIC_HANDLER` holds no mode's name.
+    Env(String),
+    /// The transport cannot run the asked mode: what was asked (with what mode `cpu` needs), and
+    /// the transport's reason.
+    Select(String, TransportError),
+}
+
+/// The handler mode a buffer runs on `t`: `option` unless `IBGDA_NIC_HANDLER` overrides it, as
+/// the transport selects it, and why.
+pub(crate) fn handler_for<T: RankTransport + ?Sized>(
+    t: &T,
+    option: HandlerChoice,
+) -> Result<(NicHandler, String), HandlerRefusal> {
+    let asked = HandlerChoice::from_env_or(option).map_err(|e| {
+        HandlerRefusal::Env(format!("{}: {e}", ibgda_device::protocol::HANDLER_ENV))
+    })?;
+    t.select(asked).map_err(|e| {
+        let need = if asked == HandlerChoice::Cpu {
+            " (mode cpu keeps producer slots in GPU memory: a real NIC needs GDRCopy, \
+             libgdrapi and the gdrdrv driver; the emulated NIC needs only a GPU)"
+        } else {
+            ""
+        };
+        HandlerRefusal::Select(format!("NIC handler {}{need}", asked.name()), e)
+    })
+}

@@ -40,6 +40,7 @@ mod mesh;
 mod nic;
 mod verbs;
 
+pub(crate) use backend::{handler_for, HandlerRefusal};
 pub use backend::{ConnInfo, QpSet, RankTransport, Registration, Responder};
 pub use doorbell::{DoorbellHook, EmuDoorbell, ProxyDoorbell};
 pub use emulated::{
