@@ -1062,8 +1062,16 @@ impl HostQp {
 
     /// The CQE in entry `slot`, as it is now.
     pub fn cqe(&self, slot: u32) -> Cqe64 {
+        let off = slot as usize * CQE_BYTES as usize;
+        // The NIC writes a CQE's first 56 bytes, then its last 8 (WQE counter, signature,
+        // opcode and owner bit) with release order. Those 8 are read first, with acquire order,
+        // so the body read after them is at least the one they were published with: one plain
+        // copy of 64 bytes could pair a new owner bit with the slot's previous byte count
+        // (seen on an H200: a 1 MiB write's CQE read with `byte_cnt` 0, 2026-12-02).
+        let tail = self.cq.load_u64(off + 56);
         let mut b = [0u8; 64];
-        self.cq.read(slot as usize * CQE_BYTES as usize, &mut b);
+        self.cq.read(off, &mut b[..56]);
+        b[56..].copy_from_slice(&tail.to_ne_bytes());
         bytemuck::pod_read_unaligned(&b)
     }
 

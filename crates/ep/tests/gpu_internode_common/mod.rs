@@ -82,7 +82,13 @@ pub fn topologies() -> Vec<(usize, usize)> {
 
 pub fn options(c: &Case, timeout: Duration) -> InternodeOptions {
     let mut b = BufferOptions::new(c.max_tokens, c.hidden, c.topk, 1);
-    b.timeout = timeout;
+    // Mode cpu builds a copy-engine mirror of every QP's producer slots at creation: at 8 ranks
+    // on one GPU (56 QPs) creation ran past 8 s on an H200 (2026-12-02), so it gets more time.
+    b.timeout = if c.handler == HandlerChoice::Cpu {
+        timeout.max(Duration::from_secs(30))
+    } else {
+        timeout
+    };
     b.poison_outputs = true;
     b.max_live_outputs = 2;
     InternodeOptions {
