@@ -11,6 +11,7 @@ use crate::bootstrap::{exchange_buffers, Communicator, PeerBuffer};
 use crate::config::BufferOptions;
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::mask::RankMask;
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate};
 
@@ -99,6 +100,9 @@ pub struct Buffer {
     pub(super) mapped: Arc<crate::mapped::MappedHost>,
     /// What the kernels get as `error` (points at the error word in `mapped`).
     pub(super) errors: Arc<crate::mapped::ErrorReport>,
+    /// Whom this rank masks ([`Buffer::update_mask`]); every kernel that exchanges with peers
+    /// reads it.
+    pub(super) mask: RankMask,
     /// Every window of the group, when its ranks are threads built together
     /// ([`Buffer::create_group`]): each rank's window is freed only once no rank's buffer holds
     /// it, so a drop never frees memory a peer's kernels may still write. `None` otherwise.
@@ -162,6 +166,7 @@ struct Parts {
     out: Arc<DeviceBuffer>,
     mapped: crate::mapped::MappedHost,
     errors: crate::mapped::ErrorReport,
+    mask: RankMask,
 }
 
 impl Parts {
@@ -201,6 +206,8 @@ impl Parts {
             rank,
         )?;
         let errors = crate::mapped::ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?;
+        // Nobody masked: zeroed (and waited for) before any kernel reads it.
+        let mask = RankMask::new(ctx, rank, ranks)?;
         Ok(Self {
             kernels,
             comm,
@@ -209,6 +216,7 @@ impl Parts {
             out: Arc::new(out),
             mapped,
             errors,
+            mask,
         })
     }
 }
@@ -356,6 +364,7 @@ impl Buffer {
             out_w_offset: oplan.weights,
             mapped: Arc::new(parts.mapped),
             errors: Arc::new(parts.errors),
+            mask: parts.mask,
             group_windows: None,
             epoch: 0,
             poisoned: None,

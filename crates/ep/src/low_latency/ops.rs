@@ -13,7 +13,7 @@ use super::args::{
 };
 use super::hook::{HookParams, RecvHook};
 use super::launch::launch;
-use super::mask::RankMask;
+use crate::mask::RankMask;
 use super::plan::msg_bytes;
 use super::setup::LowLatencyBuffer;
 use crate::dtype::Bf16;

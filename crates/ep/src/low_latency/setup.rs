@@ -9,7 +9,7 @@ use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::firmware::EmuSubnet;
 
-use super::mask::RankMask;
+use crate::mask::RankMask;
 use super::options::{check_options, LowLatencyOptions};
 use super::plan::{Dims, NetPlan, OutPlan};
 use crate::bootstrap::{exchange_buffers, PeerBuffer};
