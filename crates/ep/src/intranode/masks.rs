@@ -21,7 +21,9 @@
 //! Ranks that mask each other never wait on each other: every barrier releases to and waits for
 //! linked ranks only, and every wait is bounded. Every rank still makes every call (they are
 //! collectives of its group), so that the barrier epochs, counted per rank on the GPU, stay in
-//! step; a rank unmasked again must have made the same calls as the others meanwhile.
+//! step; a rank unmasked again must have made the same calls as the others meanwhile. (Ranks of
+//! one process sharing a GPU also meet on the host around every launch, masked or not:
+//! [`LaunchGate`](crate::residency::LaunchGate), bounded like every wait.)
 //!
 //! What a mask does, with [`reference::masked_ids`](crate::reference::masked_ids) as its CPU
 //! definition: a masked rank gets none of this rank's tokens (dispatch), rows it would have sent
