@@ -437,13 +437,14 @@ impl Buffer {
         )
     }
 
-    /// This rank's kernels may still run: leaks every allocation they write (its window, the
-    /// combine outputs, the error and host-info words) and its mappings of the peers' windows.
+    /// This rank's kernels may still run: leaks every allocation they touch (its window, the
+    /// combine outputs, the error and host-info words, the rank mask) and its mappings of the
+    /// peers' windows.
     fn leak_own(&mut self, why: &str) {
         tracing::error!(
             rank = self.rank,
             "{why}: leaking this rank's window ({} bytes), combine outputs and error words, and \
-             its mappings of the peers' windows, which its kernels may still write",
+             its mask and its mappings of the peers' windows, which its kernels may still touch",
             self.wplan.bytes
         );
         std::mem::forget(std::mem::take(&mut self.peers));
@@ -451,6 +452,7 @@ impl Buffer {
         std::mem::forget(self.out_pool.slots.first().cloned());
         std::mem::forget(self.mapped.clone());
         std::mem::forget(self.errors.clone());
+        std::mem::forget(self.mask.keep());
         if let Some(w) = self.group_windows.take() {
             std::mem::forget(w);
         }
