@@ -37,8 +37,9 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   that was masked and missed calls back in step. In normal mode the masks of all ranks must be
   symmetric and transitive (the ranks fall into groups that exchange only inside themselves; a
   rank is always in its own), every rank still makes every call, and no wait masks a rank:
-  masks that break the rule fail with ``RuntimeError`` naming the ranks (the kernels check), or,
-  where one rank masks another that does not mask it back, with ``TimeoutError`` on the latter.
+  masks that break the rule fail with ``RuntimeError`` naming the ranks (the kernels check; where
+  one rank masks another that does not mask it back, on the latter, or with ``TimeoutError`` if
+  the masking rank never makes the call).
   A normal-mode ``query`` reports the caller's masks (on a ``low_latency_mode`` Buffer, the
   low-latency buffer's, which include timed-out ranks).
 - **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``

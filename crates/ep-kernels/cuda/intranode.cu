@@ -24,8 +24,10 @@
 // linked ranks link the same set (masks symmetric and transitive: the ranks fall into groups).
 // Each notify and barrier publishes this rank's link set with its release and checks every
 // linked peer's after the wait (links_agree): a disagreement is kErrMaskMismatch, never a
-// silently wrong layout. A rank that masks a peer which does not mask it back leaves that peer
-// waiting until its bound (kErrTimeout).
+// silently wrong layout. A rank that masks a peer which does not mask it back never releases to
+// it: the peer, waiting, sees that rank's epoch reach the operation with a link set leaving it
+// out (OneSidedMask) and fails with kErrMaskMismatch too; if that rank never reaches the
+// operation, the wait runs to its bound (kErrTimeout).
 #include <cstdint>
 
 #include "ep/device.cuh"
@@ -51,14 +53,17 @@ __device__ __forceinline__ int ld_volatile_i32(const int* p) {
 // region and advanced here, on the GPU. Kernel parameters carry no epoch the barriers rely on, so
 // a replayed CUDA graph takes fresh epochs; every rank runs the same epoch-taking kernels in the
 // same order (notify, dispatch; barrier, combine or pull), so the ranks' counters agree. Only this
-// rank's kernels, ordered on its one stream, touch the counter. Every thread of the block calls
-// this; thread 0 advances it.
+// rank's kernels, ordered on its one stream, write the counter. Every thread of the block calls
+// this; thread 0 advances it, with release: what the block wrote before (its link set among it)
+// is visible to a peer that reads the new epoch (OneSidedMask).
 __device__ __forceinline__ uint64_t next_epoch(const uint64_t* signals, int rank) {
     __shared__ uint64_t epoch;
+    __syncthreads();
     if (threadIdx.x == 0) {
         SignalHead* mine = signal_of(signals, rank);
         epoch = mine->epoch + 1;
-        mine->epoch = epoch;
+        __threadfence_system();
+        st_release_sys(&mine->epoch, epoch);
     }
     __syncthreads();
     return epoch;
@@ -95,6 +100,30 @@ __device__ __forceinline__ bool links_agree(const uint64_t* signals, int rank, i
     __syncthreads();
     return differ == 0;
 }
+
+// Asked now and then while this rank waits for linked peer r at `epoch` (a notify's or a
+// barrier's): whether r has reached this operation (its epoch is at or past ours: every rank
+// takes the same epochs) with a link set that leaves this rank out, i.e. r masks this rank,
+// which does not mask r back. Then r will never release to this rank: kErrMaskMismatch now,
+// rather than a timeout. r's link set is read after its epoch (acquire), so it is this
+// operation's or a later one's; a later one's may already link this rank again, and the wait
+// then runs to its bound as before.
+struct OneSidedMask {
+    const uint64_t* signals;
+    int rank;
+    uint32_t links;
+    uint64_t epoch;
+    uint64_t error;
+    __device__ __forceinline__ bool operator()(int r) const {
+        SignalHead* theirs = signal_of(signals, r);
+        if (ld_acquire_sys(&theirs->epoch) < epoch) return false;
+        const uint32_t their_links = ld_volatile_u32(&theirs->links[r]);
+        if (linked(their_links, rank)) return false;
+        record_error(error, kErrMaskMismatch, rank, r, kMaskOneSided, epoch,
+                     (static_cast<uint64_t>(their_links) << 32) | links);
+        return true;
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify(const NotifyParams p) {
     __shared__ int abort;
@@ -135,7 +164,9 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     }
     const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
     release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
-    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts, links)) return;
+    const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts, links, one_sided))
+        return;
     if (!links_agree(p.signal, p.rank, p.ranks, links, epoch, p.error)) return;
 
     // 2. This dispatch's Meta, at the start of the receive region.
@@ -350,7 +381,9 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     }
     const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
     release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
-    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what), links))
+    const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what), links,
+                        one_sided))
         return;
     links_agree(p.signal, p.rank, p.ranks, links, epoch, p.error);
 }

@@ -51,6 +51,9 @@ pub mod mask_what {
     pub const PEER_LINKS: u32 = 1;
     /// A cached dispatch's handle was made under other links than the current masks give.
     pub const CACHED_HANDLE: u32 = 2;
+    /// A peer this rank links masks this rank (seen while waiting for it, once the peer
+    /// reached the same operation): a one-sided mask.
+    pub const ONE_SIDED: u32 = 3;
 }
 
 /// The ranks a rank links (exchanges data with), as the kernels compute them (`links_of` in
@@ -172,7 +175,8 @@ pub struct SignalHead {
     /// Padding.
     pub pad0: u32,
     /// The last barrier epoch the owner's kernels used; each epoch-taking kernel advances it by
-    /// one on the GPU (so replays of a captured graph take fresh epochs).
+    /// one on the GPU (so replays of a captured graph take fresh epochs). Peers read it only to
+    /// tell a one-sided mask ([`mask_what::ONE_SIDED`]).
     pub epoch: u64,
     /// The link set (see [`links_of`]) each source published with its last notify or barrier
     /// release to the owner: linked ranks must agree on it.

@@ -228,8 +228,8 @@ pub fn masked_inputs(
 /// (masks symmetric and transitive: the ranks fall into groups). Returns each rank's link set
 /// (bit `r` = rank `r`, as `ep_kernels::intranode::links_of`), or the first pair that breaks
 /// the rule, `(rank, peer)`, where `rank` links `peer` but their link sets differ. The kernels
-/// report such a pair as [`EpError::MaskMismatch`](crate::EpError::MaskMismatch) (or, where
-/// one side masks the other and not back, as a timeout of the side still waiting).
+/// report such a pair as [`EpError::MaskMismatch`](crate::EpError::MaskMismatch) (where one
+/// side masks the other and not back, on the side that still links: see `intranode::masks`).
 ///
 /// ```
 /// use ep::reference::normal_mode_links;

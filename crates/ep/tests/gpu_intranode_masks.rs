@@ -153,8 +153,9 @@ fn dispatch_once(
 
 /// Masks the kernels cannot honour fail on every rank with `EpError::MaskMismatch`, soon (no
 /// rank waits out its bound), and nothing is received: ranks 0 and 1 mask each other while the
-/// others link both (not transitive). Then, on fresh buffers, a cached dispatch whose handle was
-/// made under other masks.
+/// others link both (not transitive); the last rank masks rank 0, which does not mask it back
+/// (one-sided: rank 0 learns it while waiting, the others from the link sets). Then, on fresh
+/// buffers, a cached dispatch whose handle was made under other masks.
 #[test]
 fn gpu_intranode_masks_that_cannot_be_honoured() {
     for ranks in ep_kernels::testing::rank_counts(&[4, 8]) {
@@ -168,31 +169,35 @@ fn gpu_intranode_masks_that_cannot_be_honoured() {
         opts.timeout = Duration::from_secs(5);
         let s = seed();
 
-        // Not transitive.
-        let mut masked = groups(ranks, |_| 0);
-        masked[0][1] = true;
-        masked[1][0] = true;
-        assert!(normal_mode_links(&masked).is_err());
-        let mut bufs = Buffer::create_group(&ctxs, &opts).expect("create buffers");
         let mut rngs = rank_rngs(s, ranks);
         let round = Round::generate(&c, ranks, &mut rngs);
-        let started = std::time::Instant::now();
-        let results = on_rank_threads(&mut bufs, |r, buf| {
-            set_masks(buf, r, &masked)?;
-            match dispatch_once(buf, &ctxs[r], &c, &round.plan, r) {
-                Err(EpError::MaskMismatch { .. }) => Ok(()),
-                Err(e) => Err(format!("rank {r}: expected MaskMismatch, got {e}")),
-                Ok(_) => Err(format!("rank {r}: dispatch under bad masks succeeded")),
-            }
-        });
-        let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
-        assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
-        assert!(
-            started.elapsed() < opts.timeout,
-            "the mismatch took {:?}: a rank waited out its bound",
-            started.elapsed()
-        );
-        drop(bufs);
+        let mut not_transitive = groups(ranks, |_| 0);
+        not_transitive[0][1] = true;
+        not_transitive[1][0] = true;
+        let mut one_sided = groups(ranks, |_| 0);
+        one_sided[ranks - 1][0] = true;
+        for (name, masked) in [("not transitive", not_transitive), ("one-sided", one_sided)] {
+            assert!(normal_mode_links(&masked).is_err(), "{name}");
+            let mut bufs = Buffer::create_group(&ctxs, &opts).expect("create buffers");
+            let started = std::time::Instant::now();
+            let results = on_rank_threads(&mut bufs, |r, buf| {
+                set_masks(buf, r, &masked)?;
+                match dispatch_once(buf, &ctxs[r], &c, &round.plan, r) {
+                    Err(EpError::MaskMismatch { .. }) => Ok(()),
+                    Err(e) => Err(format!("{name}: rank {r}: expected MaskMismatch, got {e}")),
+                    Ok(_) => Err(format!(
+                        "{name}: rank {r}: dispatch under bad masks succeeded"
+                    )),
+                }
+            });
+            let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+            assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+            assert!(
+                started.elapsed() < opts.timeout,
+                "{name}: the mismatch took {:?}: a rank waited out its bound",
+                started.elapsed()
+            );
+        }
 
         // A cached dispatch under other masks than its handle's.
         let isolated = groups(ranks, |r| usize::from(r == ranks - 1));

@@ -94,6 +94,10 @@ fn mask_mismatch_what(what: u32, detail: u64) -> String {
             "the cached dispatch's handle was made linking ranks {theirs:?}, the masks now link \
              {mine:?}: dispatch afresh after changing masks"
         ),
+        k::mask_what::ONE_SIDED => format!(
+            "it masks this rank (it links ranks {theirs:?}) while this rank does not mask it \
+             (this rank links {mine:?}): masks must be symmetric"
+        ),
         _ => format!("mask disagreement {what} (links {theirs:?} vs {mine:?})"),
     }
 }
@@ -226,6 +230,22 @@ mod tests {
                 what.contains("[0, 1, 2]") && what.contains("[0, 2]") && what.contains("symmetric"),
                 "{what}"
             ),
+            other => panic!("{other:?}"),
+        }
+        match device_error(
+            2,
+            &word(
+                k::error_code::MASK_MISMATCH,
+                3,
+                k::mask_what::ONE_SIDED,
+                7,
+                (0b1000u64 << 32) | 0b1100,
+            ),
+            t,
+        ) {
+            EpError::MaskMismatch { peer: 3, what, .. } => {
+                assert!(what.contains("masks this rank"), "{what}")
+            }
             other => panic!("{other:?}"),
         }
         // An unknown code is not an argument error.

@@ -15,8 +15,10 @@
 //! set with its release and compares each linked peer's after the wait, so masks that are not
 //! transitive, or a pair where both sides still link each other but disagree on a third rank,
 //! fail with [`EpError::MaskMismatch`] before any row moves. A rank that masks a peer which
-//! does not mask it back neither signals nor waits for that peer, which then waits for it until
-//! its bound: [`EpError::PeerTimeout`] on the peer, naming this rank.
+//! does not mask it back neither signals nor waits for that peer; the peer, while it waits,
+//! reads that rank's epoch and link set and fails with [`EpError::MaskMismatch`] as soon as
+//! that rank has reached the same operation (or with [`EpError::PeerTimeout`] at its bound,
+//! if that rank never does). The masking rank itself goes on, with its other links.
 //!
 //! Ranks that mask each other never wait on each other: every barrier releases to and waits for
 //! linked ranks only, and every wait is bounded. Every rank still makes every call (they are

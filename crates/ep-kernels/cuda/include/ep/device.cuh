@@ -124,14 +124,22 @@ __device__ __forceinline__ void release_to_peers(const uint64_t* signals, int ra
 // Polls of a flag between two reads of the error slot in a wait (keeps the wait loop tight).
 constexpr uint32_t kErrorPollMask = 1023u;
 
+// What a wait asks, now and then, about the peer it waits for: whether to stop waiting (having
+// recorded why). This one never stops.
+struct NoPeerCheck {
+    __device__ __forceinline__ bool operator()(int) const { return false; }
+};
+
 // Thread r < ranks in `links` waits, bounded, until rank r has released `epoch` to this rank
-// (an unlinked rank is not waited for). Returns false
+// (an unlinked rank is not waited for); every kErrorPollMask + 1 polls it also asks
+// `give_up(r)`, which may end the wait as an error would. Returns false
 // on every thread of the block if any wait ran out (the error is recorded) or an error recorded
 // by another wait of this rank was seen (that wait's record stands: the peer it names is the
 // cause, this one would only time out later). `timeout_ns` 0 is the default bound.
+template <typename GiveUp = NoPeerCheck>
 __device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
                                                uint64_t timeout_ns, uint64_t error_addr, uint32_t what,
-                                               uint32_t links = kAllLinked) {
+                                               uint32_t links = kAllLinked, const GiveUp& give_up = GiveUp()) {
     __shared__ int timed_out;
     if (threadIdx.x == 0) timed_out = 0;
     __syncthreads();
@@ -143,7 +151,7 @@ __device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank
         uint32_t polls = 0;
         uint64_t seen;
         while ((seen = ld_acquire_sys(f)) < epoch) {
-            if ((++polls & kErrorPollMask) == 0u && error_recorded(error_addr)) {
+            if ((++polls & kErrorPollMask) == 0u && (error_recorded(error_addr) || give_up(r))) {
                 atomicExch(&timed_out, 1);
                 break;
             }

@@ -32,6 +32,7 @@ enum ErrorCode : uint32_t {
 enum MaskWhat : uint32_t {
     kMaskPeerLinks = 1,     // a linked peer links a different set of ranks (masks not symmetric/transitive)
     kMaskCachedHandle = 2,  // a cached dispatch's handle was made under other links than now
+    kMaskOneSided = 3,      // a peer this rank links masks this rank (seen while waiting for it)
 };
 
 // Which routing value was out of range (`ErrorWord::what` with kErrBadRouting).
@@ -107,13 +108,16 @@ struct SignalHead {
     // Blocks of the owner's current push kernel that have finished (the last one resets it).
     uint32_t blocks_done;
     uint32_t pad0;
-    // The last barrier epoch the owner used. Only the owner's kernels touch it, each advancing it
+    // The last barrier epoch the owner used. Only the owner's kernels write it, each advancing it
     // by one (see next_epoch in intranode.cu): epochs come from the GPU, not from kernel
     // parameters, so a replayed CUDA graph takes fresh epochs, and replays and eager calls
-    // interleave as long as every rank runs the same operations in the same order.
+    // interleave as long as every rank runs the same operations in the same order. Peers read
+    // it (acquire) only to tell a one-sided mask (OneSidedMask in intranode.cu).
     uint64_t epoch;
     // links[src] = the ranks src linked (bit r: src exchanges data with rank r) when it last
-    // released to this rank from a notify or a barrier: linked ranks must agree on it.
+    // released to this rank from a notify or a barrier: linked ranks must agree on it. The
+    // owner's own entry is written before its epoch advances (release), so a peer that reads
+    // the epoch can trust it.
     uint32_t links[kMaxRanks];
     uint32_t pad[4];
     // Followed by int32 experts[kMaxRanks][num_local_experts]: tokens src sends to each of this
