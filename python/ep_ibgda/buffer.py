@@ -935,8 +935,9 @@ class Buffer:
 
     def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
         """Fills ``mask_status`` (int32 ``[num_ranks]``) with who is masked on this rank (1:
-        masked by the caller, or because a wait on it timed out). Ordered on the caller's current
-        stream (needs ``enable_shrink``)."""
+        masked by the caller, or, in low-latency mode, because a wait on it timed out). Ordered
+        on the caller's current stream (needs ``enable_shrink``). A ``low_latency_mode`` Buffer
+        reports its low-latency buffer's masks, any other its intranode buffer's."""
         self._need_shrink("low_latency_query_mask_buffer")
         chk.tensor("mask_status", mask_status, ("int32",), 1, self._device, (self.group_size,))
         import torch
