@@ -25,18 +25,27 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
 - **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
   after the caller's current stream (or after ``previous_event``), and the current stream waits
   for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
-- **Rank masks** (``enable_shrink``): each rank's mask lives in the native low-latency buffer,
-  which is built at the first ``low_latency_dispatch``; masks set (or cleaned, or queried)
-  before that are kept on the host and applied when it is built. A receive wait that runs out
-  of time masks the rank it waited for instead of failing (``low_latency_query_mask_buffer``
-  reports it). ``clean_low_latency_buffer`` is a real reset (a collective of every rank: host
-  barriers around zeroing the signals), which brings a rank that was masked and missed calls
-  back in step.
+- **Rank masks** (``enable_shrink``, DeepEP's ``low_latency_*_mask_buffer`` methods): each
+  rank's mask lives in the native buffers, which are built at their first call; masks set (or
+  cleaned) before that are kept on the host and applied when they are built. They apply to
+  low-latency operations and, unlike DeepEP, to normal-mode (intranode) ``dispatch`` /
+  ``combine`` too: a masked rank gets none of this rank's tokens, its rows are not received and
+  combine leaves its experts' outputs out of each token's sum. In low-latency mode a receive
+  wait that runs out of time masks the rank it waited for instead of failing
+  (``low_latency_query_mask_buffer`` reports it); ``clean_low_latency_buffer`` is a real reset
+  (a collective of every rank: host barriers around zeroing the signals), which brings a rank
+  that was masked and missed calls back in step. In normal mode the masks of all ranks must be
+  symmetric and transitive (the ranks fall into groups that exchange only inside themselves; a
+  rank is always in its own), every rank still makes every call, and no wait masks a rank:
+  masks that break the rule fail with ``RuntimeError`` naming the ranks (the kernels check; where
+  one rank masks another that does not mask it back, on the latter, or with ``TimeoutError`` if
+  the masking rank never makes the call).
+  A normal-mode ``query`` reports the caller's masks (on a ``low_latency_mode`` Buffer, the
+  low-latency buffer's, which include timed-out ranks).
 - **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``
   in the Rust crate spells it out); not with ``zero_copy``, hidden a multiple of 128.
 - **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
-  on more than one node), ``use_fabric``, and rank masks in normal mode (``enable_shrink``
-  without ``low_latency_mode``: the intranode kernels have no masks).
+  on more than one node, masks included) and ``use_fabric``.
 - ``get_local_buffer_tensor`` views the native buffers' own memory (the intranode window, the
   low-latency network buffer), which exist from the first call that builds them.
 """
@@ -175,7 +184,7 @@ class Buffer:
         self._intranode = None
         self._ll = None
         self._torch_streams = {}
-        # Masks set before the native low-latency buffer exists (enable_shrink).
+        # The caller's masks (enable_shrink), applied to each native buffer when it is built.
         self._pending_mask = [0] * self.group_size
         self._destroyed = False
         self._id = id(self)
@@ -241,6 +250,10 @@ class Buffer:
                 self._max_live,
                 self._timeout_s,
             )
+            if self.enable_shrink:
+                for r, m in enumerate(self._pending_mask):
+                    if m and r != self.rank:
+                        self._intranode.update_mask(r, True)
         lim = self._intranode.limits
         if tokens > lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
             raise ValueError(
@@ -395,12 +408,6 @@ class Buffer:
         if self._num_nodes > 1 or self.group_size > NUM_MAX_NVL_PEERS:
             raise _not_implemented(
                 f"internode {what} (the group spans {self._num_nodes} hosts, {self.group_size} ranks)"
-            )
-        if any(self._pending_mask):
-            masked = [r for r, m in enumerate(self._pending_mask) if m]
-            raise _not_implemented(
-                f"rank masks in normal mode ({what} while ranks {masked} are masked: the intranode "
-                "kernels have no rank masks; call low_latency_clean_mask_buffer first)"
             )
 
     # ----- normal mode -----------------------------------------------------------------------
@@ -888,11 +895,6 @@ class Buffer:
         self._live()
         if not self.enable_shrink:
             raise RuntimeError(f"{what} needs a Buffer created with enable_shrink=True (as in DeepEP)")
-        if not self.low_latency_mode:
-            raise _not_implemented(
-                f"rank masks in normal mode ({what} on a Buffer without low_latency_mode: the "
-                "intranode kernels have no rank masks; masks apply to low-latency operations)"
-            )
 
     def _ll_stream_after_current(self):
         """The low-latency stream, made to wait for the caller's current stream."""
@@ -902,35 +904,53 @@ class Buffer:
         stream.wait_stream(torch.cuda.current_stream())
         return stream
 
+    def _intranode_stream_after_current(self):
+        """The intranode communication stream, made to wait for the caller's current stream."""
+        import torch
+
+        stream = self._external_stream(self._intranode.comm_stream)
+        stream.wait_stream(torch.cuda.current_stream())
+        return stream
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Masks (``mask=True``) or unmasks ``rank_to_mask`` on this rank: later low-latency
-        operations send nothing to it and treat what it sends as absent (needs ``enable_shrink``).
-        Ordered after the caller's current stream."""
+        and normal-mode operations send nothing to it and treat what it sends as absent (needs
+        ``enable_shrink``; normal mode: see the module docstring for what the masks of all ranks
+        must be). Ordered after the caller's current stream."""
         self._need_shrink("low_latency_update_mask_buffer")
         if not isinstance(rank_to_mask, int) or isinstance(rank_to_mask, bool) or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
         chk.flag("mask", mask)
-        # The host's copy of the caller's masks: applied when the native buffer is built, and
-        # what normal-mode calls check (they cannot honour a mask).
+        if mask and rank_to_mask == self.rank and not self.low_latency_mode:
+            raise ValueError(f"rank_to_mask {rank_to_mask}: in normal mode a rank cannot mask itself")
+        # The host's copy of the caller's masks: applied when a native buffer is built.
         self._pending_mask[rank_to_mask] = int(mask)
-        if self._ll is None:
-            return
-        self._ll_stream_after_current()
-        self._ll.update_mask(rank_to_mask, mask)
+        if self._ll is not None:
+            self._ll_stream_after_current()
+            self._ll.update_mask(rank_to_mask, mask)
+        # A rank always links itself in normal mode (only low-latency masks can name it).
+        if self._intranode is not None and rank_to_mask != self.rank:
+            self._intranode_stream_after_current()
+            self._intranode.update_mask(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
         """Fills ``mask_status`` (int32 ``[num_ranks]``) with who is masked on this rank (1:
-        masked by the caller, or because a wait on it timed out). Ordered on the caller's current
-        stream (needs ``enable_shrink``)."""
+        masked by the caller, or, in low-latency mode, because a wait on it timed out). Ordered
+        on the caller's current stream (needs ``enable_shrink``). A ``low_latency_mode`` Buffer
+        reports its low-latency buffer's masks, any other its intranode buffer's."""
         self._need_shrink("low_latency_query_mask_buffer")
         chk.tensor("mask_status", mask_status, ("int32",), 1, self._device, (self.group_size,))
         import torch
 
-        if self._ll is None:
+        if self._ll is not None and (self.low_latency_mode or self._intranode is None):
+            stream = self._ll_stream_after_current()
+            self._ll.query_mask(mask_status.data_ptr())
+        elif self._intranode is not None:
+            stream = self._intranode_stream_after_current()
+            self._intranode.query_mask(mask_status.data_ptr())
+        else:
             mask_status.copy_(torch.tensor(self._pending_mask, dtype=torch.int32), non_blocking=False)
             return
-        stream = self._ll_stream_after_current()
-        self._ll.query_mask(mask_status.data_ptr())
         cur = torch.cuda.current_stream()
         cur.wait_stream(stream)
         mask_status.record_stream(stream)
@@ -939,10 +959,12 @@ class Buffer:
         """Unmasks every rank on this rank (needs ``enable_shrink``)."""
         self._need_shrink("low_latency_clean_mask_buffer")
         self._pending_mask = [0] * self.group_size
-        if self._ll is None:
-            return
-        self._ll_stream_after_current()
-        self._ll.clean_mask()
+        if self._ll is not None:
+            self._ll_stream_after_current()
+            self._ll.clean_mask()
+        if self._intranode is not None:
+            self._intranode_stream_after_current()
+            self._intranode.clean_mask()
 
     # ----- misc ------------------------------------------------------------------------------
 

@@ -413,6 +413,26 @@ impl Intranode {
         DeviceView::py(py, &t)
     }
 
+    /// Masks (or unmasks) `rank` on this rank, ordered on the communication stream (rank masks
+    /// in normal mode: see `ep::Buffer::update_mask` for what the masks of all ranks must be).
+    fn update_mask(&mut self, rank: usize, mask: bool) -> PyResult<()> {
+        self.buf()?.update_mask(rank, mask).map_err(to_py)
+    }
+
+    /// Copies who is masked (i32 `[ranks]`, 1 = masked) to `ptr`, ordered on the communication
+    /// stream.
+    fn query_mask(&mut self, ptr: u64) -> PyResult<()> {
+        let ranks = self.buf()?.ranks();
+        // SAFETY: the module's contract: a live, checked i32 `[ranks]` tensor.
+        let out = unsafe { input::<i32>(&self.ctx, ptr, &[ranks]) };
+        self.buf()?.query_mask(&out).map_err(to_py)
+    }
+
+    /// Unmasks every rank, ordered on the communication stream.
+    fn clean_mask(&mut self) -> PyResult<()> {
+        self.buf()?.clean_mask().map_err(to_py)
+    }
+
     /// Waits (bounded) for the communication stream; reports errors the kernels recorded.
     fn synchronize(&mut self) -> PyResult<()> {
         self.buf()?.synchronize().map_err(to_py)

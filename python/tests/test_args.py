@@ -205,23 +205,32 @@ def test_missing_features_are_named(group, fake):
         two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
 
 
-def test_normal_mode_rank_masks_are_not_implemented(group, fake):
-    # Masks need low-latency mode: the intranode kernels have none.
-    b = make(group, enable_shrink=True)
-    for call in (
-        lambda: b.low_latency_update_mask_buffer(0, True),
-        lambda: b.low_latency_query_mask_buffer(fake((1,), "int32")),
-        lambda: b.low_latency_clean_mask_buffer(),
-    ):
-        with pytest.raises(NotImplementedError, match="rank masks in normal mode"):
-            call()
-    # A low-latency Buffer with a rank masked refuses normal-mode calls rather than ignore the mask.
+def test_normal_mode_rank_masks(group, fake):
+    # Masks apply to normal mode too: kept on the host until the intranode buffer is built.
+    b = Buffer(group(2), int(1e8), enable_shrink=True)
+    b.low_latency_update_mask_buffer(1, True)
+    assert b._pending_mask == [0, 1]
+    with pytest.raises(ValueError, match="cannot mask itself"):
+        b.low_latency_update_mask_buffer(0, True)
+    b.low_latency_update_mask_buffer(0, False)
+    with pytest.raises(ValueError, match="mask_status has shape"):
+        b.low_latency_query_mask_buffer(fake((1,), "int32"))
+    # Normal-mode calls no longer refuse a masked rank (the intranode kernels honour masks).
+    b._internode("dispatch")
+    b.low_latency_clean_mask_buffer()
+    assert b._pending_mask == [0, 0]
+    # A low-latency Buffer may mask itself (low-latency masks can name any rank).
     s = Buffer(group(), int(1e8), int(1e9), low_latency_mode=True, enable_shrink=True)
     s.low_latency_update_mask_buffer(0, True)
-    with pytest.raises(NotImplementedError, match=r"rank masks in normal mode \(dispatch while ranks \[0\]"):
-        s.dispatch(fake((T, H)), **layout(fake))
+    assert s._pending_mask == [1]
+    s._internode("dispatch")
     s.low_latency_clean_mask_buffer()
     assert s._pending_mask == [0]
+    # Internode normal mode stays unimplemented, masks or not.
+    two_hosts = Buffer(group(2, hosts=["a", "b"]), int(1e8), enable_shrink=True)
+    two_hosts.low_latency_update_mask_buffer(1, True)
+    with pytest.raises(NotImplementedError, match="internode dispatch"):
+        two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
 
 
 def test_local_buffer_tensor_arguments(group, fake_dtype):

@@ -16,6 +16,18 @@
 // `ep_intranode_combine_pull` reads every copy of each token straight from the ranks holding
 // them and sums them in one pass.
 // Every wait is bounded and reports through the device error slot and the host-mapped word.
+//
+// Rank masks: each rank reads its mask (NotifyParams/BarrierParams/CombinePullParams::mask) as a
+// link set (links_of in device.cuh) and exchanges counts, flags and rows with linked ranks only,
+// so ranks that mask each other never wait on each other. The row layout at each destination is
+// computed by every sender from the counts of the senders before it, which is only right when
+// linked ranks link the same set (masks symmetric and transitive: the ranks fall into groups).
+// Each notify and barrier publishes this rank's link set with its release and checks every
+// linked peer's after the wait (links_agree): a disagreement is kErrMaskMismatch, never a
+// silently wrong layout. A rank that masks a peer which does not mask it back never releases to
+// it: the peer, waiting, sees that rank's epoch reach the operation with a link set leaving it
+// out (OneSidedMask) and fails with kErrMaskMismatch too; if that rank never reaches the
+// operation, the wait runs to its bound (kErrTimeout).
 #include <cstdint>
 
 #include "ep/device.cuh"
@@ -41,14 +53,17 @@ __device__ __forceinline__ int ld_volatile_i32(const int* p) {
 // region and advanced here, on the GPU. Kernel parameters carry no epoch the barriers rely on, so
 // a replayed CUDA graph takes fresh epochs; every rank runs the same epoch-taking kernels in the
 // same order (notify, dispatch; barrier, combine or pull), so the ranks' counters agree. Only this
-// rank's kernels, ordered on its one stream, touch the counter. Every thread of the block calls
-// this; thread 0 advances it.
+// rank's kernels, ordered on its one stream, write the counter. Every thread of the block calls
+// this; thread 0 advances it, with release: what the block wrote before (its link set among it)
+// is visible to a peer that reads the new epoch (OneSidedMask).
 __device__ __forceinline__ uint64_t next_epoch(const uint64_t* signals, int rank) {
     __shared__ uint64_t epoch;
+    __syncthreads();
     if (threadIdx.x == 0) {
         SignalHead* mine = signal_of(signals, rank);
         epoch = mine->epoch + 1;
-        mine->epoch = epoch;
+        __threadfence_system();
+        st_release_sys(&mine->epoch, epoch);
     }
     __syncthreads();
     return epoch;
@@ -65,6 +80,51 @@ __device__ __forceinline__ int checked_count(int v, int limit, bool report, uint
     return v < 0 ? 0 : limit;
 }
 
+// After a barrier: every linked peer published the link set this rank has (thread r checks peer r,
+// whose release it acquired). Returns false on every thread of the block after recording
+// kErrMaskMismatch for the first that differs.
+__device__ __forceinline__ bool links_agree(const uint64_t* signals, int rank, int ranks, uint32_t links,
+                                            uint64_t epoch, uint64_t error) {
+    __shared__ int differ;
+    if (threadIdx.x == 0) differ = 0;
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r < ranks && linked(links, r)) {
+        const uint32_t theirs = ld_volatile_u32(&signal_of(signals, rank)->links[r]);
+        if (theirs != links) {
+            record_error(error, kErrMaskMismatch, rank, r, kMaskPeerLinks, epoch,
+                         (static_cast<uint64_t>(theirs) << 32) | links);
+            atomicExch(&differ, 1);
+        }
+    }
+    __syncthreads();
+    return differ == 0;
+}
+
+// Asked now and then while this rank waits for linked peer r at `epoch` (a notify's or a
+// barrier's): whether r has reached this operation (its epoch is at or past ours: every rank
+// takes the same epochs) with a link set that leaves this rank out, i.e. r masks this rank,
+// which does not mask r back. Then r will never release to this rank: kErrMaskMismatch now,
+// rather than a timeout. r's link set is read after its epoch (acquire), so it is this
+// operation's or a later one's; a later one's may already link this rank again, and the wait
+// then runs to its bound as before.
+struct OneSidedMask {
+    const uint64_t* signals;
+    int rank;
+    uint32_t links;
+    uint64_t epoch;
+    uint64_t error;
+    __device__ __forceinline__ bool operator()(int r) const {
+        SignalHead* theirs = signal_of(signals, r);
+        if (ld_acquire_sys(&theirs->epoch) < epoch) return false;
+        const uint32_t their_links = ld_volatile_u32(&theirs->links[r]);
+        if (linked(their_links, rank)) return false;
+        record_error(error, kErrMaskMismatch, rank, r, kMaskOneSided, epoch,
+                     (static_cast<uint64_t>(their_links) << 32) | links);
+        return true;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify(const NotifyParams p) {
     __shared__ int abort;
     if (threadIdx.x == 0) abort = error_recorded(p.error);
@@ -72,9 +132,14 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     if (abort) return;
     const int L = p.num_local_experts;
     const bool cached = p.cached_meta != 0;
-    // 1. Publish: where this rank's receive region lies in its window, its count row and
-    // per-expert counts, to every rank.
-    for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) signal_of(p.signal, d)->recv_offset[p.rank] = p.recv_offset;
+    const uint32_t links = links_of(p.mask, p.rank, p.ranks);
+    // 1. Publish: where this rank's receive region lies in its window, its link set, its count
+    // row and per-expert counts, to every linked rank (counts to unlinked ranks published as 0).
+    for (int d = threadIdx.x; d < p.ranks; d += blockDim.x) {
+        if (!linked(links, d)) continue;
+        signal_of(p.signal, d)->recv_offset[p.rank] = p.recv_offset;
+        signal_of(p.signal, d)->links[p.rank] = links;
+    }
     if (!cached) {
         // The layout's tensors are the caller's: a count outside [0, tokens] is reported and
         // published clamped, so every rank's offsets stay inside its receive region (each rank
@@ -82,12 +147,15 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
         const int* per_rank = reinterpret_cast<const int*>(p.tokens_per_rank);
         for (int i = threadIdx.x; i < p.ranks * p.ranks; i += blockDim.x) {
             const int d = i / p.ranks, j = i % p.ranks;
+            if (!linked(links, d)) continue;
             signal_of(p.signal, d)->tokens[p.rank][j] =
-                checked_count(per_rank[j], p.num_tokens, d == 0, kRoutingTokensPerRank, j, p);
+                linked(links, j) ? checked_count(per_rank[j], p.num_tokens, d == p.rank, kRoutingTokensPerRank, j, p)
+                                 : 0;
         }
         const int* per_expert = reinterpret_cast<const int*>(p.tokens_per_expert);
         for (int i = threadIdx.x; i < p.ranks * L; i += blockDim.x) {
             const int d = i / L, l = i % L;
+            if (!linked(links, d)) continue;
             experts_of(signal_of(p.signal, d))[p.rank * L + l] =
                 per_expert != nullptr
                     ? checked_count(per_expert[d * L + l], p.num_tokens, true, kRoutingTokensPerExpert, d * L + l, p)
@@ -95,8 +163,11 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
         }
     }
     const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
-    release_to_peers(p.signal, p.rank, p.ranks, epoch);
-    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts)) return;
+    release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
+    const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts, links, one_sided))
+        return;
+    if (!links_agree(p.signal, p.rank, p.ranks, links, epoch, p.error)) return;
 
     // 2. This dispatch's Meta, at the start of the receive region.
     SignalHead* mine = signal_of(p.signal, p.rank);
@@ -105,27 +176,41 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
         const int* from = reinterpret_cast<const int*>(p.cached_meta);
         int* to = reinterpret_cast<int*>(meta);
         for (int i = threadIdx.x; i < static_cast<int>(sizeof(Meta) / 4) + L; i += blockDim.x) to[i] = from[i];
+        // The handle's rows were laid out for its links: sent again under others, they would
+        // land where the receivers do not expect them.
+        const uint32_t was = reinterpret_cast<const Meta*>(p.cached_meta)->links;
+        if (was != links) {
+            if (threadIdx.x == 0)
+                record_error(p.error, kErrMaskMismatch, p.rank, p.rank, kMaskCachedHandle, epoch,
+                             (static_cast<uint64_t>(was) << 32) | links);
+            return;
+        }
     } else {
+        // Only linked ranks wrote this epoch's counts here: an unlinked rank's are stale, and
+        // count as 0.
+        const auto count = [&](int r, int d) { return linked(links, r) ? ld_volatile_i32(&mine->tokens[r][d]) : 0; };
         if (threadIdx.x == 0) {
             int off = 0;
             for (int r = 0; r < p.ranks; ++r) {
                 meta->recv_offset[r] = off;
-                off += ld_volatile_i32(&mine->tokens[r][p.rank]);
+                off += count(r, p.rank);
             }
             meta->recv_offset[p.ranks] = off;
             meta->num_recv = off;
+            meta->links = links;
         }
         if (threadIdx.x < p.ranks) {
             const int d = threadIdx.x;
             int off = 0;
-            for (int r = 0; r < p.rank; ++r) off += ld_volatile_i32(&mine->tokens[r][d]);
+            for (int r = 0; r < p.rank; ++r) off += count(r, d);
             meta->send_offset[d] = off;
-            meta->send_count[d] = ld_volatile_i32(&mine->tokens[p.rank][d]);
+            meta->send_count[d] = count(p.rank, d);
         }
         const int align = p.expert_alignment > 0 ? p.expert_alignment : 1;
         for (int l = threadIdx.x; l < L; l += blockDim.x) {
             int c = 0;
-            for (int r = 0; r < p.ranks; ++r) c += ld_volatile_i32(&experts_of(mine)[r * L + l]);
+            for (int r = 0; r < p.ranks; ++r)
+                if (linked(links, r)) c += ld_volatile_i32(&experts_of(mine)[r * L + l]);
             expert_counts_of(meta)[l] = (c + align - 1) / align * align;
         }
     }
@@ -155,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
 // (cumulatively covering all blocks' stores) and waits for every peer's release. Returns true on
 // that block only, after a successful wait.
 __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t timeout_ns,
-                                            uint64_t error, uint32_t what) {
+                                            uint64_t error, uint32_t what, uint32_t links) {
     __shared__ int last;
     __shared__ uint64_t epoch;
     __syncthreads();
@@ -173,8 +258,8 @@ __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, i
     }
     __syncthreads();
     if (!last) return false;
-    release_to_peers(signals, rank, ranks, epoch);
-    return wait_for_peers(signals, rank, ranks, epoch, timeout_ns, error, what);
+    release_to_peers(signals, rank, ranks, epoch, links);
+    return wait_for_peers(signals, rank, ranks, epoch, timeout_ns, error, what, links);
 }
 
 extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispatch(const DispatchParams p) {
@@ -182,9 +267,13 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     __shared__ int send_offset[kMaxRanks];
     __shared__ int send_count[kMaxRanks];
     __shared__ int abort;
+    __shared__ uint32_t links;
     SignalHead* mine = signal_of(p.signal, p.rank);
     const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
-    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    if (threadIdx.x == 0) {
+        abort = error_recorded(p.error);
+        links = meta->links;  // what notify linked (a cached dispatch: checked equal to the handle's)
+    }
     if (threadIdx.x < p.ranks) {
         const int d = threadIdx.x;
         dst_base[d] = p.window[d] + ld_volatile_u64(&mine->recv_offset[d]);
@@ -202,7 +291,8 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     const int L = p.num_local_experts;
     const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
-        int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        // An unlinked (masked) destination gets none of this rank's tokens.
+        int pos = lane < p.ranks && linked(links, lane) ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
         if (pos >= 0 && (pos >= send_count[lane] || static_cast<int64_t>(send_offset[lane]) + pos >= p.cap)) {
             // Out of agreement with the published count (tokens_per_rank edited): not sent.
             record_error(p.error, kErrBadRouting, p.rank, send_count[lane] > 0 ? send_count[lane] - 1 : 0,
@@ -260,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
         }
     }
 
-    if (!finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitDispatchData)) return;
+    if (!finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitDispatchData, links)) return;
     // Fixed-size output: rows past the received ones carry no expert.
     if (p.num_worst_tokens > 0 && p.topk > 0) {
         const Meta* my_meta = reinterpret_cast<const Meta*>(dst_base[p.rank]);
@@ -280,13 +370,22 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
     if (threadIdx.x == 0) abort = error_recorded(p.error);
     __syncthreads();
     if (abort) return;
-    if (p.publish_x != 0 && threadIdx.x < p.ranks) {
-        signal_of(p.signal, threadIdx.x)->comb_src[p.rank] = p.publish_x;
-        signal_of(p.signal, threadIdx.x)->comb_w_src[p.rank] = p.publish_w;
+    const uint32_t links = links_of(p.mask, p.rank, p.ranks);
+    if (threadIdx.x < p.ranks && linked(links, threadIdx.x)) {
+        SignalHead* peer = signal_of(p.signal, threadIdx.x);
+        if (p.publish_x != 0) {
+            peer->comb_src[p.rank] = p.publish_x;
+            peer->comb_w_src[p.rank] = p.publish_w;
+        }
+        peer->links[p.rank] = links;
     }
     const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
-    release_to_peers(p.signal, p.rank, p.ranks, epoch);
-    wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what));
+    release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
+    const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
+    if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what), links,
+                        one_sided))
+        return;
+    links_agree(p.signal, p.rank, p.ranks, links, epoch, p.error);
 }
 
 // 4 x 8 f32 accumulators and 4 loads per lane: the most that fits 64 registers unspilled.
@@ -357,9 +456,16 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
     __shared__ uint64_t src_x[kMaxRanks], src_w[kMaxRanks];
     __shared__ int send_offset[kMaxRanks];
     __shared__ int warp_pos[kPushThreads / 32][kMaxRanks];
+    // links: this combine's (the start barrier's); pull: those also linked at the dispatch, the
+    // ranks a token's copies may come from (a rank masked since adds nothing to the sum).
+    __shared__ uint32_t links, pull;
     SignalHead* mine = signal_of(p.signal, p.rank);
     const Meta* meta = reinterpret_cast<const Meta*>(p.meta);
-    if (threadIdx.x == 0) abort = error_recorded(p.error);
+    if (threadIdx.x == 0) {
+        abort = error_recorded(p.error);
+        links = links_of(p.mask, p.rank, p.ranks);
+        pull = links & meta->links;
+    }
     if (threadIdx.x < p.ranks) {
         // A window offset (ranks as processes) becomes an address through the peer's window
         // as mapped here.
@@ -377,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
     const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
     int* my_pos = warp_pos[threadIdx.x >> 5];
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
-        const int pos = lane < p.ranks ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        const int pos = lane < p.ranks && linked(pull, lane) ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
         const unsigned mask = __ballot_sync(0xffffffffu, pos >= 0);
         __syncwarp();
         if (lane < kMaxRanks) my_pos[lane] = lane < p.ranks ? send_offset[lane] + pos : -1;
@@ -397,5 +503,5 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_combi
         }
     }
     // Peers may reuse their inputs once every rank has finished reading them.
-    finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitCombineData);
+    finish_push(p.signal, p.rank, p.ranks, p.timeout_ns, p.error, kWaitCombineData, links);
 }

@@ -38,6 +38,40 @@ pub mod error_code {
     /// `what` is a [`routing_what`](super::routing_what) value, `epoch` the value's flat index,
     /// `detail` the value (i64 bits), `peer` the largest value allowed.
     pub const BAD_ROUTING: u32 = 3;
+    /// Rank masks the kernels cannot honour (nothing was sent under them): `what` is a
+    /// [`mask_what`](super::mask_what) value, `peer` the rank that disagrees (this rank for a
+    /// cached handle), `detail` = (the other link set << 32) | this rank's link set, each a
+    /// bitmask over ranks.
+    pub const MASK_MISMATCH: u32 = 4;
+}
+
+/// Which mask disagreement ([`ErrorWord::what`] with [`error_code::MASK_MISMATCH`]).
+pub mod mask_what {
+    /// A linked peer links another set of ranks: masks that are not symmetric and transitive.
+    pub const PEER_LINKS: u32 = 1;
+    /// A cached dispatch's handle was made under other links than the current masks give.
+    pub const CACHED_HANDLE: u32 = 2;
+    /// A peer this rank links masks this rank (seen while waiting for it, once the peer
+    /// reached the same operation): a one-sided mask.
+    pub const ONE_SIDED: u32 = 3;
+}
+
+/// The ranks a rank links (exchanges data with), as the kernels compute them (`links_of` in
+/// `device.cuh`): bit `r` set for every rank `r < ranks` that `masked` does not mask, and
+/// always for `rank` itself.
+///
+/// ```
+/// use ep_kernels::intranode::links_of;
+/// assert_eq!(links_of(&[false, true, false, false], 0), 0b1101);
+/// assert_eq!(links_of(&[true, true], 1), 0b10);
+/// ```
+pub fn links_of(masked: &[bool], rank: usize) -> u32 {
+    masked
+        .iter()
+        .take(MAX_RANKS)
+        .enumerate()
+        .filter(|&(r, &m)| r == rank || !m)
+        .fold(0, |acc, (r, _)| acc | (1 << r))
 }
 
 /// Which routing value was out of range ([`ErrorWord::what`] with
@@ -141,10 +175,14 @@ pub struct SignalHead {
     /// Padding.
     pub pad0: u32,
     /// The last barrier epoch the owner's kernels used; each epoch-taking kernel advances it by
-    /// one on the GPU (so replays of a captured graph take fresh epochs).
+    /// one on the GPU (so replays of a captured graph take fresh epochs). Peers read it only to
+    /// tell a one-sided mask ([`mask_what::ONE_SIDED`]).
     pub epoch: u64,
+    /// The link set (see [`links_of`]) each source published with its last notify or barrier
+    /// release to the owner: linked ranks must agree on it.
+    pub links: [u32; MAX_RANKS],
     /// Padding.
-    pub pad: [u32; 12],
+    pub pad: [u32; 4],
 }
 
 /// Per-dispatch facts at the start of a receive region (`Meta`); expert counts follow it.
@@ -160,8 +198,11 @@ pub struct Meta {
     /// Tokens this rank sends to each destination (as published, clamped): no row past
     /// `send_offset + send_count` is written.
     pub send_count: [i32; MAX_RANKS],
+    /// The ranks this rank was linked with for this dispatch (see [`links_of`]): combine pulls
+    /// nothing from a rank outside them, and a cached dispatch needs the same links.
+    pub links: u32,
     /// Padding.
-    pub pad: [i32; 6],
+    pub pad: [i32; 5],
 }
 
 /// What the host waits for after the count exchange (`HostInfo`); expert counts follow it.
@@ -239,6 +280,8 @@ pub struct NotifyParams {
     pub num_worst_tokens: i32,
     /// Tokens this rank sends: every published count must lie in `[0, num_tokens]`.
     pub num_tokens: i32,
+    /// This rank's `i32 [MAX_RANKS]` rank mask (1 = masked), or 0: every rank linked.
+    pub mask: u64,
 }
 
 /// Byte offsets of a receive region's sections (`RegionLayout`).
@@ -333,6 +376,8 @@ pub struct BarrierParams {
     pub what: i32,
     /// Padding.
     pub pad: i32,
+    /// This rank's `i32 [MAX_RANKS]` rank mask (1 = masked), or 0: every rank linked.
+    pub mask: u64,
 }
 
 /// `ep_intranode_combine_pull` parameters.
@@ -372,6 +417,8 @@ pub struct CombinePullParams {
     pub topk: i32,
     /// Padding.
     pub pad: i32,
+    /// This rank's `i32 [MAX_RANKS]` rank mask (1 = masked), or 0: every rank linked.
+    pub mask: u64,
 }
 
 // SAFETY: each is a #[repr(C)] struct of plain integers whose layout matches the CUDA struct of
@@ -402,7 +449,12 @@ const _: () = {
     assert!(size_of::<HostInfo>() == 16);
     assert!(size_of::<LayoutParams>() == 64);
     assert!(offset_of!(SignalHead, recv_offset) == 64);
-    assert!(size_of::<NotifyParams>() == 160);
+    assert!(size_of::<NotifyParams>() == 168);
+    assert!(offset_of!(NotifyParams, mask) == 160);
+    assert!(offset_of!(SignalHead, links) == 528);
+    assert!(offset_of!(Meta, links) == 104);
+    assert!(offset_of!(BarrierParams, mask) == 120);
+    assert!(offset_of!(CombinePullParams, mask) == 160);
     assert!(offset_of!(NotifyParams, recv_offset) == 72);
     assert!(offset_of!(NotifyParams, rank) == 136);
     assert!(size_of::<RegionLayout>() == 32);
@@ -412,7 +464,7 @@ const _: () = {
     assert!(size_of::<LayoutInvalid>() == 16);
     assert!(offset_of!(DispatchParams, region) == 128);
     assert!(offset_of!(DispatchParams, rank) == 232);
-    assert!(size_of::<BarrierParams>() == 120);
-    assert!(size_of::<CombinePullParams>() == 160);
+    assert!(size_of::<BarrierParams>() == 128);
+    assert!(size_of::<CombinePullParams>() == 168);
     assert!(offset_of!(CombinePullParams, rank) == 136);
 };

@@ -301,6 +301,18 @@ pub enum EpError {
         /// The largest budget that fits.
         fits: u32,
     },
+    /// Rank masks that an intranode operation cannot honour (nothing was sent under them): a
+    /// linked peer links other ranks than this rank does (masks not symmetric and transitive),
+    /// or a cached dispatch's handle was made under other masks.
+    #[error("rank {rank}: rank masks disagree with rank {peer}: {what}")]
+    MaskMismatch {
+        /// The rank that found it.
+        rank: usize,
+        /// The peer whose links differ (this rank, for a cached handle).
+        peer: usize,
+        /// What differs.
+        what: String,
+    },
     /// An earlier error left the peers' flags in an unknown state; the buffer must be rebuilt.
     #[error("rank {rank}: buffer unusable after an earlier error: {first}")]
     Poisoned {

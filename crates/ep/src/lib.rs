@@ -25,6 +25,7 @@ mod intranode;
 mod kernel_launch;
 pub mod low_latency;
 mod mapped;
+mod mask;
 pub mod preflight;
 pub mod reference;
 mod rendezvous;

@@ -173,6 +173,94 @@ pub fn combine(
         .collect()
 }
 
+/// Rank masks (`enable_shrink`, both modes): `masked[r][s]` says rank `r` masks rank `s`. Two
+/// ranks exchange data only when neither masks the other: the sender sends nothing to a rank it
+/// masks, the receiver treats what a rank it masks sends as absent. This returns rank `me`'s
+/// top-k ids (`local` experts per rank) with every expert on a rank it is not linked to replaced
+/// by -1: the dispatch of every rank's masked ids is the dispatch under the masks, and the
+/// combine of `me`'s masked ids its combine (an absent expert adds nothing). [`masked_inputs`]
+/// applies it to the inputs of [`dispatch`].
+///
+/// ```
+/// use ep::reference::masked_ids;
+/// // 2 ranks, 2 experts each; rank 1 masks rank 0.
+/// let masked = vec![vec![false, false], vec![true, false]];
+/// assert_eq!(masked_ids(&[0, 3, 1, 2], 0, 2, &masked), vec![0, -1, 1, -1]);
+/// assert_eq!(masked_ids(&[0, 3], 1, 2, &masked), vec![-1, 3]);
+/// ```
+pub fn masked_ids(topk_idx: &[i32], me: usize, local: usize, masked: &[Vec<bool>]) -> Vec<i32> {
+    topk_idx
+        .iter()
+        .map(|&e| {
+            if e < 0 {
+                return e;
+            }
+            let d = e as usize / local;
+            if masked[me][d] || masked[d][me] {
+                -1
+            } else {
+                e
+            }
+        })
+        .collect()
+}
+
+/// Every rank's inputs with its top-k ids masked ([`masked_ids`]): [`dispatch`] and [`combine`]
+/// over them are the normal-mode (intranode) dispatch and combine under the masks.
+pub fn masked_inputs(
+    inputs: &[RankInput],
+    num_experts: usize,
+    masked: &[Vec<bool>],
+) -> Vec<RankInput> {
+    let local = num_experts / inputs.len().max(1);
+    inputs
+        .iter()
+        .enumerate()
+        .map(|(me, inp)| RankInput {
+            topk_idx: masked_ids(&inp.topk_idx, me, local, masked),
+            ..inp.clone()
+        })
+        .collect()
+}
+
+/// Whether normal-mode (intranode) kernels can honour the masks: every rank links (does not
+/// mask) itself and the ranks it does not mask, and linked ranks must link the same ranks
+/// (masks symmetric and transitive: the ranks fall into groups). Returns each rank's link set
+/// (bit `r` = rank `r`, as `ep_kernels::intranode::links_of`), or the first pair that breaks
+/// the rule, `(rank, peer)`, where `rank` links `peer` but their link sets differ. The kernels
+/// report such a pair as [`EpError::MaskMismatch`](crate::EpError::MaskMismatch) (where one
+/// side masks the other and not back, on the side that still links: see `intranode::masks`).
+///
+/// ```
+/// use ep::reference::normal_mode_links;
+/// // 3 ranks; ranks 0 and 1 mask rank 2, rank 2 masks them: groups {0, 1} and {2}.
+/// let m = vec![vec![false, false, true], vec![false, false, true], vec![true, true, false]];
+/// assert_eq!(normal_mode_links(&m), Ok(vec![0b011, 0b011, 0b100]));
+/// // Rank 2 keeps linking rank 0: they disagree.
+/// let m = vec![vec![false, false, true], vec![false, false, true], vec![false, true, false]];
+/// assert_eq!(normal_mode_links(&m), Err((2, 0)));
+/// ```
+pub fn normal_mode_links(masked: &[Vec<bool>]) -> Result<Vec<u32>, (usize, usize)> {
+    let links: Vec<u32> = masked
+        .iter()
+        .enumerate()
+        .map(|(me, row)| {
+            row.iter()
+                .enumerate()
+                .filter(|&(r, &m)| r == me || !m)
+                .fold(0, |acc, (r, _)| acc | (1 << r))
+        })
+        .collect();
+    for (me, &mine) in links.iter().enumerate() {
+        for (peer, &theirs) in links.iter().enumerate() {
+            if mine >> peer & 1 == 1 && theirs != mine {
+                return Err((me, peer));
+            }
+        }
+    }
+    Ok(links)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,5 +342,66 @@ mod tests {
         let out = combine(&recv, &inputs, &[2, 0], 2, 1, &bias);
         assert_eq!(out[0].0, f(&[4.5, 6.5, 5.5, 6.5]));
         assert_eq!(out[0].1, vec![0.75, 1.0]);
+    }
+
+    /// Rank masks in normal mode: 3 ranks, 1 expert each, top-3; rank 2 is cut off from ranks 0
+    /// and 1 (both sides mask), so each group only exchanges inside itself and combine sums only
+    /// the linked copies.
+    #[test]
+    fn masked_dispatch_and_combine_by_hand() {
+        let m = vec![
+            vec![false, false, true],
+            vec![false, false, true],
+            vec![true, true, false],
+        ];
+        assert_eq!(normal_mode_links(&m), Ok(vec![0b011, 0b011, 0b100]));
+        let input = |x: u8| RankInput {
+            tokens: 1,
+            row_bytes: 1,
+            x: vec![x],
+            topk: 3,
+            topk_idx: vec![0, 1, 2],
+            weights: vec![1.0, 2.0, 4.0],
+            ..Default::default()
+        };
+        let inputs = masked_inputs(&[input(10), input(11), input(12)], 3, &m);
+        assert_eq!(inputs[0].topk_idx, vec![0, 1, -1]);
+        assert_eq!(inputs[2].topk_idx, vec![-1, -1, 2]);
+        let r = dispatch(&inputs, 3, 1);
+        assert_eq!(r[0].sources, vec![(0, 0), (1, 0)]);
+        assert_eq!(r[1].sources, vec![(0, 0), (1, 0)]);
+        assert_eq!(r[2].sources, vec![(2, 0)]);
+        assert_eq!(r[2].x, vec![12]);
+        assert_eq!(r[0].per_expert, vec![2]);
+        // Each received row comes back as 1.0 (its weight): rank 0's token gets 2 copies.
+        let back: Vec<CombineInput> = r
+            .iter()
+            .map(|rv| CombineInput {
+                x: vec![Bf16::from_f32(1.0); rv.sources.len()],
+                weights: rv.weights.clone(),
+            })
+            .collect();
+        let out = combine(&r, &back, &[1, 1, 1], 1, 3, &[]);
+        assert_eq!(out[0].0, vec![Bf16::from_f32(2.0)]);
+        assert_eq!(out[0].1, vec![1.0, 2.0, 0.0]);
+        assert_eq!(out[2].0, vec![Bf16::from_f32(1.0)]);
+        assert_eq!(out[2].1, vec![0.0, 0.0, 4.0]);
+        // A mask on one side only, and a non-transitive one, are refused.
+        let mut one_sided = m.clone();
+        one_sided[2][0] = false;
+        assert!(normal_mode_links(&one_sided).is_err());
+        let chain = vec![
+            vec![false, false, true],
+            vec![false, false, false],
+            vec![true, false, false],
+        ];
+        assert_eq!(normal_mode_links(&chain), Err((0, 1)));
+        // The kernels' link sets are these.
+        for (me, row) in m.iter().enumerate() {
+            assert_eq!(
+                ep_kernels::intranode::links_of(row, me),
+                normal_mode_links(&m).unwrap()[me]
+            );
+        }
     }
 }

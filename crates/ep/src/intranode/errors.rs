@@ -50,6 +50,11 @@ pub(super) fn device_error(rank: usize, w: &k::ErrorWord, timeout: std::time::Du
             value: w.detail as i64,
             limit: u64::from(w.peer),
         },
+        k::error_code::MASK_MISMATCH => EpError::MaskMismatch {
+            rank,
+            peer: w.peer as usize,
+            what: mask_mismatch_what(w.what, w.detail),
+        },
         k::error_code::TIMEOUT => EpError::PeerTimeout {
             rank,
             peer: w.peer as usize,
@@ -72,6 +77,28 @@ pub(super) fn device_error(rank: usize, w: &k::ErrorWord, timeout: std::time::Du
                 w.peer, w.what, w.epoch, w.detail
             ),
         },
+    }
+}
+
+/// What a [`k::error_code::MASK_MISMATCH`] report says, in words: `detail` holds the other
+/// link set in its high half and this rank's in its low half.
+fn mask_mismatch_what(what: u32, detail: u64) -> String {
+    let ranks = |set: u32| -> Vec<usize> { (0..32).filter(|r| set >> r & 1 == 1).collect() };
+    let (theirs, mine) = (ranks((detail >> 32) as u32), ranks(detail as u32));
+    match what {
+        k::mask_what::PEER_LINKS => format!(
+            "it links ranks {theirs:?}, this rank links {mine:?}: masks must be symmetric and \
+             transitive (linked ranks link the same ranks)"
+        ),
+        k::mask_what::CACHED_HANDLE => format!(
+            "the cached dispatch's handle was made linking ranks {theirs:?}, the masks now link \
+             {mine:?}: dispatch afresh after changing masks"
+        ),
+        k::mask_what::ONE_SIDED => format!(
+            "it masks this rank (it links ranks {theirs:?}) while this rank does not mask it \
+             (this rank links {mine:?}): masks must be symmetric"
+        ),
+        _ => format!("mask disagreement {what} (links {theirs:?} vs {mine:?})"),
     }
 }
 
@@ -181,6 +208,44 @@ mod tests {
                 seen: 4,
                 ..
             } => {}
+            other => panic!("{other:?}"),
+        }
+        // Rank 2 links {0, 2}; its peer 0 links {0, 1, 2}.
+        match device_error(
+            2,
+            &word(
+                k::error_code::MASK_MISMATCH,
+                0,
+                k::mask_what::PEER_LINKS,
+                7,
+                (0b111u64 << 32) | 0b101,
+            ),
+            t,
+        ) {
+            EpError::MaskMismatch {
+                rank: 2,
+                peer: 0,
+                what,
+            } => assert!(
+                what.contains("[0, 1, 2]") && what.contains("[0, 2]") && what.contains("symmetric"),
+                "{what}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        match device_error(
+            2,
+            &word(
+                k::error_code::MASK_MISMATCH,
+                3,
+                k::mask_what::ONE_SIDED,
+                7,
+                (0b1000u64 << 32) | 0b1100,
+            ),
+            t,
+        ) {
+            EpError::MaskMismatch { peer: 3, what, .. } => {
+                assert!(what.contains("masks this rank"), "{what}")
+            }
             other => panic!("{other:?}"),
         }
         // An unknown code is not an argument error.

@@ -18,6 +18,11 @@
 //! Operations run on the buffer's communication stream; every wait, on the GPU and on the host,
 //! is bounded.
 //!
+//! Rank masks ([`Buffer::update_mask`], DeepEP's `enable_shrink` in normal mode): a masked rank
+//! gets none of this rank's tokens and its rows and expert outputs are absent; ranks that mask
+//! each other never wait on each other. The masks must be symmetric and transitive (the ranks
+//! fall into groups); the kernels report masks that are not (see `masks.rs`).
+//!
 //! Every rank of a group must call the same operations in the same order (they are collectives).
 //! With `num_worst_tokens` the operations can be captured in a CUDA graph and replayed (see
 //! [`Buffer::dispatch`]): barrier epochs are counted on the GPU, outputs are the tensors the
@@ -29,6 +34,7 @@ use crate::bootstrap::exchange_buffers;
 mod args;
 pub(crate) mod errors;
 mod launch;
+mod masks;
 mod ops;
 mod plan;
 mod setup;

@@ -343,6 +343,7 @@ impl Buffer {
             expert_alignment: args.expert_alignment.max(1) as i32,
             num_worst_tokens: worst as i32,
             num_tokens: t as i32,
+            mask: self.mask_addr(),
         };
         self.launch(
             &self.kernels.notify,
@@ -496,6 +497,7 @@ impl Buffer {
             expert_alignment: 1,
             num_worst_tokens: worst as i32,
             num_tokens: t as i32,
+            mask: self.mask_addr(),
         };
         self.launch(
             &self.kernels.notify,
@@ -606,6 +608,7 @@ impl Buffer {
             ranks: self.ranks as i32,
             what: k::wait_what::COMBINE_START as i32,
             pad: 0,
+            mask: self.mask_addr(),
         };
         self.launch(
             &self.kernels.barrier,
@@ -637,6 +640,7 @@ impl Buffer {
             hidden: hidden as i32,
             topk: topk as i32,
             pad: 0,
+            mask: self.mask_addr(),
         };
         self.launch(
             &self.kernels.pull,

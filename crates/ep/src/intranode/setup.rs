@@ -11,6 +11,7 @@ use crate::bootstrap::{exchange_buffers, Communicator, PeerBuffer};
 use crate::config::BufferOptions;
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::mask::RankMask;
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate};
 
@@ -99,6 +100,9 @@ pub struct Buffer {
     pub(super) mapped: Arc<crate::mapped::MappedHost>,
     /// What the kernels get as `error` (points at the error word in `mapped`).
     pub(super) errors: Arc<crate::mapped::ErrorReport>,
+    /// Whom this rank masks ([`Buffer::update_mask`]); every kernel that exchanges with peers
+    /// reads it.
+    pub(super) mask: RankMask,
     /// Every window of the group, when its ranks are threads built together
     /// ([`Buffer::create_group`]): each rank's window is freed only once no rank's buffer holds
     /// it, so a drop never frees memory a peer's kernels may still write. `None` otherwise.
@@ -162,6 +166,7 @@ struct Parts {
     out: Arc<DeviceBuffer>,
     mapped: crate::mapped::MappedHost,
     errors: crate::mapped::ErrorReport,
+    mask: RankMask,
 }
 
 impl Parts {
@@ -201,6 +206,8 @@ impl Parts {
             rank,
         )?;
         let errors = crate::mapped::ErrorReport::new(ctx, &mapped, ERROR_OFFSET, rank)?;
+        // Nobody masked: zeroed (and waited for) before any kernel reads it.
+        let mask = RankMask::new(ctx, rank, ranks)?;
         Ok(Self {
             kernels,
             comm,
@@ -209,6 +216,7 @@ impl Parts {
             out: Arc::new(out),
             mapped,
             errors,
+            mask,
         })
     }
 }
@@ -356,6 +364,7 @@ impl Buffer {
             out_w_offset: oplan.weights,
             mapped: Arc::new(parts.mapped),
             errors: Arc::new(parts.errors),
+            mask: parts.mask,
             group_windows: None,
             epoch: 0,
             poisoned: None,
@@ -428,13 +437,14 @@ impl Buffer {
         )
     }
 
-    /// This rank's kernels may still run: leaks every allocation they write (its window, the
-    /// combine outputs, the error and host-info words) and its mappings of the peers' windows.
+    /// This rank's kernels may still run: leaks every allocation they touch (its window, the
+    /// combine outputs, the error and host-info words, the rank mask) and its mappings of the
+    /// peers' windows.
     fn leak_own(&mut self, why: &str) {
         tracing::error!(
             rank = self.rank,
             "{why}: leaking this rank's window ({} bytes), combine outputs and error words, and \
-             its mappings of the peers' windows, which its kernels may still write",
+             its mask and its mappings of the peers' windows, which its kernels may still touch",
             self.wplan.bytes
         );
         std::mem::forget(std::mem::take(&mut self.peers));
@@ -442,6 +452,7 @@ impl Buffer {
         std::mem::forget(self.out_pool.slots.first().cloned());
         std::mem::forget(self.mapped.clone());
         std::mem::forget(self.errors.clone());
+        std::mem::forget(self.mask.keep());
         if let Some(w) = self.group_windows.take() {
             std::mem::forget(w);
         }

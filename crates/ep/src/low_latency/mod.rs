@@ -57,7 +57,6 @@ mod graph;
 mod hook;
 mod launch;
 pub mod logfmt;
-mod mask;
 mod ops;
 mod options;
 mod plan;

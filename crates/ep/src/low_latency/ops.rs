@@ -13,12 +13,12 @@ use super::args::{
 };
 use super::hook::{HookParams, RecvHook};
 use super::launch::launch;
-use super::mask::RankMask;
 use super::plan::msg_bytes;
 use super::setup::LowLatencyBuffer;
 use crate::dtype::Bf16;
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::mask::RankMask;
 use crate::tensor::Tensor;
 
 impl LowLatencyBuffer {

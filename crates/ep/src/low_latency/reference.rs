@@ -68,36 +68,12 @@ pub fn route(topk_idx: &[Vec<i32>], topk: usize, num_experts: usize) -> Routing 
     r
 }
 
-/// Rank masks (`enable_shrink`): `masked[r][s]` says rank `r` masks rank `s`. Two ranks exchange
-/// data only when neither masks the other: the sender sends nothing to a rank it masks, the
-/// receiver treats what a rank it masks sends as absent. This returns rank `me`'s top-k ids with
-/// every expert on a rank it is not linked to replaced by -1: [`route`] over every rank's masked
-/// ids is the dispatch under the masks, and [`combine`] over `me`'s masked ids its combine (an
-/// absent expert adds nothing).
-///
-/// ```
-/// use ep::low_latency::reference::masked_ids;
-/// // 2 ranks, 2 experts each; rank 1 masks rank 0.
-/// let masked = vec![vec![false, false], vec![true, false]];
-/// assert_eq!(masked_ids(&[0, 3, 1, 2], 0, 2, &masked), vec![0, -1, 1, -1]);
-/// assert_eq!(masked_ids(&[0, 3], 1, 2, &masked), vec![-1, 3]);
-/// ```
-pub fn masked_ids(topk_idx: &[i32], me: usize, local: usize, masked: &[Vec<bool>]) -> Vec<i32> {
-    topk_idx
-        .iter()
-        .map(|&e| {
-            if e < 0 {
-                return e;
-            }
-            let d = e as usize / local;
-            if masked[me][d] || masked[d][me] {
-                -1
-            } else {
-                e
-            }
-        })
-        .collect()
-}
+/// Rank masks (`enable_shrink`): rank `me`'s top-k ids with every expert on a rank it is not
+/// linked to replaced by -1 (the definition, shared with normal mode, is in
+/// [`crate::reference::masked_ids`]): [`route`] over every rank's masked ids is the dispatch
+/// under the masks, and [`combine`] over `me`'s masked ids its combine (an absent expert adds
+/// nothing).
+pub use crate::reference::masked_ids;
 
 /// The FP8 cast of one BF16 row: per 128 channels `scale = max(amax, 1e-4) / 448` (rounded up to
 /// a power of two with `round_scale`), values `x × (1 / scale)` rounded to e4m3 (saturating).

@@ -9,7 +9,6 @@ use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::qp_desc::NicHandler;
 use ibgda_emu::firmware::EmuSubnet;
 
-use super::mask::RankMask;
 use super::options::{check_options, LowLatencyOptions};
 use super::plan::{Dims, NetPlan, OutPlan};
 use crate::bootstrap::{exchange_buffers, PeerBuffer};
@@ -17,6 +16,7 @@ use crate::error::{invalid, EpError};
 #[cfg(doc)]
 use crate::event::Event;
 use crate::mapped::{ErrorReport, MappedHost};
+use crate::mask::RankMask;
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::transport::{

@@ -421,11 +421,27 @@ pub struct Round {
 impl Round {
     /// The next round from the ranks' generators (see [`rank_rngs`]).
     pub fn generate(c: &Case, ranks: usize, rngs: &mut [Rng]) -> Self {
+        Self::generate_masked(c, ranks, rngs, None)
+    }
+
+    /// [`generate`](Self::generate) for ranks that mask each other (`masked[r][s]`: rank `r`
+    /// masks rank `s`): the ranks send their own routing, the reference routes it under the
+    /// masks ([`reference::masked_inputs`]).
+    pub fn generate_masked(
+        c: &Case,
+        ranks: usize,
+        rngs: &mut [Rng],
+        masked: Option<&[Vec<bool>]>,
+    ) -> Self {
         let num_experts = ranks * c.experts_per_rank;
         let inputs: Vec<RankInput> = (0..ranks)
             .map(|r| gen_input(c, &mut rngs[r], ranks))
             .collect();
-        let expected = reference::dispatch(&inputs, num_experts, c.alignment);
+        let under_masks = |inputs: &[RankInput]| match masked {
+            Some(m) => reference::masked_inputs(inputs, num_experts, m),
+            None => inputs.to_vec(),
+        };
+        let expected = reference::dispatch(&under_masks(&inputs), num_experts, c.alignment);
         let cached_inputs: Vec<Vec<RankInput>> = if c.cached {
             (0..ranks)
                 .map(|r| vec![replace_x(c, &inputs[r], &mut rngs[r])])
@@ -435,10 +451,12 @@ impl Round {
         };
         let expected_cached = c.cached.then(|| {
             reference::dispatch(
-                &cached_inputs
-                    .iter()
-                    .map(|v| v[0].clone())
-                    .collect::<Vec<_>>(),
+                &under_masks(
+                    &cached_inputs
+                        .iter()
+                        .map(|v| v[0].clone())
+                        .collect::<Vec<_>>(),
+                ),
                 num_experts,
                 1,
             )

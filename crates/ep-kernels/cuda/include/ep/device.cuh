@@ -89,11 +89,33 @@ __device__ __forceinline__ SignalHead* signal_of(const uint64_t* signals, int r)
     return reinterpret_cast<SignalHead*>(signals[r]);
 }
 
-// Thread r < ranks releases `epoch` to rank r's flag slot for this rank. Everything this block
-// wrote before (ordered by the caller's __syncthreads) becomes visible to rank r first.
-__device__ __forceinline__ void release_to_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch) {
+// ---- Rank links (rank masks in normal mode) ----
+// A link set is a bitmask over ranks: bit r set = this rank exchanges data with rank r. Barriers
+// release to and wait for linked ranks only, so ranks that mask each other never wait on each
+// other.
+constexpr uint32_t kAllLinked = 0xffffffffu;
+
+__device__ __forceinline__ bool linked(uint32_t links, int r) { return ((links >> r) & 1u) != 0u; }
+
+// The ranks this rank links: every rank < ranks not masked in `mask` (int32 [kMaxRanks], 1 =
+// masked; 0 = no mask), and always this rank itself.
+__device__ __forceinline__ uint32_t links_of(uint64_t mask, int rank, int ranks) {
+    uint32_t links = 0;
+    for (int r = 0; r < ranks && r < kMaxRanks; ++r) {
+        const bool masked =
+            mask != 0 && r != rank && ld_volatile_u32(reinterpret_cast<const uint32_t*>(mask) + r) != 0u;
+        if (!masked) links |= 1u << r;
+    }
+    return links;
+}
+
+// Thread r < ranks releases `epoch` to rank r's flag slot for this rank, if r is in `links`.
+// Everything this block wrote before (ordered by the caller's __syncthreads) becomes visible to
+// rank r first.
+__device__ __forceinline__ void release_to_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
+                                                 uint32_t links = kAllLinked) {
     const int r = threadIdx.x;
-    if (r < ranks) {
+    if (r < ranks && linked(links, r)) {
         __threadfence_system();
         st_release_sys(&signal_of(signals, r)->flag[rank], epoch);
     }
@@ -102,24 +124,34 @@ __device__ __forceinline__ void release_to_peers(const uint64_t* signals, int ra
 // Polls of a flag between two reads of the error slot in a wait (keeps the wait loop tight).
 constexpr uint32_t kErrorPollMask = 1023u;
 
-// Thread r < ranks waits, bounded, until rank r has released `epoch` to this rank. Returns false
+// What a wait asks, now and then, about the peer it waits for: whether to stop waiting (having
+// recorded why). This one never stops.
+struct NoPeerCheck {
+    __device__ __forceinline__ bool operator()(int) const { return false; }
+};
+
+// Thread r < ranks in `links` waits, bounded, until rank r has released `epoch` to this rank
+// (an unlinked rank is not waited for); every kErrorPollMask + 1 polls it also asks
+// `give_up(r)`, which may end the wait as an error would. Returns false
 // on every thread of the block if any wait ran out (the error is recorded) or an error recorded
 // by another wait of this rank was seen (that wait's record stands: the peer it names is the
 // cause, this one would only time out later). `timeout_ns` 0 is the default bound.
+template <typename GiveUp = NoPeerCheck>
 __device__ __forceinline__ bool wait_for_peers(const uint64_t* signals, int rank, int ranks, uint64_t epoch,
-                                               uint64_t timeout_ns, uint64_t error_addr, uint32_t what) {
+                                               uint64_t timeout_ns, uint64_t error_addr, uint32_t what,
+                                               uint32_t links = kAllLinked, const GiveUp& give_up = GiveUp()) {
     __shared__ int timed_out;
     if (threadIdx.x == 0) timed_out = 0;
     __syncthreads();
     const int r = threadIdx.x;
-    if (r < ranks) {
+    if (r < ranks && linked(links, r)) {
         const uint64_t* f = &signal_of(signals, rank)->flag[r];
         const uint64_t start = globaltimer_ns();
         const uint64_t bound = ibgda_wait_bound_ns(timeout_ns);
         uint32_t polls = 0;
         uint64_t seen;
         while ((seen = ld_acquire_sys(f)) < epoch) {
-            if ((++polls & kErrorPollMask) == 0u && error_recorded(error_addr)) {
+            if ((++polls & kErrorPollMask) == 0u && (error_recorded(error_addr) || give_up(r))) {
                 atomicExch(&timed_out, 1);
                 break;
             }

@@ -23,6 +23,16 @@ enum ErrorCode : uint32_t {
     // RoutingWhat, `epoch` the value's flat index, `detail` the value (i64 bits), `peer` the
     // largest value allowed.
     kErrBadRouting = 3,
+    // Rank masks that the kernels cannot honour: `what` is a MaskWhat, `peer` the rank that
+    // disagrees (or this rank), `detail` = (the other link set << 32) | this rank's link set.
+    kErrMaskMismatch = 4,
+};
+
+// Which mask disagreement (`ErrorWord::what` with kErrMaskMismatch).
+enum MaskWhat : uint32_t {
+    kMaskPeerLinks = 1,     // a linked peer links a different set of ranks (masks not symmetric/transitive)
+    kMaskCachedHandle = 2,  // a cached dispatch's handle was made under other links than now
+    kMaskOneSided = 3,      // a peer this rank links masks this rank (seen while waiting for it)
 };
 
 // Which routing value was out of range (`ErrorWord::what` with kErrBadRouting).
@@ -98,18 +108,25 @@ struct SignalHead {
     // Blocks of the owner's current push kernel that have finished (the last one resets it).
     uint32_t blocks_done;
     uint32_t pad0;
-    // The last barrier epoch the owner used. Only the owner's kernels touch it, each advancing it
+    // The last barrier epoch the owner used. Only the owner's kernels write it, each advancing it
     // by one (see next_epoch in intranode.cu): epochs come from the GPU, not from kernel
     // parameters, so a replayed CUDA graph takes fresh epochs, and replays and eager calls
-    // interleave as long as every rank runs the same operations in the same order.
+    // interleave as long as every rank runs the same operations in the same order. Peers read
+    // it (acquire) only to tell a one-sided mask (OneSidedMask in intranode.cu).
     uint64_t epoch;
-    uint32_t pad[12];
+    // links[src] = the ranks src linked (bit r: src exchanges data with rank r) when it last
+    // released to this rank from a notify or a barrier: linked ranks must agree on it. The
+    // owner's own entry is written before its epoch advances (release), so a peer that reads
+    // the epoch can trust it.
+    uint32_t links[kMaxRanks];
+    uint32_t pad[4];
     // Followed by int32 experts[kMaxRanks][num_local_experts]: tokens src sends to each of this
     // rank's local experts.
 };
 static_assert(sizeof(SignalHead) == 576, "SignalHead layout");
 static_assert(offsetof(SignalHead, recv_offset) == 64, "SignalHead layout");
 static_assert(offsetof(SignalHead, epoch) == 520, "SignalHead layout");
+static_assert(offsetof(SignalHead, links) == 528, "SignalHead layout");
 
 // Per-dispatch facts a rank computed, stored at the start of its receive region (so a handle
 // that keeps the region keeps them too).
@@ -122,11 +139,15 @@ struct Meta {
     // How many tokens this rank sends to each destination (what it published, clamped): its rows
     // there are [send_offset, send_offset + send_count); the push sends none past them.
     int32_t send_count[kMaxRanks];
-    int32_t pad[6];
+    // The ranks this rank was linked with for this dispatch (bit r; see links_of in device.cuh):
+    // combine pulls nothing from a rank outside them, a cached dispatch needs the same links.
+    uint32_t links;
+    int32_t pad[5];
     // Followed by int32 expert_counts[num_local_experts] (rounded up to the alignment).
 };
 static_assert(sizeof(Meta) == 128, "Meta layout");
 static_assert(offsetof(Meta, send_count) == 72, "Meta layout");
+static_assert(offsetof(Meta, links) == 104, "Meta layout");
 
 // What the host waits for after the count exchange, in host-mapped pinned memory.
 struct HostInfo {
@@ -172,8 +193,10 @@ struct NotifyParams {
     int32_t expert_alignment;
     int32_t num_worst_tokens;     // 0: none
     int32_t num_tokens;           // tokens this rank sends: published counts lie in [0, this]
+    uint64_t mask;                // int32 [kMaxRanks] rank mask of this rank (1 = masked), or 0: none
 };
-static_assert(sizeof(NotifyParams) == 160, "NotifyParams layout");
+static_assert(sizeof(NotifyParams) == 168, "NotifyParams layout");
+static_assert(offsetof(NotifyParams, mask) == 160, "NotifyParams layout");
 static_assert(offsetof(NotifyParams, num_tokens) == 156, "NotifyParams layout");
 static_assert(offsetof(NotifyParams, recv_offset) == 72, "NotifyParams layout");
 static_assert(offsetof(NotifyParams, rank) == 136, "NotifyParams layout");
@@ -231,8 +254,10 @@ struct BarrierParams {
     int32_t ranks;
     int32_t what;
     int32_t pad;
+    uint64_t mask;                // int32 [kMaxRanks] rank mask of this rank (1 = masked), or 0: none
 };
-static_assert(sizeof(BarrierParams) == 120, "BarrierParams layout");
+static_assert(sizeof(BarrierParams) == 128, "BarrierParams layout");
+static_assert(offsetof(BarrierParams, mask) == 120, "BarrierParams layout");
 
 // The pull combine (`num_sms` blocks): each token's copies are read straight from the ranks
 // that hold them (their combine inputs, published by the start barrier), summed in f32, biased
@@ -254,7 +279,9 @@ struct CombinePullParams {
     int32_t hidden;
     int32_t topk;
     int32_t pad;
+    uint64_t mask;                // int32 [kMaxRanks] rank mask of this rank (1 = masked), or 0: none
 };
-static_assert(sizeof(CombinePullParams) == 160, "CombinePullParams layout");
+static_assert(sizeof(CombinePullParams) == 168, "CombinePullParams layout");
+static_assert(offsetof(CombinePullParams, mask) == 160, "CombinePullParams layout");
 
 }  // namespace ep

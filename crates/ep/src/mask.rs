@@ -1,22 +1,25 @@
-//! Rank masks (DeepEP's `enable_shrink`): which ranks this rank leaves out of its low-latency
-//! operations. A masked rank gets none of this rank's tokens (dispatch) or expert outputs
-//! (combine), and what it would have sent is treated as absent: its rows are not received, its
-//! experts' outputs count as missing from each token's sum. Each rank keeps its own mask (a
-//! `i32 [MASK_WORDS]` array in device memory that the kernels read), set by the caller
-//! ([`LowLatencyBuffer::update_mask`](super::LowLatencyBuffer::update_mask)) or by the kernels
-//! themselves: with shrink on, a receive wait on a rank that runs out of time masks that rank
+//! Rank masks (DeepEP's `enable_shrink`): which ranks this rank leaves out of its operations,
+//! in low-latency mode ([`LowLatencyBuffer::update_mask`](crate::low_latency::LowLatencyBuffer::update_mask))
+//! and in normal intranode mode ([`Buffer::update_mask`](crate::Buffer::update_mask)). A masked
+//! rank gets none of this rank's tokens (dispatch) or expert outputs (combine), and what it would
+//! have sent is treated as absent: its rows are not received, its experts' outputs count as
+//! missing from each token's sum. Each rank keeps its own mask (a `i32 [MASK_WORDS]` array in
+//! device memory that the kernels read), set by the caller or, in low-latency mode with shrink
+//! on, by the kernels themselves: a receive wait on a rank that runs out of time masks that rank
 //! instead of failing the operation, and [`query`](RankMask::query_into) reports it.
 //!
 //! Every change is ordered on the buffer's stream (a `cuMemsetD32Async`), as DeepEP's are.
-//! Masking is symmetric only if the caller makes it so: ranks that should leave each other out
-//! mask each other. A rank unmasked again must have made the same calls as the others meanwhile
-//! (the kernels' sequence numbers count every operation), or the group must be cleaned
-//! ([`LowLatencyBuffer::clean`](super::LowLatencyBuffer::clean)).
+//! What each mode requires of the masks of different ranks (symmetry, and in normal mode
+//! transitivity) is said by the buffer's `update_mask`. A rank unmasked again must have made
+//! the same calls as the others meanwhile (the kernels count every operation).
 
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 use ep_kernels::low_latency::MASK_WORDS;
+
+// One mask type serves both modes: it must have a word for every rank of either.
+const _: () = assert!(ep_kernels::intranode::MAX_RANKS <= MASK_WORDS);
 use ibgda_device::cuda::DeviceBuffer;
 
 use crate::error::{invalid, EpError};
@@ -31,8 +34,7 @@ pub(crate) struct RankMask {
 }
 
 impl RankMask {
-    /// A mask with nobody masked (zeroed on the legacy stream: the caller waits for it before
-    /// the first kernel, as for every buffer of the low-latency buffer's creation).
+    /// A mask with nobody masked (zeroed before this returns).
     pub(crate) fn new(ctx: &Arc<CudaContext>, rank: usize, ranks: usize) -> Result<Self, EpError> {
         let dev = |source| EpError::Device { rank, source };
         let words = DeviceBuffer::new(ctx, MASK_WORDS * 4).map_err(dev)?;
