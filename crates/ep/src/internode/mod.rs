@@ -15,9 +15,12 @@ mod ops;
 pub mod plan;
 pub mod reference;
 mod staged_plan;
+mod worst;
+mod graph;
 mod topology;
 
 pub use buffer::{InternodeBuffer, InternodeOptions};
+pub use graph::InternodeGraph;
 pub use ops::{
     InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput, InternodeHandle,
     InternodeLayout,
