@@ -278,3 +278,220 @@ fn gpu_internode_error_cqe_is_an_err_with_its_syndrome() {
     );
     drop_all(bufs);
 }
+
+/// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too).
+fn poison_host<T: ep::Element>(t: &ep::Tensor<T>) -> Result<(), String> {
+    let n = t.numel() * std::mem::size_of::<T>();
+    let words = vec![0xABAB_ABABu32; n.div_ceil(4)];
+    let bytes: &[u8] = bytemuck::cast_slice(&words);
+    t.copy_from_host(bytemuck::cast_slice(&bytes[..n]))
+        .map_err(|e| e.to_string())
+}
+
+/// Rank `r` of the graph test: layout before the capture; dispatch (num_worst_tokens, top-k),
+/// cached dispatch and combine (received weights, one bias) captured with
+/// `InternodeBuffer::capture`; then every replay in `replays` with its inputs written into the
+/// captured input tensors and every output poisoned from the host first, checked against the
+/// CPU reference; an eager round (`eager`, worst tokens) after replay `eager_after`.
+#[allow(clippy::too_many_arguments)]
+fn graph_rank(
+    c: &Case,
+    topo: &Topology,
+    r: usize,
+    buf: &mut InternodeBuffer,
+    ctx: &Arc<CudaContext>,
+    replays: &[Round],
+    eager: &Round,
+    eager_after: usize,
+) -> Result<(), String> {
+    use ep::internode::{InternodeCombineArgs, InternodeDispatchArgs};
+    use ep::{Bf16, EpError, StreamOrder, Tensor, TopK};
+    use gpu_internode_common::{rank_round, upload, Up};
+    let e = |e: EpError| e.to_string();
+    let first = replays[0].input(r);
+    let t = first.tokens;
+    let worst = topo.world() * c.max_tokens;
+    let ids = upload(ctx, &first.topk_idx, &[t, c.topk])?;
+    let layout = buf.get_dispatch_layout(&ids).map_err(e)?;
+    let x = Up::new(ctx, c, first)?;
+    let x2 = Up::new(ctx, c, replays[0].cached_input(r))?;
+    let zero = Bf16::from_f32(0.0);
+    let w = Tensor::filled(ctx, 0f32, &[t, c.topk]).map_err(e)?;
+    let y = Tensor::filled(ctx, zero, &[worst, c.hidden]).map_err(e)?;
+    let yw = Tensor::filled(ctx, 0f32, &[worst, c.topk]).map_err(e)?;
+    let bias = Tensor::filled(ctx, zero, &[t, c.hidden]).map_err(e)?;
+
+    let (graph, (dout, cached, comb, refused)) = buf
+        .capture(|b| {
+            if !b.is_capturing()? {
+                return Err(EpError::InvalidArgument {
+                    rank: r,
+                    what: "the buffer does not see its stream capturing".into(),
+                });
+            }
+            // Host waits are refused under capture (checked before anything is queued).
+            let mut args = InternodeDispatchArgs {
+                x: x.x(),
+                layout: &layout,
+                topk: TopK {
+                    idx: &ids,
+                    weights: &w,
+                },
+                num_worst_tokens: None,
+                expert_alignment: c.alignment,
+                order: StreamOrder::default(),
+            };
+            let refused = b.get_dispatch_layout(&ids).is_err()
+                && b.synchronize().is_err()
+                && b.dispatch(&args).is_err();
+            args.num_worst_tokens = Some(worst);
+            let d = b.dispatch(&args)?;
+            let cd = b.dispatch_cached(x2.x(), &d.handle, &StreamOrder::default())?;
+            let comb = b.combine(&InternodeCombineArgs {
+                x: &y,
+                handle: &d.handle,
+                topk_weights: Some(&yw),
+                bias: [Some(&bias), None],
+                order: StreamOrder::default(),
+            })?;
+            Ok((d, cd, comb, refused))
+        })
+        .map_err(|e| format!("rank {r}: capture: {e}"))?;
+    if !refused {
+        return Err(
+            "layout, synchronize or dispatch without num_worst_tokens accepted under capture"
+                .into(),
+        );
+    }
+    let recv_x = match &dout.x {
+        ep::RecvX::Bf16(t) => t,
+        ep::RecvX::Fp8 { .. } => return Err("BF16 dispatch returned FP8 rows".into()),
+    };
+    let cached_x = match &cached.x {
+        ep::RecvX::Bf16(t) => t,
+        ep::RecvX::Fp8 { .. } => return Err("BF16 cached dispatch returned FP8 rows".into()),
+    };
+    let recv_idx = dout.topk_idx.as_ref().ok_or("no topk_idx")?;
+    let recv_w = dout.topk_weights.as_ref().ok_or("no topk_weights")?;
+    let per_expert = dout
+        .recv_tokens_per_expert
+        .as_ref()
+        .ok_or("no device per-expert counts")?;
+    let out_w = comb.topk_weights.as_ref().ok_or("no combined weights")?;
+
+    for (k, rp) in replays.iter().enumerate() {
+        let what = format!(
+            "graph replay {k} rank {r} ({}x{})",
+            topo.nodes(),
+            topo.ranks_per_node()
+        );
+        let inp = rp.input(r);
+        match (&x, &x2) {
+            (Up::Bf16(a), Up::Bf16(b)) => {
+                a.copy_from_host(bytemuck::cast_slice(&inp.x)).map_err(e)?;
+                b.copy_from_host(bytemuck::cast_slice(&rp.cached_input(r).x))
+                    .map_err(e)?;
+            }
+            _ => return Err("the graph case is BF16".into()),
+        }
+        w.copy_from_host(&inp.weights).map_err(e)?;
+        let (cin, biases) = rp.combine_input(r);
+        let mut cx = cin.x.clone();
+        let mut cw = cin.weights.clone();
+        // Worst-token padding rows: anything (they are not summed).
+        cx.resize(worst * c.hidden, Bf16::from_f32(7.0));
+        cw.resize(worst * c.topk, 3.0);
+        y.copy_from_host(&cx).map_err(e)?;
+        yw.copy_from_host(&cw).map_err(e)?;
+        bias.copy_from_host(biases[0].as_ref().ok_or("the graph case has one bias")?)
+            .map_err(e)?;
+        for p in [recv_x, cached_x, &comb.x] {
+            poison_host(p)?;
+        }
+        poison_host(recv_idx)?;
+        poison_host(per_expert)?;
+        poison_host(recv_w)?;
+        poison_host(out_w)?;
+        // The uploads ran on the legacy stream; the graph runs on the buffer's stream. Only the
+        // legacy stream is waited for: a whole-context synchronize would also wait for the
+        // graphs of ranks sharing this GPU, which wait for this rank's.
+        ctx.default_stream()
+            .synchronize()
+            .map_err(|e| format!("cuStreamSynchronize(legacy): {e:?}"))?;
+        graph.replay().map_err(|e| format!("{what}: {e}"))?;
+        buf.synchronize().map_err(|e| format!("{what}: {e}"))?;
+        let gx = comb.x.to_host().map_err(e)?;
+        let gw = out_w.to_host().map_err(e)?;
+        rp.check_rank(c, r, &dout, Some(&cached), (&gx, &gw), Some(worst), &what)?;
+        if k == eager_after {
+            // Eager calls between replays: the sequence numbers are counted on the GPU, so
+            // both kinds keep every rank's signals paired.
+            rank_round(
+                c,
+                r,
+                buf,
+                ctx,
+                eager,
+                &format!("eager after replay {k} rank {r}"),
+            )?;
+        }
+    }
+    drop(graph);
+    Ok(())
+}
+
+/// Dispatch (num_worst_tokens) + cached dispatch + combine captured in a CUDA graph on each
+/// rank's communication stream, with no host synchronisation inside; replayed five times with
+/// fresh rows, weights, combine inputs and biases written into the captured tensors (the routing
+/// is the layout's, computed before the capture), every output poisoned before each replay and
+/// checked against the CPU reference; an eager worst-token round between replays. Topologies
+/// 2×1 and 2×2 (`EP_TEST_RANKS` narrows them), ranks as threads sharing the visible GPUs.
+#[test]
+fn gpu_internode_graph_capture_worst_tokens() {
+    let graph_topos: Vec<(usize, usize)> = topologies()
+        .into_iter()
+        .filter(|t| matches!(t, (2, 1) | (2, 2)))
+        .collect();
+    if graph_topos.is_empty() {
+        eprintln!("SKIPPED (EP_TEST_RANKS keeps neither 2x1 nor 2x2): gpu_internode_graph_capture_worst_tokens");
+        return;
+    }
+    let c = Case {
+        worst: true,
+        cached: true,
+        biases: 1,
+        alignment: 4,
+        ..Case::new("graph_worst")
+    };
+    for (nodes, rpn) in graph_topos {
+        let topo = Topology::virtual_nodes(nodes, rpn).expect("topology");
+        let Some(ctxs) = rank_gpus(topo.world()) else {
+            return;
+        };
+        let world = topo.world();
+        let s = seed();
+        let mut rngs = rank_rngs(s, world);
+        let mut replays = vec![Round::generate(&c, &topo, &mut rngs)];
+        for _ in 1..5 {
+            let next = Round::with_routing_of(&c, &topo, &replays[0], &mut rngs);
+            replays.push(next);
+        }
+        let eager = Round::generate(&c, &topo, &mut rngs);
+        let mut o = options(&c, Duration::from_secs(8));
+        o.buffer.num_experts = world * c.experts_per_rank;
+        // The graph's dispatch and cached dispatch outputs stay alive, beside the eager round's.
+        o.buffer.max_live_outputs = 4;
+        let mut bufs =
+            InternodeBuffer::create_group(&ctxs, &topo, &o).expect("create internode buffers");
+        let results = on_rank_threads(&mut bufs, |r, buf| {
+            graph_rank(&c, &topo, r, buf, &ctxs[r], &replays, &eager, 1)
+        });
+        let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+        assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+        drop_all(bufs);
+        eprintln!(
+            "graph_worst on {nodes}x{rpn}: {} replays and an eager round match the reference",
+            replays.len()
+        );
+    }
+}

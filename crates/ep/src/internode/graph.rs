@@ -80,7 +80,9 @@ impl InternodeBuffer {
             InternodeGraph {
                 graph,
                 rank: self.rank,
-                gate: self.launch_gate().map(|g| (g.clone(), self.opts.buffer.timeout)),
+                gate: self
+                    .launch_gate()
+                    .map(|g| (g.clone(), self.opts.buffer.timeout)),
             },
             r,
         ))

@@ -11,13 +11,13 @@
 //! ([`plan`]).
 
 mod buffer;
+mod graph;
 mod ops;
 pub mod plan;
 pub mod reference;
 mod staged_plan;
-mod worst;
-mod graph;
 mod topology;
+mod worst;
 
 pub use buffer::{InternodeBuffer, InternodeOptions};
 pub use graph::InternodeGraph;

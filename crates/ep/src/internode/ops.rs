@@ -122,8 +122,11 @@ pub struct InternodeHandle {
     /// i32 `[MAX_NODES]`: rows each node's rail peer sent this rank, on the GPU (what the combine's
     /// put is planned from).
     pub(super) recv_dev: Tensor<i32>,
-    /// With `num_worst_tokens`: the dispatch's pooled region (its NVLink-hop layouts and counts).
+    /// With `num_worst_tokens`: the NVLink hop's fixed rows per source node.
     pub(super) worst: Option<super::worst::WorstHandle>,
+    /// A cached dispatch's own NVLink-hop regions (with `num_worst_tokens`): held while its
+    /// output is, so that a captured graph's replays rewrite only regions nobody else was given.
+    pub(super) _held: Vec<Handle>,
 }
 
 impl InternodeHandle {
@@ -173,7 +176,10 @@ pub(super) fn bytes_of<T>(n: usize) -> usize {
 }
 
 impl InternodeBuffer {
-    pub(super) fn cuda(&self, call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
+    pub(super) fn cuda(
+        &self,
+        call: &'static str,
+    ) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
         move |source| EpError::Cuda {
             rank: self.rank,
             call,
@@ -401,7 +407,11 @@ impl InternodeBuffer {
 
     /// Records the end of the operation; makes the compute stream wait for it unless
     /// `async_finish` or under capture.
-    pub(super) fn finish(&self, order: &StreamOrder<'_>, capturing: bool) -> Result<Event, EpError> {
+    pub(super) fn finish(
+        &self,
+        order: &StreamOrder<'_>,
+        capturing: bool,
+    ) -> Result<Event, EpError> {
         let e = Event::record(&self.stream, self.rank)?;
         if !order.async_finish && !capturing {
             e.wait_on(&self.compute)?;
@@ -1014,6 +1024,7 @@ impl InternodeBuffer {
                 tokens_per_node: layout.tokens_per_node.clone(),
                 recv_dev,
                 worst: None,
+                _held: Vec::new(),
             },
             event,
         })
@@ -1021,10 +1032,11 @@ impl InternodeBuffer {
 
     /// A fresh device i32 `[MAX_NODES]` for a dispatch's received counts (eager paths).
     fn small_counts(&self) -> Result<Tensor<i32>, EpError> {
-        let b = DeviceBuffer::new(&self.ctx, 4 * k::MAX_NODES).map_err(|source| EpError::Device {
-            rank: self.rank,
-            source,
-        })?;
+        let b =
+            DeviceBuffer::new(&self.ctx, 4 * k::MAX_NODES).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
         Ok(Tensor::view(Arc::new(b), 0, vec![k::MAX_NODES]))
     }
 
@@ -1165,9 +1177,12 @@ impl InternodeBuffer {
         for (n, &c) in recv.iter().enumerate() {
             let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
             let ev = self.fork()?;
-            let mut out =
-                self.intra
-                    .dispatch_cached(input.as_x(), &handle.sub[n], &cfg, &intra_order(&ev))?;
+            let mut out = self.intra.dispatch_cached(
+                input.as_x(),
+                &handle.sub[n],
+                &cfg,
+                &intra_order(&ev),
+            )?;
             self.join(&out.event)?;
             out.num_recv_tokens = Some(handle.block_rows[n]);
             parts.push(out);

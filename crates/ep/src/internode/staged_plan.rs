@@ -508,9 +508,7 @@ mod tests {
                 let shape = p.dispatch_shape(me, row_bytes, sw, k);
                 for to in (0..nodes).filter(|&t| t != me) {
                     for rows in 0..=cap {
-                        let host = p
-                            .dispatch_segments(to, me, rows, row_bytes, sw, k)
-                            .unwrap();
+                        let host = p.dispatch_segments(to, me, rows, row_bytes, sw, k).unwrap();
                         let dev = shape.segments(to, rows as i64).unwrap();
                         for s in 0..4 {
                             if host[s].2 == 0 {
@@ -539,8 +537,13 @@ mod tests {
             }
         }
         // A row wider than the plan's does not fit: the device sends nothing and reports it.
-        assert!(p.dispatch_shape(0, h * 4, 0, k).segments(1, cap as i64).is_none());
-        let params = p.dispatch_shape(1, h * 2, 0, k).params(ep_kernels::internode::PLAN_DISPATCH);
+        assert!(p
+            .dispatch_shape(0, h * 4, 0, k)
+            .segments(1, cap as i64)
+            .is_none());
+        let params = p
+            .dispatch_shape(1, h * 2, 0, k)
+            .params(ep_kernels::internode::PLAN_DISPATCH);
         assert_eq!(params.dst_base, p.d_recv_slot(1) as u64);
         assert_eq!(params.sec_min_rows, [0, 0, 1, 1]);
         assert_eq!(params.cap, cap as i32);

@@ -24,13 +24,15 @@ use ibgda_device::cuda::DeviceBuffer;
 
 use super::buffer::InternodeBuffer;
 use super::ops::{
-    bytes_of, intra_order, InternodeDispatchArgs, InternodeDispatchOutput, InternodeHandle,
-    InternodeCombineArgs, Rows,
+    bytes_of, intra_order, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput,
+    InternodeHandle, Rows,
 };
 use super::staged_plan::Words;
 use crate::dtype::{Bf16, Fp8E4M3};
 use crate::error::{invalid, EpError};
-use crate::intranode::{CombineArgs, CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK};
+use crate::intranode::{
+    CombineArgs, CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK,
+};
 use crate::tensor::{Region, Tensor};
 
 /// Sections are aligned to this (every row of every section stays 16-byte aligned).
@@ -78,7 +80,9 @@ impl WorstPlan {
         let sec = |per_row: usize| rows.checked_mul(per_row).and_then(up);
         let x = 0;
         let scales = sec(max_hidden.checked_mul(2)?)?;
-        let ids = scales.checked_add(sec(max_hidden.div_ceil(crate::FP8_BLOCK).checked_mul(4)?)?)?;
+        let ids = scales.checked_add(sec(max_hidden
+            .div_ceil(crate::FP8_BLOCK)
+            .checked_mul(4)?)?)?;
         let w = ids.checked_add(sec(max_topk.checked_mul(4)?)?)?;
         let experts = w.checked_add(sec(max_topk.checked_mul(4)?)?)?;
         let counts = experts.checked_add(up(local.checked_mul(4)?)?)?;
@@ -158,7 +162,11 @@ pub(crate) struct WorstHandle {
 /// Allocates with the calling thread's capture mode relaxed: a `cuMemAlloc` is not part of a
 /// stream, so under a thread-local capture it is refused (and ends the capture). Allocated once,
 /// outside the graph, the pools are what the captured work then reads and writes.
-fn alloc_relaxed(ctx: &Arc<cudarc::driver::CudaContext>, bytes: usize, rank: usize) -> Result<DeviceBuffer, EpError> {
+fn alloc_relaxed(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    bytes: usize,
+    rank: usize,
+) -> Result<DeviceBuffer, EpError> {
     use cudarc::driver::sys;
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: `mode` is a valid in/out pointer; the previous mode is restored below.
@@ -280,7 +288,16 @@ impl InternodeBuffer {
             self.join(&out.event)?;
             parts.push(out.handle);
         }
-        self.launch_gather(&parts, &region, &plan, w, rows, kk, args.expert_alignment, block)?;
+        self.launch_gather(
+            &parts,
+            &region,
+            &plan,
+            w,
+            rows,
+            kk,
+            args.expert_alignment,
+            block,
+        )?;
         self.ack(Words::DispatchAck)?;
         let event = self.finish(&args.order, capturing)?;
         let local = self.num_local_experts();
@@ -304,6 +321,7 @@ impl InternodeBuffer {
                 tokens_per_node: layout.tokens_per_node.clone(),
                 recv_dev: Tensor::view(region.clone(), plan.counts, vec![k::MAX_NODES]),
                 worst: Some(WorstHandle { block }),
+                _held: Vec::new(),
             },
             event,
         })
@@ -344,18 +362,18 @@ impl InternodeBuffer {
         for n in 0..self.nodes() {
             let (input, _) = self.forwarder_input(n, cap, rows, fp8, 0);
             let ev = self.fork()?;
-            let out =
-                self.intra
-                    .dispatch_cached(input.as_x(), &handle.sub[n], &cfg, &intra_order(&ev))?;
+            let out = self.intra.dispatch_cached(
+                input.as_x(),
+                &handle.sub[n],
+                &cfg,
+                &intra_order(&ev),
+            )?;
             self.join(&out.event)?;
             parts.push(out.handle);
         }
         self.launch_gather(&parts, &region, &plan, w, rows, 0, 1, wh.block)?;
         self.ack(Words::DispatchAck)?;
         let event = self.finish(order, capturing)?;
-        // The NVLink hop's regions of this call are read by the gather queued above; a later
-        // operation that takes them again is ordered after it (this stream).
-        drop(parts);
         let (x, _, _) = outputs(&region, &plan, w, rows, fp8, 0);
         Ok(InternodeDispatchOutput {
             x,
@@ -364,7 +382,12 @@ impl InternodeBuffer {
             num_recv_tokens: w,
             num_recv_tokens_per_expert: None,
             recv_tokens_per_expert: None,
-            handle: handle.clone(),
+            // The NVLink hop's regions of this call stay with the output: a graph that captured
+            // it rewrites them at every replay.
+            handle: InternodeHandle {
+                _held: parts,
+                ..handle.clone()
+            },
             event,
         })
     }
@@ -383,7 +406,11 @@ impl InternodeBuffer {
         }
         let b = region.ptr();
         self.memset(b + plan.x as u64, 0xAB, w * rows.row_bytes)?;
-        self.memset(b + plan.scales as u64, 0xAB, bytes_of::<f32>(w * rows.scale_words))?;
+        self.memset(
+            b + plan.scales as u64,
+            0xAB,
+            bytes_of::<f32>(w * rows.scale_words),
+        )?;
         self.memset(b + plan.ids as u64, 0xAB, bytes_of::<i32>(w * kk))?;
         self.memset(b + plan.w as u64, 0xAB, bytes_of::<f32>(w * kk))?;
         self.memset(
@@ -440,8 +467,16 @@ impl InternodeBuffer {
             } else {
                 0
             },
-            out_ids: if kk > 0 { region.ptr() + plan.ids as u64 } else { 0 },
-            out_w: if kk > 0 { region.ptr() + plan.w as u64 } else { 0 },
+            out_ids: if kk > 0 {
+                region.ptr() + plan.ids as u64
+            } else {
+                0
+            },
+            out_w: if kk > 0 {
+                region.ptr() + plan.w as u64
+            } else {
+                0
+            },
             out_experts: if kk > 0 {
                 region.ptr() + plan.experts as u64
             } else {
@@ -543,7 +578,11 @@ impl InternodeBuffer {
         for s in &h.sub {
             let x = Tensor::<Bf16>::view(s.region().clone(), l.x as usize, vec![wh.block, hidden]);
             let w = (kk > 0).then(|| {
-                Tensor::<f32>::view(s.region().clone(), l.topk_weights as usize, vec![wh.block, kk])
+                Tensor::<f32>::view(
+                    s.region().clone(),
+                    l.topk_weights as usize,
+                    vec![wh.block, kk],
+                )
             });
             let ev = self.fork()?;
             let out = self.intra.combine(&CombineArgs {
@@ -618,7 +657,11 @@ fn outputs(
             scales: Tensor::view(region.clone(), plan.scales, vec![w, rows.scale_words]),
         }
     } else {
-        RecvX::Bf16(Tensor::<Bf16>::view(region.clone(), plan.x, vec![w, rows.hidden]))
+        RecvX::Bf16(Tensor::<Bf16>::view(
+            region.clone(),
+            plan.x,
+            vec![w, rows.hidden],
+        ))
     };
     let ids = (kk > 0).then(|| Tensor::view(region.clone(), plan.ids, vec![w, kk]));
     let wts = (kk > 0).then(|| Tensor::view(region.clone(), plan.w, vec![w, kk]));

@@ -61,7 +61,17 @@ impl Buffer {
                 })?,
             );
         self.start(&StreamOrder::default(), false)?;
-        self.launch_layout(topk_idx, buf.ptr(), [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at])?;
+        self.launch_layout(
+            topk_idx,
+            buf.ptr(),
+            [
+                per_rank_at,
+                per_expert_at,
+                invalid_at,
+                in_rank_at,
+                send_pos_at,
+            ],
+        )?;
         let done = self.finish(&StreamOrder::default(), false)?;
         done.wait_host(self.opts.timeout, "the dispatch layout")?;
         let bad: Vec<i32> = buf
@@ -169,7 +179,14 @@ impl Buffer {
         }
         let capturing = self.is_capturing()?;
         self.start(order, capturing)?;
-        let off = [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at].map(|o| o + at);
+        let off = [
+            per_rank_at,
+            per_expert_at,
+            invalid_at,
+            in_rank_at,
+            send_pos_at,
+        ]
+        .map(|o| o + at);
         self.launch_layout(topk_idx, storage.ptr(), off)?;
         let [per_rank_at, per_expert_at, _, in_rank_at, send_pos_at] = off;
         let (r, e) = (self.ranks, self.opts.num_experts);
