@@ -495,3 +495,92 @@ fn gpu_internode_graph_capture_worst_tokens() {
         );
     }
 }
+
+/// With `num_worst_tokens` below what arrives, nothing waits on the host: every rank's dispatch
+/// returns at once, and the overflow (or, on the ranks it stalls, a peer's bounded wait) is
+/// reported by `synchronize` within the bound, naming what ran out. 2×1.
+#[test]
+fn gpu_internode_worst_tokens_exceeded_is_reported_by_synchronize() {
+    use ep::internode::InternodeDispatchArgs;
+    use ep::{EpError, StreamOrder, TopK};
+    use gpu_internode_common::{upload, Up};
+    let topo = Topology::virtual_nodes(2, 1).expect("topology");
+    let Some(ctxs) = rank_gpus(topo.world()) else {
+        return;
+    };
+    let c = Case::new("worst_exceeded");
+    let mut o = options(&c, Duration::from_secs(2));
+    o.buffer.num_experts = topo.world() * c.experts_per_rank;
+    let mut bufs =
+        InternodeBuffer::create_group(&ctxs, &topo, &o).expect("create internode buffers");
+    let world = topo.world();
+    let started = std::time::Instant::now();
+    let results = on_rank_threads(&mut bufs, |r, buf| {
+        let ctx = &ctxs[r];
+        // Every token to an expert of every rank: each rank receives 16 rows, 1 fits.
+        let t = 16;
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| {
+                let mut row: Vec<i32> = (0..world)
+                    .map(|d| (d * c.experts_per_rank) as i32)
+                    .collect();
+                row.resize(c.topk, -1);
+                row
+            })
+            .collect();
+        let inp = ep::reference::RankInput {
+            tokens: t,
+            row_bytes: c.hidden * 2,
+            x: vec![0u8; t * c.hidden * 2],
+            scale_words: 0,
+            scales: Vec::new(),
+            topk: c.topk,
+            topk_idx: ids,
+            weights: vec![0.5; t * c.topk],
+        };
+        let idx = upload(ctx, &inp.topk_idx, &[t, c.topk])?;
+        let w = upload(ctx, &inp.weights, &[t, c.topk])?;
+        let layout = buf.get_dispatch_layout(&idx).map_err(|e| e.to_string())?;
+        let x = Up::new(ctx, &c, &inp)?;
+        let out = buf
+            .dispatch(&InternodeDispatchArgs {
+                x: x.x(),
+                layout: &layout,
+                topk: TopK {
+                    idx: &idx,
+                    weights: &w,
+                },
+                num_worst_tokens: Some(1),
+                expert_alignment: 1,
+                order: StreamOrder::default(),
+            })
+            .map_err(|e| format!("rank {r}: the dispatch itself must not fail: {e}"))?;
+        drop(out);
+        match buf.synchronize() {
+            Ok(()) => Err(format!("rank {r}: 16 rows into 1 reported nothing")),
+            Err(e) => Ok(e),
+        }
+    });
+    let elapsed = started.elapsed();
+    let errs: Vec<EpError> = results
+        .into_iter()
+        .map(|r| r.expect("every rank reports an error"))
+        .collect();
+    for (r, e) in errs.iter().enumerate() {
+        eprintln!("rank {r}: {e}");
+        assert!(
+            matches!(
+                e,
+                EpError::WorstTokensExceeded { .. } | EpError::PeerTimeout { .. }
+            ),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, EpError::WorstTokensExceeded { worst: 1, .. })),
+        "nobody reported the overflow"
+    );
+    assert!(elapsed < Duration::from_secs(60), "took {elapsed:?}");
+    drop_all(bufs);
+}
