@@ -19,6 +19,12 @@
 // difference from what it stored last), acks and combine words count operations. A sender waits
 // for the receiver's ack of the previous operation before it rewrites the receiver's slot, and
 // quiets its QPs before the kernel ends (the stage slots are rewritten by the next operation).
+// Sequence numbers and the words last stored are counted on the device (InterCtrl), and every put
+// is planned on the device from row counts in device memory (ep_internode_plan_put), so no kernel
+// needs the host between it and the previous one: with num_worst_tokens the host never waits, the
+// NVLink hop runs over whole receive slots (ep_internode_recv_prep) and its per-node blocks are
+// concatenated (ep_internode_gather) and split back for combine (ep_internode_scatter,
+// ep_internode_stage) by counts read on the device, and a sequence can be captured in a CUDA graph.
 // Every wait is bounded by %globaltimer and reports rank, peer, what and the values seen.
 #include <cstddef>
 #include <cstdint>
@@ -108,6 +114,8 @@ struct InterCtrl {
     uint64_t last_data[kInterMaxNodes];
 };
 static_assert(sizeof(InterCtrl) == 80, "InterCtrl layout");
+static_assert(offsetof(InterCtrl, combine_seq) == 8, "InterCtrl layout");
+static_assert(offsetof(InterCtrl, last_data) == 16, "InterCtrl layout");
 
 // The writes of one put, computed on the device from device-resident row counts
 // (ep_internode_plan_put) and read by ep_internode_put (its `table`).
@@ -118,6 +126,7 @@ struct InterPutTable {
     uint64_t delta[kInterMaxNodes];
 };
 static_assert(sizeof(InterPutTable) == 832, "InterPutTable layout");
+static_assert(offsetof(InterPutTable, delta) == 768, "InterPutTable layout");
 
 struct InterPlanParams {
     uint64_t counts;      // i32 [nodes]: rows for each node
@@ -156,6 +165,7 @@ struct InterPrepParams {
     int32_t pad;
 };
 static_assert(sizeof(InterPrepParams) == 104, "InterPrepParams layout");
+static_assert(offsetof(InterPrepParams, nodes) == 88, "InterPrepParams layout");
 
 struct InterGatherParams {
     uint64_t meta[kInterMaxNodes];    // the NVLink hop's receive region of source node n (its Meta)
@@ -200,6 +210,7 @@ struct InterScatterParams {
     int32_t pad;
 };
 static_assert(sizeof(InterScatterParams) == 240, "InterScatterParams layout");
+static_assert(offsetof(InterScatterParams, nodes) == 216, "InterScatterParams layout");
 
 struct InterStageParams {
     uint64_t src_x[kInterMaxNodes];  // the NVLink hop's sums for node n: bf16 [rows][hidden]
@@ -213,6 +224,7 @@ struct InterStageParams {
     int32_t cap;
 };
 static_assert(sizeof(InterStageParams) == 224, "InterStageParams layout");
+static_assert(offsetof(InterStageParams, nodes) == 208, "InterStageParams layout");
 
 struct InterReduceParams {
     uint64_t slot[kInterMaxNodes];  // combine recv slot of node n (local address)

@@ -424,6 +424,12 @@ const _: () = {
     assert!(offset_of!(WaitParams, rank) == 56);
     assert!(size_of::<ReduceParams>() == 176);
     assert!(size_of::<Ctrl>() == 80);
+    assert!(offset_of!(Ctrl, combine_seq) == 8);
+    assert!(offset_of!(Ctrl, last_data) == 16);
+    assert!(offset_of!(PutTable, delta) == 768);
+    assert!(offset_of!(PrepParams, nodes) == 88);
+    assert!(offset_of!(ScatterParams, nodes) == 216);
+    assert!(offset_of!(StageParams, nodes) == 208);
     assert!(size_of::<PutTable>() == 832);
     assert!(size_of::<PlanParams>() == 224);
     assert!(offset_of!(PlanParams, sec_min_rows) == 152);
