@@ -111,7 +111,11 @@ pub(super) struct Net {
 /// [`new`](Self::new) over a bootstrap communicator. Ranks of one process sharing a GPU meet on
 /// the host around every launch of a kernel that spins (puts with their quiet, signal waits), as
 /// the intranode and low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank
-/// must make the same calls in the same order.
+/// must make the same calls in the same order. While capturing, nothing runs and nothing is gated
+/// here; each replay is ([`InternodeGraph::replay`](super::InternodeGraph::replay), as the
+/// low-latency buffer's graphs are). The NVLink hop's operations are ordered on the intranode
+/// buffer's stream by events (forked from this buffer's stream, joined back), not through the
+/// compute stream, which an operation touches only at its start and end.
 ///
 /// # `num_worst_tokens`: no host synchronisation, CUDA-graph capturable
 ///
@@ -130,7 +134,11 @@ pub(super) struct Net {
 /// pools at capture and rewritten by every replay; inputs are read from the captured tensors;
 /// compute the layout before capturing. Device errors (a timed-out wait names rank, peer, what and
 /// sequence; more rows than `num_worst_tokens`) surface at the next
-/// [`synchronize`](Self::synchronize).
+/// [`synchronize`](Self::synchronize). The outputs come from pools of `max_live_outputs` entries
+/// each (dispatch, cached dispatch, combine), allocated on the first such call: holding more
+/// outputs is [`EpError::RegionsInUse`](crate::EpError::RegionsInUse). A dispatch output reports
+/// `num_recv_tokens = num_worst_tokens` and no host per-expert counts (the counts stay on the
+/// GPU: `recv_tokens_per_expert`).
 ///
 /// Limits of this first version: without `num_worst_tokens` every dispatch waits on the host
 /// (for the rows each node sent, and inside the NVLink hop); the NVLink hop runs once per source
