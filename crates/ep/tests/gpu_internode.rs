@@ -6,7 +6,9 @@
 //!
 //! Routing mixes tokens sent nowhere, tokens only to their own node, tokens to every node and
 //! random tokens. Topologies (nodes × ranks per node): 2×1, 2×2, 2×4, 4×2 (`EP_TEST_RANKS`
-//! narrows them to one world size); NIC-handler modes `gpu`, `cpu_host_memory` and `cpu`. Ranks
+//! narrows them to one world size); NIC-handler modes `gpu`, `cpu_host_memory` and `cpu`. With
+//! `num_worst_tokens` nothing waits on the host: `gpu_internode_graph_capture_worst_tokens`
+//! captures dispatch, cached dispatch and combine in a CUDA graph and replays it (2×1, 2×2). Ranks
 //! as processes: `gpu_internode_procs.rs` (cases and checks shared in `gpu_internode_common`).
 
 mod gpu_internode_common;
