@@ -39,6 +39,7 @@ constexpr int kInterMaxSegs = 4;   // x, scales, ids, weights
 constexpr int kInterThreads = 256;
 constexpr uint32_t kInterErrTransport = 17;  // as the low-latency kernels' TRANSPORT code
 constexpr uint32_t kInterErrRouting = 3;     // as intranode BAD_ROUTING
+constexpr uint32_t kInterRoutingTopkId = 5;  // BAD_ROUTING `what`: a top-k id out of range
 
 struct InterPackParams {
     uint64_t x;                          // [T][row_bytes]
@@ -60,9 +61,11 @@ struct InterPackParams {
     int32_t experts_per_node;
     int32_t cap;
     int32_t rank;
+    uint64_t layout_invalid;             // the layout's LayoutInvalid when the host never read it, or 0
 };
-static_assert(sizeof(InterPackParams) == 176, "InterPackParams layout");
+static_assert(sizeof(InterPackParams) == 184, "InterPackParams layout");
 static_assert(offsetof(InterPackParams, num_tokens) == 144, "InterPackParams layout");
+static_assert(offsetof(InterPackParams, layout_invalid) == 176, "InterPackParams layout");
 
 struct InterPutParams {
     uint64_t descs[kInterMaxNodes];  // ibgda_qp_desc* to node n's rail peer; 0 for none/self
@@ -255,6 +258,15 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_pack(co
     const int* pos = reinterpret_cast<const int*>(p.node_pos);
     const int* ids = reinterpret_cast<const int*>(p.topk_idx);
     const int* tpn = reinterpret_cast<const int*>(p.tokens_per_node);
+    // A layout computed under CUDA-graph capture was never read by the host: its report of top-k
+    // ids out of range is turned into this rank's error here (token, id; peer = experts).
+    if (p.layout_invalid != 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+        const int* inv = reinterpret_cast<const int*>(p.layout_invalid);
+        if (inv[0] > 0)
+            record_error(p.error, kInterErrRouting, p.rank, p.experts_per_node * p.nodes, kInterRoutingTopkId,
+                         static_cast<uint64_t>(p.topk > 0 ? inv[1] / p.topk : inv[1]),
+                         static_cast<uint64_t>(static_cast<int64_t>(inv[2])));
+    }
     if (blockIdx.x == 0 && threadIdx.x < nodes && tpn[threadIdx.x] <= 0) {
         int* slot_ids = reinterpret_cast<int*>(p.slot[threadIdx.x] + p.off_idx);
         float* slot_w = reinterpret_cast<float*>(p.slot[threadIdx.x] + p.off_w);

@@ -30,6 +30,11 @@ pub mod wait_what {
     pub const COMBINE_ACK: u32 = 44;
 }
 
+/// `ErrorWord::what` of a bad-routing error (`intranode::error_code::BAD_ROUTING`) for a top-k id
+/// out of range in a layout computed under capture: `epoch` is the token, `detail` the id,
+/// `peer` the number of experts.
+pub const ROUTING_TOPK_ID: u32 = 5;
+
 /// Error codes beside `intranode::error_code` (timeout 1, bad routing 3).
 pub mod error_code {
     /// A transport call failed: `peer` is the destination rank, `what` 21 (put), 22 (signal) or
@@ -79,6 +84,8 @@ pub struct PackParams {
     pub cap: i32,
     /// This rank.
     pub rank: i32,
+    /// The layout's `LayoutInvalid` when the host never read it (computed under capture), or 0.
+    pub layout_invalid: u64,
 }
 
 /// `ep_internode_put`.
@@ -415,8 +422,9 @@ unsafe impl DeviceRepr for StageParams {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<PackParams>() == 176);
+    assert!(size_of::<PackParams>() == 184);
     assert!(offset_of!(PackParams, num_tokens) == 144);
+    assert!(offset_of!(PackParams, layout_invalid) == 176);
     assert!(size_of::<PutParams>() == 1104);
     assert!(offset_of!(PutParams, signal_off) == 968);
     assert!(offset_of!(PutParams, table) == 1096);

@@ -290,11 +290,13 @@ fn poison_host<T: ep::Element>(t: &ep::Tensor<T>) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Rank `r` of the graph test: layout before the capture; dispatch (num_worst_tokens, top-k),
-/// cached dispatch and combine (received weights, one bias) captured with
-/// `InternodeBuffer::capture`; then every replay in `replays` with its inputs written into the
-/// captured input tensors and every output poisoned from the host first, checked against the
-/// CPU reference; an eager round (`eager`, worst tokens) after replay `eager_after`.
+/// Rank `r` of the graph test: the layout before the capture (fixed routing) or, with
+/// `layout_in_graph`, inside it (every replay recomputes it from the ids written into the
+/// captured ids tensor); dispatch (num_worst_tokens, top-k), cached dispatch and combine
+/// (received weights, one bias) captured with `InternodeBuffer::capture`; then every replay in
+/// `replays` with its inputs written into the captured input tensors and every output poisoned
+/// from the host first, checked against the CPU reference; an eager round (`eager`, worst
+/// tokens) after replay `eager_after`.
 #[allow(clippy::too_many_arguments)]
 fn graph_rank(
     c: &Case,
@@ -305,6 +307,7 @@ fn graph_rank(
     replays: &[Round],
     eager: &Round,
     eager_after: usize,
+    layout_in_graph: bool,
 ) -> Result<(), String> {
     use ep::internode::{InternodeCombineArgs, InternodeDispatchArgs};
     use ep::{Bf16, EpError, StreamOrder, Tensor, TopK};
@@ -314,7 +317,11 @@ fn graph_rank(
     let t = first.tokens;
     let worst = topo.world() * c.max_tokens;
     let ids = upload(ctx, &first.topk_idx, &[t, c.topk])?;
-    let layout = buf.get_dispatch_layout(&ids).map_err(e)?;
+    let eager_layout = if layout_in_graph {
+        None
+    } else {
+        Some(buf.get_dispatch_layout(&ids).map_err(e)?)
+    };
     let x = Up::new(ctx, c, first)?;
     let x2 = Up::new(ctx, c, replays[0].cached_input(r))?;
     let zero = Bf16::from_f32(0.0);
@@ -323,7 +330,7 @@ fn graph_rank(
     let yw = Tensor::filled(ctx, 0f32, &[worst, c.topk]).map_err(e)?;
     let bias = Tensor::filled(ctx, zero, &[t, c.hidden]).map_err(e)?;
 
-    let (graph, (dout, cached, comb, refused)) = buf
+    let (graph, (dout, cached, comb, refused, _layout)) = buf
         .capture(|b| {
             if !b.is_capturing()? {
                 return Err(EpError::InvalidArgument {
@@ -331,6 +338,10 @@ fn graph_rank(
                     what: "the buffer does not see its stream capturing".into(),
                 });
             }
+            let layout = match &eager_layout {
+                Some(l) => l.clone(),
+                None => b.get_dispatch_layout(&ids)?,
+            };
             // Host waits are refused under capture (checked before anything is queued).
             let mut args = InternodeDispatchArgs {
                 x: x.x(),
@@ -343,9 +354,7 @@ fn graph_rank(
                 expert_alignment: c.alignment,
                 order: StreamOrder::default(),
             };
-            let refused = b.get_dispatch_layout(&ids).is_err()
-                && b.synchronize().is_err()
-                && b.dispatch(&args).is_err();
+            let refused = b.synchronize().is_err() && b.dispatch(&args).is_err();
             args.num_worst_tokens = Some(worst);
             let d = b.dispatch(&args)?;
             let cd = b.dispatch_cached(x2.x(), &d.handle, &StreamOrder::default())?;
@@ -356,13 +365,12 @@ fn graph_rank(
                 bias: [Some(&bias), None],
                 order: StreamOrder::default(),
             })?;
-            Ok((d, cd, comb, refused))
+            Ok((d, cd, comb, refused, layout))
         })
         .map_err(|e| format!("rank {r}: capture: {e}"))?;
     if !refused {
         return Err(
-            "layout, synchronize or dispatch without num_worst_tokens accepted under capture"
-                .into(),
+            "synchronize or dispatch without num_worst_tokens accepted under capture".into(),
         );
     }
     let recv_x = match &dout.x {
@@ -397,6 +405,9 @@ fn graph_rank(
             _ => return Err("the graph case is BF16".into()),
         }
         w.copy_from_host(&inp.weights).map_err(e)?;
+        if layout_in_graph {
+            ids.copy_from_host(&inp.topk_idx).map_err(e)?;
+        }
         let (cin, biases) = rp.combine_input(r);
         let mut cx = cin.x.clone();
         let mut cw = cin.weights.clone();
@@ -442,20 +453,16 @@ fn graph_rank(
     Ok(())
 }
 
-/// Dispatch (num_worst_tokens) + cached dispatch + combine captured in a CUDA graph on each
-/// rank's communication stream, with no host synchronisation inside; replayed five times with
-/// fresh rows, weights, combine inputs and biases written into the captured tensors (the routing
-/// is the layout's, computed before the capture), every output poisoned before each replay and
-/// checked against the CPU reference; an eager worst-token round between replays. Topologies
-/// 2×1 and 2×2 (`EP_TEST_RANKS` narrows them), ranks as threads sharing the visible GPUs.
-#[test]
-fn gpu_internode_graph_capture_worst_tokens() {
+/// The graph test on 2×1 and 2×2 (`EP_TEST_RANKS` narrows them): five replays, an eager round
+/// after the second. With `layout_in_graph`, the layout is captured too and every replay routes
+/// anew (same token counts); otherwise the routing is the first round's.
+fn graph_case(name: &'static str, layout_in_graph: bool) {
     let graph_topos: Vec<(usize, usize)> = topologies()
         .into_iter()
         .filter(|t| matches!(t, (2, 1) | (2, 2)))
         .collect();
     if graph_topos.is_empty() {
-        eprintln!("SKIPPED (EP_TEST_RANKS keeps neither 2x1 nor 2x2): gpu_internode_graph_capture_worst_tokens");
+        eprintln!("SKIPPED (EP_TEST_RANKS keeps neither 2x1 nor 2x2): {name}");
         return;
     }
     let c = Case {
@@ -463,7 +470,7 @@ fn gpu_internode_graph_capture_worst_tokens() {
         cached: true,
         biases: 1,
         alignment: 4,
-        ..Case::new("graph_worst")
+        ..Case::new(name)
     };
     for (nodes, rpn) in graph_topos {
         let topo = Topology::virtual_nodes(nodes, rpn).expect("topology");
@@ -475,7 +482,11 @@ fn gpu_internode_graph_capture_worst_tokens() {
         let mut rngs = rank_rngs(s, world);
         let mut replays = vec![Round::generate(&c, &topo, &mut rngs)];
         for _ in 1..5 {
-            let next = Round::with_routing_of(&c, &topo, &replays[0], &mut rngs);
+            let next = if layout_in_graph {
+                Round::with_tokens_of(&c, &topo, &replays[0], &mut rngs)
+            } else {
+                Round::with_routing_of(&c, &topo, &replays[0], &mut rngs)
+            };
             replays.push(next);
         }
         let eager = Round::generate(&c, &topo, &mut rngs);
@@ -486,16 +497,45 @@ fn gpu_internode_graph_capture_worst_tokens() {
         let mut bufs =
             InternodeBuffer::create_group(&ctxs, &topo, &o).expect("create internode buffers");
         let results = on_rank_threads(&mut bufs, |r, buf| {
-            graph_rank(&c, &topo, r, buf, &ctxs[r], &replays, &eager, 1)
+            graph_rank(
+                &c,
+                &topo,
+                r,
+                buf,
+                &ctxs[r],
+                &replays,
+                &eager,
+                1,
+                layout_in_graph,
+            )
         });
         let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
         assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
         drop_all(bufs);
         eprintln!(
-            "graph_worst on {nodes}x{rpn}: {} replays and an eager round match the reference",
+            "{name} on {nodes}x{rpn}: {} replays and an eager round match the reference",
             replays.len()
         );
     }
+}
+
+/// Dispatch (num_worst_tokens) + cached dispatch + combine captured in a CUDA graph on each
+/// rank's communication stream, with no host synchronisation inside; replayed five times with
+/// fresh rows, weights, combine inputs and biases written into the captured tensors (the routing
+/// is the layout's, computed before the capture), every output poisoned before each replay and
+/// checked against the CPU reference; an eager worst-token round between replays. Topologies
+/// 2×1 and 2×2, ranks as threads sharing the visible GPUs.
+#[test]
+fn gpu_internode_graph_capture_worst_tokens() {
+    graph_case("gpu_internode_graph_capture_worst_tokens", false);
+}
+
+/// As `gpu_internode_graph_capture_worst_tokens`, with the layout captured too: every replay
+/// recomputes it from fresh top-k ids written into the captured ids tensor (routing changes
+/// from replay to replay, as a model's does from step to step).
+#[test]
+fn gpu_internode_graph_capture_layout_fresh_routing() {
+    graph_case("gpu_internode_graph_capture_layout_fresh_routing", true);
 }
 
 /// With `num_worst_tokens` below what arrives, nothing waits on the host: every rank's dispatch

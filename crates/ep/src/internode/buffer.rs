@@ -131,8 +131,9 @@ pub(super) struct Net {
 /// graph replays and eager calls interleave. Such a sequence can be captured on the
 /// [communication stream](Self::comm_stream) ([`capture`](Self::capture)), under the same
 /// rules as the intranode buffer's ([`Buffer::dispatch`], "CUDA graphs"): outputs are picked from
-/// pools at capture and rewritten by every replay; inputs are read from the captured tensors;
-/// compute the layout before capturing. Device errors (a timed-out wait names rank, peer, what and
+/// pools at capture and rewritten by every replay; inputs are read from the captured tensors; the
+/// layout may be computed before the capture (the graph then keeps its routing) or inside it
+/// (every replay routes by the ids its input tensor holds then). Device errors (a timed-out wait names rank, peer, what and
 /// sequence; more rows than `num_worst_tokens`) surface at the next
 /// [`synchronize`](Self::synchronize). The outputs come from pools of `max_live_outputs` entries
 /// each (dispatch, cached dispatch, combine), allocated on the first such call: holding more

@@ -51,8 +51,9 @@ impl InternodeGraph {
 impl InternodeBuffer {
     /// Captures what `f` queues on the [communication stream](Self::comm_stream) into a graph
     /// (thread-local capture mode, so ranks as threads capture at once). Only operations that
-    /// make no host wait are accepted inside: dispatch with `num_worst_tokens`, cached dispatch
-    /// and combine over its handle; layouts, dispatch without `num_worst_tokens` and
+    /// make no host wait are accepted inside: the dispatch layout (recomputed by every replay
+    /// from the ids its input tensor then holds), dispatch with `num_worst_tokens`, cached
+    /// dispatch and combine over its handle; dispatch without `num_worst_tokens` and
     /// [`synchronize`](Self::synchronize) are refused. Every rank captures the same operations.
     ///
     /// Replays rewrite the outputs `f` returned (keep them, or their handles, alive while the

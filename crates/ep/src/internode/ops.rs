@@ -29,7 +29,10 @@ pub struct InternodeLayout {
     pub(super) is_token_in_rank: Tensor<u8>,
     /// `[tokens][nodes]`: position among the tokens sent to each node, or -1.
     pub(super) node_pos: Tensor<i32>,
+    /// Tokens to each node, when the host read them (empty for a layout computed under capture).
     pub(super) node_counts: Vec<usize>,
+    /// The layout's `LayoutInvalid` report when the host never read it (under capture), or 0.
+    pub(super) invalid: u64,
     pub(super) num_tokens: usize,
     pub(super) buffer_id: u64,
 }
@@ -501,6 +504,17 @@ impl InternodeBuffer {
                 received: w.detail as usize,
                 worst: w.what as usize,
             },
+            ik::error_code::BAD_ROUTING if w.what == k::ROUTING_TOPK_ID => {
+                EpError::ExpertIdOutOfRange {
+                    rank: self.rank,
+                    op: "dispatch layout (computed under capture)",
+                    id: w.detail as i64,
+                    token: w.epoch as usize,
+                    slot: None,
+                    count: None,
+                    num_experts: w.peer as usize,
+                }
+            }
             ik::error_code::BAD_ROUTING => EpError::CorruptRouting {
                 rank: self.rank,
                 what: "node send position (token, node)",
@@ -535,12 +549,17 @@ impl InternodeBuffer {
 
     /// From top-k expert ids `[tokens][k]` (global, -1 for none): tokens per rank, per node and
     /// per expert, `is_token_in_rank`, and the send order to each node. Waits (bounded).
+    ///
+    /// Under CUDA-graph capture it makes no host wait (every replay recomputes the layout from
+    /// the ids `topk_idx` holds then): such a layout serves dispatch with `num_worst_tokens` only,
+    /// and ids out of range are reported by that dispatch's kernels (at
+    /// [`synchronize`](Self::synchronize)) instead of here.
     pub fn get_dispatch_layout(
         &mut self,
         topk_idx: &Tensor<i32>,
     ) -> Result<InternodeLayout, EpError> {
         self.usable()?;
-        self.not_capturing("get_dispatch_layout")?;
+        let capturing = self.is_capturing()?;
         self.on_this_gpu(topk_idx, "topk_idx")?;
         if topk_idx.shape().len() != 2 {
             return Err(invalid(
@@ -584,14 +603,15 @@ impl InternodeBuffer {
         }
         let [per_rank, per_node, per_expert, scratch_expert, invalid_r, invalid_n, in_rank, in_node, send_pos, node_pos] =
             at;
-        let buf =
-            Arc::new(
-                DeviceBuffer::new(&self.ctx, total).map_err(|source| EpError::Device {
-                    rank: self.rank,
-                    source,
-                })?,
-            );
-        self.start(&StreamOrder::default(), false)?;
+        let buf = Arc::new(if capturing {
+            super::worst::alloc_relaxed(&self.ctx, total, self.rank)?
+        } else {
+            DeviceBuffer::new(&self.ctx, total).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?
+        });
+        self.start(&StreamOrder::default(), capturing)?;
         let b = buf.ptr();
         for (ranks, tpr, tpe, inr, pos, inv) in [
             (r, per_rank, per_expert, in_rank, send_pos, invalid_r),
@@ -618,6 +638,22 @@ impl InternodeBuffer {
                 "cuLaunchKernel(ep_dispatch_layout)",
             )?;
         }
+        let buffer_id = self.id;
+        let views = |node_counts: Vec<usize>, invalid: u64| InternodeLayout {
+            tokens_per_rank: Tensor::view(buf.clone(), per_rank, vec![r]).read_only(),
+            tokens_per_node: Tensor::view(buf.clone(), per_node, vec![n]).read_only(),
+            tokens_per_expert: Tensor::view(buf.clone(), per_expert, vec![e]).read_only(),
+            is_token_in_rank: Tensor::view(buf.clone(), in_rank, vec![t, r]).read_only(),
+            node_pos: Tensor::view(buf.clone(), node_pos, vec![t, n]).read_only(),
+            node_counts,
+            invalid,
+            num_tokens: t,
+            buffer_id,
+        };
+        if capturing {
+            // The counts stay on the GPU; the pack kernel reports ids out of range.
+            return Ok(views(Vec::new(), b + invalid_r as u64));
+        }
         self.sync("the internode dispatch layout")?;
         let dev = |source| EpError::Device {
             rank: self.rank,
@@ -628,19 +664,13 @@ impl InternodeBuffer {
             return Err(err);
         }
         let counts: Vec<i32> = buf.download(per_node, n).map_err(dev)?;
-        Ok(InternodeLayout {
-            tokens_per_rank: Tensor::view(buf.clone(), per_rank, vec![r]).read_only(),
-            tokens_per_node: Tensor::view(buf.clone(), per_node, vec![n]).read_only(),
-            tokens_per_expert: Tensor::view(buf.clone(), per_expert, vec![e]).read_only(),
-            is_token_in_rank: Tensor::view(buf.clone(), in_rank, vec![t, r]).read_only(),
-            node_pos: Tensor::view(buf, node_pos, vec![t, n]).read_only(),
-            node_counts: counts
+        Ok(views(
+            counts
                 .into_iter()
                 .map(|c| c.clamp(0, t as i32) as usize)
                 .collect(),
-            num_tokens: t,
-            buffer_id: self.id,
-        })
+            0,
+        ))
     }
 
     fn check_x(&self, x: &DispatchX<'_>, tokens: usize) -> Result<Rows, EpError> {
@@ -700,7 +730,8 @@ impl InternodeBuffer {
     /// `tokens_per_node` (the layout's, on the GPU), writes and signals, waits for every node's
     /// rows. The rows each node's rail peer sent (this rank's own node: `tokens_per_node[my
     /// node]`) land at `recv_dev` (device i32 `[nodes]`) and, with `recv_host`, in the mapped
-    /// page for the host.
+    /// page for the host. `layout_invalid`: the layout's report of ids out of range when the host
+    /// never read it (the pack kernel turns it into this rank's error), or 0.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn queue_rdma_dispatch(
         &mut self,
@@ -709,6 +740,7 @@ impl InternodeBuffer {
         topk: Option<&TopK<'_>>,
         node_pos: &Tensor<i32>,
         tokens_per_node: u64,
+        layout_invalid: u64,
         recv_dev: u64,
         recv_host: bool,
     ) -> Result<(), EpError> {
@@ -760,6 +792,7 @@ impl InternodeBuffer {
             experts_per_node: (self.opts.buffer.num_experts / nodes) as i32,
             cap: plan.cap as i32,
             rank: self.rank as i32,
+            layout_invalid,
         };
         let warps = (k::THREADS / 32) as usize;
         let grid = rows.tokens.div_ceil(warps).clamp(1, 264) as u32;
@@ -813,7 +846,7 @@ impl InternodeBuffer {
         recv_dev: u64,
     ) -> Result<Vec<usize>, EpError> {
         let (nodes, me) = (self.nodes(), self.my_node());
-        self.queue_rdma_dispatch(x, rows, topk, node_pos, tokens_per_node, recv_dev, true)?;
+        self.queue_rdma_dispatch(x, rows, topk, node_pos, tokens_per_node, 0, recv_dev, true)?;
         self.sync("the internode dispatch's RDMA hop")?;
         Ok((0..nodes)
             .map(|n| {
@@ -942,6 +975,13 @@ impl InternodeBuffer {
             return self.dispatch_worst(args, &rows, kk, w);
         }
         self.not_capturing("dispatch without num_worst_tokens")?;
+        if layout.node_counts.is_empty() {
+            return Err(invalid(
+                self.rank,
+                "a layout computed under CUDA-graph capture has no host counts: dispatch over it \
+                 with num_worst_tokens",
+            ));
+        }
         self.start(&args.order, false)?;
         let recv_dev = self.small_counts()?;
         let recv_counts = self.rdma_dispatch(
@@ -1374,7 +1414,9 @@ impl InternodeBuffer {
         let mut rows = [0i32; k::MAX_NODES];
         for n in 0..nodes {
             slot[n] = self.base + plan.c_recv_slot(n) as u64;
-            rows[n] = h.node_counts[n].min(plan.cap) as i32;
+            // A layout computed under capture left its counts on the GPU: positions are bounded
+            // by the slot.
+            rows[n] = h.node_counts.get(n).map_or(plan.cap, |&c| c.min(plan.cap)) as i32;
         }
         let p = k::ReduceParams {
             slot,

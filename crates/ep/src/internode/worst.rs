@@ -162,7 +162,7 @@ pub(crate) struct WorstHandle {
 /// Allocates with the calling thread's capture mode relaxed: a `cuMemAlloc` is not part of a
 /// stream, so under a thread-local capture it is refused (and ends the capture). Allocated once,
 /// outside the graph, the pools are what the captured work then reads and writes.
-fn alloc_relaxed(
+pub(super) fn alloc_relaxed(
     ctx: &Arc<cudarc::driver::CudaContext>,
     bytes: usize,
     rank: usize,
@@ -255,6 +255,7 @@ impl InternodeBuffer {
             Some(&args.topk),
             &layout.node_pos,
             layout.tokens_per_node.device_address(),
+            layout.invalid,
             recv,
             false,
         )?;
@@ -352,6 +353,7 @@ impl InternodeBuffer {
             None,
             &handle.node_pos,
             handle.tokens_per_node.device_address(),
+            0,
             recv,
             false,
         )?;

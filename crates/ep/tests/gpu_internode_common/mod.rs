@@ -198,6 +198,21 @@ impl Round {
         Self::from_inputs(c, topo, inputs, rngs)
     }
 
+    /// A round with the token counts of `first` (a captured graph's tensor shapes) and fresh
+    /// routing, rows, weights, combine inputs and biases.
+    pub fn with_tokens_of(c: &Case, topo: &Topology, first: &Round, rngs: &mut [Rng]) -> Round {
+        let inputs: Vec<RankInput> = (0..topo.world())
+            .map(|r| {
+                let tokens = first.inputs[r].tokens;
+                let ids: Vec<i32> = (0..tokens)
+                    .flat_map(|_| route(&mut rngs[r], c, topo, r))
+                    .collect();
+                random_rank_input(&mut rngs[r], tokens, c.hidden, c.topk, c.fp8, ids)
+            })
+            .collect();
+        Self::from_inputs(c, topo, inputs, rngs)
+    }
+
     /// Rank `r`'s input.
     pub fn input(&self, r: usize) -> &RankInput {
         &self.inputs[r]
