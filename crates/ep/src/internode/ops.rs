@@ -1292,9 +1292,6 @@ impl InternodeBuffer {
             self.on_this_gpu(*b, "bias")?;
             self.shape_is(*b, &[h.num_tokens, hidden], "bias")?;
         }
-        let (nodes, me) = (self.nodes(), self.my_node());
-        let plan = self.plan.clone();
-        let error = self.errors.kernel_addr();
         let capturing = self.is_capturing()?;
         if h.worst.is_none() {
             self.not_capturing("combine over a dispatch without num_worst_tokens")?;
@@ -1321,6 +1318,26 @@ impl InternodeBuffer {
                 )
             }
         };
+        let r = self.combine_queued(args, out_x, out_w, hidden, kk, capturing);
+        self.poison_on_err(r)
+    }
+
+    /// The part of a combine that queues work (after the checks): an error here leaves the
+    /// peers' signals unpaired, so it makes the buffer unusable.
+    fn combine_queued(
+        &mut self,
+        args: &InternodeCombineArgs<'_>,
+        out_x: Tensor<Bf16>,
+        out_w: Option<Tensor<f32>>,
+        hidden: usize,
+        kk: usize,
+        capturing: bool,
+    ) -> Result<CombineOutput, EpError> {
+        let h = args.handle;
+        let (nodes, me) = (self.nodes(), self.my_node());
+        let plan = self.plan.clone();
+        let error = self.errors.kernel_addr();
+        let t = h.num_tokens;
         self.start(&args.order, capturing)?;
         if self.opts.buffer.poison_outputs {
             self.memset(out_x.device_address(), 0xAB, t * hidden * 2)?;
@@ -1453,6 +1470,17 @@ impl InternodeBuffer {
             topk_weights: out_w,
             event,
         })
+    }
+
+    /// Marks the buffer unusable on an error after work was queued (the peers' signals and the
+    /// device-counted sequence numbers are then out of step).
+    pub(super) fn poison_on_err<T>(&mut self, r: Result<T, EpError>) -> Result<T, EpError> {
+        if let Err(e) = &r {
+            if self.poisoned.is_none() {
+                self.poisoned = Some(e.to_string());
+            }
+        }
+        r
     }
 
     /// Waits (bounded) for everything queued (the NVLink hop's too), then reports any device

@@ -238,7 +238,6 @@ impl InternodeBuffer {
         kk: usize,
         w: usize,
     ) -> Result<InternodeDispatchOutput, EpError> {
-        let layout = args.layout;
         let capturing = self.is_capturing()?;
         let rank = self.rank;
         let (region, plan) = {
@@ -246,6 +245,24 @@ impl InternodeBuffer {
             (pools.dispatch.acquire(rank)?, pools.plan.clone())
         };
         let block = self.block_rows(w);
+        let r = self.dispatch_worst_queued(args, rows, kk, w, region, plan, block, capturing);
+        self.poison_on_err(r)
+    }
+
+    /// The part of [`dispatch_worst`](Self::dispatch_worst) that queues work.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_worst_queued(
+        &mut self,
+        args: &InternodeDispatchArgs<'_>,
+        rows: &Rows,
+        kk: usize,
+        w: usize,
+        region: Arc<Region>,
+        plan: WorstPlan,
+        block: usize,
+        capturing: bool,
+    ) -> Result<InternodeDispatchOutput, EpError> {
+        let layout = args.layout;
         self.start(&args.order, capturing)?;
         self.poison_dispatch(&region, &plan, w, rows, kk)?;
         let recv = region.ptr() + plan.counts as u64;
@@ -336,13 +353,29 @@ impl InternodeBuffer {
         rows: &Rows,
         order: &StreamOrder<'_>,
     ) -> Result<InternodeDispatchOutput, EpError> {
-        let wh = handle.worst.as_ref().expect("a num_worst_tokens handle");
         let capturing = self.is_capturing()?;
         let rank = self.rank;
         let (region, plan) = {
             let pools = self.worst_pools()?;
             (pools.dispatch.acquire(rank)?, pools.plan.clone())
         };
+        let r = self.dispatch_cached_worst_queued(x, handle, rows, order, region, plan, capturing);
+        self.poison_on_err(r)
+    }
+
+    /// The part of [`dispatch_cached_worst`](Self::dispatch_cached_worst) that queues work.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_cached_worst_queued(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &InternodeHandle,
+        rows: &Rows,
+        order: &StreamOrder<'_>,
+        region: Arc<Region>,
+        plan: WorstPlan,
+        capturing: bool,
+    ) -> Result<InternodeDispatchOutput, EpError> {
+        let wh = handle.worst.as_ref().expect("a num_worst_tokens handle");
         let w = handle.rows;
         self.start(order, capturing)?;
         self.poison_dispatch(&region, &plan, w, rows, 0)?;
