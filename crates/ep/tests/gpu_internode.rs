@@ -373,13 +373,15 @@ fn graph_rank(
             "synchronize or dispatch without num_worst_tokens accepted under capture".into(),
         );
     }
-    let recv_x = match &dout.x {
-        ep::RecvX::Bf16(t) => t,
-        ep::RecvX::Fp8 { .. } => return Err("BF16 dispatch returned FP8 rows".into()),
-    };
-    let cached_x = match &cached.x {
-        ep::RecvX::Bf16(t) => t,
-        ep::RecvX::Fp8 { .. } => return Err("BF16 cached dispatch returned FP8 rows".into()),
+    // Every output tensor, poisoned before each replay.
+    let poison_recv = |x: &ep::RecvX| -> Result<(), String> {
+        match x {
+            ep::RecvX::Bf16(t) => poison_host(t),
+            ep::RecvX::Fp8 { x, scales } => {
+                poison_host(x)?;
+                poison_host(scales)
+            }
+        }
     };
     let recv_idx = dout.topk_idx.as_ref().ok_or("no topk_idx")?;
     let recv_w = dout.topk_weights.as_ref().ok_or("no topk_weights")?;
@@ -396,13 +398,14 @@ fn graph_rank(
             topo.ranks_per_node()
         );
         let inp = rp.input(r);
-        match (&x, &x2) {
-            (Up::Bf16(a), Up::Bf16(b)) => {
-                a.copy_from_host(bytemuck::cast_slice(&inp.x)).map_err(e)?;
-                b.copy_from_host(bytemuck::cast_slice(&rp.cached_input(r).x))
-                    .map_err(e)?;
+        for (up, i) in [(&x, inp), (&x2, rp.cached_input(r))] {
+            match up {
+                Up::Bf16(a) => a.copy_from_host(bytemuck::cast_slice(&i.x)).map_err(e)?,
+                Up::Fp8(a, sc) => {
+                    a.copy_from_host(bytemuck::cast_slice(&i.x)).map_err(e)?;
+                    sc.copy_from_host(&i.scales).map_err(e)?;
+                }
             }
-            _ => return Err("the graph case is BF16".into()),
         }
         w.copy_from_host(&inp.weights).map_err(e)?;
         if layout_in_graph {
@@ -418,9 +421,9 @@ fn graph_rank(
         yw.copy_from_host(&cw).map_err(e)?;
         bias.copy_from_host(biases[0].as_ref().ok_or("the graph case has one bias")?)
             .map_err(e)?;
-        for p in [recv_x, cached_x, &comb.x] {
-            poison_host(p)?;
-        }
+        poison_recv(&dout.x)?;
+        poison_recv(&cached.x)?;
+        poison_host(&comb.x)?;
         poison_host(recv_idx)?;
         poison_host(per_expert)?;
         poison_host(recv_w)?;
@@ -456,7 +459,7 @@ fn graph_rank(
 /// The graph test on 2×1 and 2×2 (`EP_TEST_RANKS` narrows them): five replays, an eager round
 /// after the second. With `layout_in_graph`, the layout is captured too and every replay routes
 /// anew (same token counts); otherwise the routing is the first round's.
-fn graph_case(name: &'static str, layout_in_graph: bool) {
+fn graph_case(name: &'static str, layout_in_graph: bool, fp8: bool) {
     let graph_topos: Vec<(usize, usize)> = topologies()
         .into_iter()
         .filter(|t| matches!(t, (2, 1) | (2, 2)))
@@ -470,6 +473,8 @@ fn graph_case(name: &'static str, layout_in_graph: bool) {
         cached: true,
         biases: 1,
         alignment: 4,
+        fp8,
+        hidden: if fp8 { 512 } else { 1024 },
         ..Case::new(name)
     };
     for (nodes, rpn) in graph_topos {
@@ -527,7 +532,13 @@ fn graph_case(name: &'static str, layout_in_graph: bool) {
 /// 2×1 and 2×2, ranks as threads sharing the visible GPUs.
 #[test]
 fn gpu_internode_graph_capture_worst_tokens() {
-    graph_case("gpu_internode_graph_capture_worst_tokens", false);
+    graph_case("gpu_internode_graph_capture_worst_tokens", false, false);
+}
+
+/// As `gpu_internode_graph_capture_worst_tokens` with FP8 rows and their scales.
+#[test]
+fn gpu_internode_graph_capture_worst_tokens_fp8() {
+    graph_case("gpu_internode_graph_capture_worst_tokens_fp8", false, true);
 }
 
 /// As `gpu_internode_graph_capture_worst_tokens`, with the layout captured too: every replay
@@ -535,7 +546,11 @@ fn gpu_internode_graph_capture_worst_tokens() {
 /// from replay to replay, as a model's does from step to step).
 #[test]
 fn gpu_internode_graph_capture_layout_fresh_routing() {
-    graph_case("gpu_internode_graph_capture_layout_fresh_routing", true);
+    graph_case(
+        "gpu_internode_graph_capture_layout_fresh_routing",
+        true,
+        false,
+    );
 }
 
 /// With `num_worst_tokens` below what arrives, nothing waits on the host: every rank's dispatch
