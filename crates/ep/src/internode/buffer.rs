@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use ep_kernels::internode as k;
+use ibgda_device::cuda::DeviceBuffer;
 use ibgda_device::protocol::HandlerChoice;
 use ibgda_emu::firmware::EmuSubnet;
 
@@ -67,7 +68,19 @@ pub(super) struct Kernels {
     pub(super) put: CudaFunction,
     pub(super) wait: CudaFunction,
     pub(super) reduce: CudaFunction,
+    pub(super) plan_put: CudaFunction,
+    pub(super) recv_prep: CudaFunction,
+    pub(super) gather: CudaFunction,
+    pub(super) scatter: CudaFunction,
+    pub(super) stage: CudaFunction,
 }
+
+/// Where the device-counted state ([`k::Ctrl`]) and the put table ([`k::PutTable`]) lie in
+/// [`InternodeBuffer::state`].
+pub(super) const STATE_CTRL: usize = 0;
+pub(super) const STATE_TABLE: usize = 128;
+const STATE_BYTES: usize = STATE_TABLE + std::mem::size_of::<k::PutTable>();
+const _: () = assert!(std::mem::size_of::<k::Ctrl>() <= STATE_TABLE);
 
 /// This rank's QPs and registered net buffer. Fields drop in order: the NIC last.
 pub(super) struct Net {
@@ -98,13 +111,39 @@ pub(super) struct Net {
 /// [`new`](Self::new) over a bootstrap communicator. Ranks of one process sharing a GPU meet on
 /// the host around every launch of a kernel that spins (puts with their quiet, signal waits), as
 /// the intranode and low-latency buffers do ([`crate::residency::LaunchGate`]), so every rank
-/// must make the same calls in the same order.
+/// must make the same calls in the same order. While capturing, nothing runs and nothing is gated
+/// here; each replay is ([`InternodeGraph::replay`](super::InternodeGraph::replay), as the
+/// low-latency buffer's graphs are). The NVLink hop's operations are ordered on the intranode
+/// buffer's stream by events (forked from this buffer's stream, joined back), not through the
+/// compute stream, which an operation touches only at its start and end.
 ///
-/// Limits of this first version: every dispatch waits on the host (for the rows each node
-/// sent, and inside the NVLink hop), so it cannot be captured in a CUDA graph, and
-/// `num_worst_tokens` only pads the outputs; the NVLink hop runs once per source node; the
-/// compute stream is the intranode buffer's and also orders the NVLink hop, so `async_finish`
-/// leaves it waiting for that hop; at most 8 ranks.
+/// # `num_worst_tokens`: no host synchronisation, CUDA-graph capturable
+///
+/// With [`num_worst_tokens`](super::InternodeDispatchArgs::num_worst_tokens), dispatch, cached
+/// dispatch over its handle and combine make no host wait: every size is fixed on the host (the
+/// output's `num_worst_tokens` rows, each node's receive slot of `max_tokens_per_rank` rows, the
+/// NVLink hop's fixed rows per source node), and every count is read on the device: the rows each
+/// node's rail peer announced land in device memory, the put of the combine (and of the
+/// dispatch) is planned on the device from counts it never shows the host, the NVLink hop runs
+/// over whole receive slots (rows past the count carry no expert) through the intranode buffer's
+/// own `num_worst_tokens` path, and a gather kernel concatenates its per-node blocks into the
+/// output (a scatter splits combine inputs back). Sequence numbers are counted on the device, so
+/// graph replays and eager calls interleave. Such a sequence can be captured on the
+/// [communication stream](Self::comm_stream) ([`capture`](Self::capture)), under the same
+/// rules as the intranode buffer's ([`Buffer::dispatch`], "CUDA graphs"): outputs are picked from
+/// pools at capture and rewritten by every replay; inputs are read from the captured tensors; the
+/// layout may be computed before the capture (the graph then keeps its routing) or inside it
+/// (every replay routes by the ids its input tensor holds then). Device errors (a timed-out wait names rank, peer, what and
+/// sequence; more rows than `num_worst_tokens`) surface at the next
+/// [`synchronize`](Self::synchronize). The outputs come from pools of `max_live_outputs` entries
+/// each (dispatch, cached dispatch, combine), allocated on the first such call: holding more
+/// outputs is [`EpError::RegionsInUse`](crate::EpError::RegionsInUse). A dispatch output reports
+/// `num_recv_tokens = num_worst_tokens` and no host per-expert counts (the counts stay on the
+/// GPU: `recv_tokens_per_expert`).
+///
+/// Limits of this first version: without `num_worst_tokens` every dispatch waits on the host
+/// (for the rows each node sent, and inside the NVLink hop); the NVLink hop runs once per source
+/// node; at most 8 ranks.
 pub struct InternodeBuffer {
     pub(super) id: u64,
     pub(super) rank: usize,
@@ -127,11 +166,13 @@ pub struct InternodeBuffer {
     pub(super) rkey: [u64; k::MAX_NODES],
     pub(super) mapped: Arc<MappedHost>,
     pub(super) errors: Arc<ErrorReport>,
-    pub(super) dispatch_seq: u64,
-    pub(super) combine_seq: u64,
-    /// What this rank last stored into each node's dispatch data word (the transport adds the
-    /// difference).
-    pub(super) last_dispatch_word: [u64; k::MAX_NODES],
+    /// The device-counted operation state ([`k::Ctrl`] at [`STATE_CTRL`]: sequence numbers and
+    /// the dispatch data words last stored) and the put table the device plans
+    /// ([`k::PutTable`] at [`STATE_TABLE`]): counted on the GPU, so that CUDA-graph replays and
+    /// eager calls advance them alike.
+    pub(super) state: DeviceBuffer,
+    /// The output pools of the `num_worst_tokens` path (allocated on its first use).
+    pub(super) worst: Option<super::worst::WorstPools>,
     pub(super) poisoned: Option<String>,
     /// The host rendezvous of the world's ranks of this process on this GPU: every kernel that
     /// spins (waits for peers or for the NIC) launches through it, so no rank allocates or frees
@@ -394,7 +435,15 @@ impl InternodeBuffer {
             put: f(k::MODULE, "ep_internode_put")?,
             wait: f(k::MODULE, "ep_internode_wait")?,
             reduce: f(k::MODULE, "ep_internode_reduce")?,
+            plan_put: f(k::MODULE, "ep_internode_plan_put")?,
+            recv_prep: f(k::MODULE, "ep_internode_recv_prep")?,
+            gather: f(k::MODULE, "ep_internode_gather")?,
+            scatter: f(k::MODULE, "ep_internode_scatter")?,
+            stage: f(k::MODULE, "ep_internode_stage")?,
         };
+        // Sequence numbers and last data words start at zero, as the peers' signal words do.
+        let state = DeviceBuffer::new(ctx, STATE_BYTES).map_err(dev)?;
+        state.fill_bytes(0).map_err(dev)?;
         let registration = nic
             .register(plan.bytes)
             .map_err(|e| transport_err(rank, "registering the net buffer", e))?;
@@ -518,9 +567,8 @@ impl InternodeBuffer {
             rkey,
             mapped,
             errors,
-            dispatch_seq: 0,
-            combine_seq: 0,
-            last_dispatch_word: [0; k::MAX_NODES],
+            state,
+            worst: None,
             poisoned: None,
             gate,
             gate_failure: std::sync::OnceLock::new(),

@@ -5,19 +5,24 @@
 //! there ([`Topology::rdma_peer`]), which forwards it over NVLink to the ranks of that node that
 //! need it; combine reduces inside each node before the one copy crosses back, then across nodes.
 //!
-//! [`InternodeBuffer`] is the GPU path (first version: staged, see its docs). The rest needs no
+//! [`InternodeBuffer`] is the GPU path (first version: staged, see its docs); with
+//! `num_worst_tokens` its operations make no host wait and can be captured in a CUDA graph
+//! ([`InternodeBuffer::capture`], [`InternodeGraph`]). The rest needs no
 //! GPU: the [`Topology`] the kernels read, the CPU [`reference`](mod@reference) of layout,
 //! dispatch and combine they must reproduce, and the byte budget of a pipelined ring design
 //! ([`plan`]).
 
 mod buffer;
+mod graph;
 mod ops;
 pub mod plan;
 pub mod reference;
 mod staged_plan;
 mod topology;
+mod worst;
 
 pub use buffer::{InternodeBuffer, InternodeOptions};
+pub use graph::InternodeGraph;
 pub use ops::{
     InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput, InternodeHandle,
     InternodeLayout,

@@ -7,7 +7,7 @@ use ep_kernels::internode as k;
 use ep_kernels::intranode as ik;
 use ibgda_device::cuda::DeviceBuffer;
 
-use super::buffer::{InternodeBuffer, COUNTS_OFFSET, ERROR_OFFSET};
+use super::buffer::{InternodeBuffer, COUNTS_OFFSET, ERROR_OFFSET, STATE_CTRL, STATE_TABLE};
 use super::staged_plan::{up16, Words};
 use crate::config::Config;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
@@ -23,15 +23,18 @@ use crate::tensor::Tensor;
 /// Where each token goes, across nodes: [`InternodeBuffer::get_dispatch_layout`]'s result.
 #[derive(Debug, Clone)]
 pub struct InternodeLayout {
-    tokens_per_rank: Tensor<i32>,
-    tokens_per_node: Tensor<i32>,
-    tokens_per_expert: Tensor<i32>,
-    is_token_in_rank: Tensor<u8>,
+    pub(super) tokens_per_rank: Tensor<i32>,
+    pub(super) tokens_per_node: Tensor<i32>,
+    pub(super) tokens_per_expert: Tensor<i32>,
+    pub(super) is_token_in_rank: Tensor<u8>,
     /// `[tokens][nodes]`: position among the tokens sent to each node, or -1.
-    node_pos: Tensor<i32>,
-    node_counts: Vec<usize>,
-    num_tokens: usize,
-    buffer_id: u64,
+    pub(super) node_pos: Tensor<i32>,
+    /// Tokens to each node, when the host read them (empty for a layout computed under capture).
+    pub(super) node_counts: Vec<usize>,
+    /// The layout's `LayoutInvalid` report when the host never read it (under capture), or 0.
+    pub(super) invalid: u64,
+    pub(super) num_tokens: usize,
+    pub(super) buffer_id: u64,
 }
 
 impl InternodeLayout {
@@ -67,8 +70,10 @@ pub struct InternodeDispatchArgs<'a> {
     /// Top-k ids (global) and weights: required (the forwarders route by them).
     pub topk: TopK<'a>,
     /// Return exactly this many rows (rows past the received ones have top-k id -1 and weight
-    /// 0); more received rows is [`EpError::WorstTokensExceeded`]. In this staged version the
-    /// host still waits for the counts.
+    /// 0) with no host wait: CUDA-graph capturable (see [`InternodeBuffer`], "`num_worst_tokens`").
+    /// More received rows is [`EpError::WorstTokensExceeded`], reported by the next
+    /// [`synchronize`](InternodeBuffer::synchronize). `None`: as many rows as received, after
+    /// bounded host waits.
     pub num_worst_tokens: Option<usize>,
     /// Per-expert counts are rounded up to a multiple of this (at least 1).
     pub expert_alignment: usize,
@@ -85,9 +90,11 @@ pub struct InternodeDispatchOutput {
     pub topk_idx: Option<Tensor<i32>>,
     /// Weights `[rows][k]` (0 where the id is -1); `None` cached.
     pub topk_weights: Option<Tensor<f32>>,
-    /// Rows received.
+    /// Rows received; with `num_worst_tokens` the count stays on the GPU and this is the
+    /// output's row count (`num_worst_tokens`).
     pub num_recv_tokens: usize,
-    /// Tokens per local expert, rounded up to the alignment; `None` cached.
+    /// Tokens per local expert, rounded up to the alignment; `None` cached or with
+    /// `num_worst_tokens` (no host wait: read `recv_tokens_per_expert`).
     pub num_recv_tokens_per_expert: Option<Vec<usize>>,
     /// The same per-expert counts on the GPU, `[num_local_experts]`; `None` cached.
     pub recv_tokens_per_expert: Option<Tensor<i32>>,
@@ -100,18 +107,29 @@ pub struct InternodeDispatchOutput {
 /// How a dispatch routed tokens: the input of [`InternodeBuffer::combine`] and cached dispatch.
 #[derive(Debug, Clone)]
 pub struct InternodeHandle {
-    buffer_id: u64,
-    node_pos: Tensor<i32>,
+    pub(super) buffer_id: u64,
+    pub(super) node_pos: Tensor<i32>,
     /// Tokens this rank sent to each node.
-    node_counts: Vec<usize>,
+    pub(super) node_counts: Vec<usize>,
     /// Tokens each node's rail peer sent this rank (the forwarder inputs, before padding).
-    recv_counts: Vec<usize>,
+    pub(super) recv_counts: Vec<usize>,
     /// The NVLink hop of each source node.
-    sub: Vec<Handle>,
-    /// Rows of this rank's output that came through each source node.
-    block_rows: Vec<usize>,
-    num_tokens: usize,
-    rows: usize,
+    pub(super) sub: Vec<Handle>,
+    /// Rows of this rank's output that came through each source node (empty with
+    /// `num_worst_tokens`: the counts stay on the GPU).
+    pub(super) block_rows: Vec<usize>,
+    pub(super) num_tokens: usize,
+    pub(super) rows: usize,
+    /// The layout's tokens per node (what the pack kernel and a cached dispatch's put read).
+    pub(super) tokens_per_node: Tensor<i32>,
+    /// i32 `[MAX_NODES]`: rows each node's rail peer sent this rank, on the GPU (what the combine's
+    /// put is planned from).
+    pub(super) recv_dev: Tensor<i32>,
+    /// With `num_worst_tokens`: the NVLink hop's fixed rows per source node.
+    pub(super) worst: Option<super::worst::WorstHandle>,
+    /// A cached dispatch's own NVLink-hop regions (with `num_worst_tokens`): held while its
+    /// output is, so that a captured graph's replays rewrite only regions nobody else was given.
+    pub(super) _held: Vec<Handle>,
 }
 
 impl InternodeHandle {
@@ -123,8 +141,12 @@ impl InternodeHandle {
     pub fn num_rows(&self) -> usize {
         self.rows
     }
-    /// Rows actually received (`num_rows` less any worst-token padding).
+    /// Rows actually received (`num_rows` less any worst-token padding); with
+    /// `num_worst_tokens` the count stays on the GPU and this is `num_rows`.
     pub fn num_recv_tokens(&self) -> usize {
+        if self.worst.is_some() {
+            return self.rows;
+        }
         self.block_rows.iter().sum()
     }
 }
@@ -145,19 +167,22 @@ pub struct InternodeCombineArgs<'a> {
 }
 
 /// The dispatch input's geometry.
-struct Rows {
-    tokens: usize,
-    hidden: usize,
-    row_bytes: usize,
-    scale_words: usize,
+pub(super) struct Rows {
+    pub(super) tokens: usize,
+    pub(super) hidden: usize,
+    pub(super) row_bytes: usize,
+    pub(super) scale_words: usize,
 }
 
-fn bytes_of<T>(n: usize) -> usize {
+pub(super) fn bytes_of<T>(n: usize) -> usize {
     n * std::mem::size_of::<T>()
 }
 
 impl InternodeBuffer {
-    fn cuda(&self, call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
+    pub(super) fn cuda(
+        &self,
+        call: &'static str,
+    ) -> impl Fn(cudarc::driver::DriverError) -> EpError + '_ {
         move |source| EpError::Cuda {
             rank: self.rank,
             call,
@@ -165,7 +190,7 @@ impl InternodeBuffer {
         }
     }
 
-    fn usable(&self) -> Result<(), EpError> {
+    pub(super) fn usable(&self) -> Result<(), EpError> {
         match self.poisoned.as_ref().or(self.gate_failure.get()) {
             Some(first) => Err(EpError::Poisoned {
                 rank: self.rank,
@@ -175,11 +200,11 @@ impl InternodeBuffer {
         }
     }
 
-    fn nodes(&self) -> usize {
+    pub(super) fn nodes(&self) -> usize {
         self.topo.nodes()
     }
 
-    fn my_node(&self) -> usize {
+    pub(super) fn my_node(&self) -> usize {
         self.rank / self.topo.ranks_per_node()
     }
 
@@ -195,7 +220,7 @@ impl InternodeBuffer {
         p
     }
 
-    fn launch<P: DeviceRepr>(
+    pub(super) fn launch<P: DeviceRepr>(
         &self,
         f: &CudaFunction,
         grid: u32,
@@ -213,22 +238,29 @@ impl InternodeBuffer {
     }
 
     /// Launches the signal-wait kernel over this rank's `which` words (one per node): every
-    /// word must reach `target` (compared after `>> shift`); with `counts_out`, the low 32 bits
-    /// of each are written there (rows per node). Bounded; `what` names the wait in errors.
-    fn launch_wait(
+    /// word must reach the device-counted sequence at `seq` (a byte offset into `state`),
+    /// compared after `>> shift`. With `counts` (device and host-mapped i32 `[nodes]`, either 0
+    /// for none), the low 32 bits of each word are written there (rows per node), this rank's
+    /// own node's from `own_count`. Bounded; `what` names the wait in errors.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_wait(
         &self,
         which: Words,
-        target: u64,
+        seq: usize,
         shift: i32,
         counts_out: u64,
+        counts_host: u64,
+        own_count: u64,
         what: u32,
     ) -> Result<(), EpError> {
         let p = k::WaitParams {
             words: self.base + self.plan.word(which, 0) as u64,
             counts_out,
+            counts_host,
+            own_count,
+            target_seq: self.state.ptr() + seq as u64,
             error: self.errors.kernel_addr(),
             timeout_ns: self.timeout_ns(),
-            target,
             rank: self.rank as i32,
             nodes: self.nodes() as i32,
             my_node: self.my_node() as i32,
@@ -246,6 +278,46 @@ impl InternodeBuffer {
         )
     }
 
+    /// Plans a put on the device from the i32 row counts at `counts` (device memory) into the
+    /// put table, counting the operation's sequence number (`kind`: [`k::PLAN_DISPATCH`] or
+    /// [`k::PLAN_COMBINE`]).
+    pub(super) fn launch_plan_put(
+        &self,
+        shape: &super::staged_plan::PutShape,
+        kind: i32,
+        counts: u64,
+    ) -> Result<(), EpError> {
+        let p = k::PlanParams {
+            counts,
+            ctrl: self.state.ptr() + STATE_CTRL as u64,
+            table: self.state.ptr() + STATE_TABLE as u64,
+            error: self.errors.kernel_addr(),
+            nodes: self.nodes() as i32,
+            my_node: self.my_node() as i32,
+            rank: self.rank as i32,
+            peer_rank: self.peer_ranks(),
+            ..shape.params(kind)
+        };
+        self.launch(
+            &self.kernels.plan_put,
+            1,
+            k::WAIT_THREADS,
+            0,
+            &p,
+            "cuLaunchKernel(ep_internode_plan_put)",
+        )
+    }
+
+    /// Byte offset in `state` of the dispatch (or combine) sequence number.
+    pub(super) fn seq_at(dispatch: bool) -> usize {
+        STATE_CTRL
+            + if dispatch {
+                std::mem::offset_of!(k::Ctrl, dispatch_seq)
+            } else {
+                std::mem::offset_of!(k::Ctrl, combine_seq)
+            }
+    }
+
     /// Launches a kernel that spins (for peers' signals or the NIC's completions): through the
     /// launch gate where ranks of this process share the GPU ([`crate::residency`]), as the
     /// intranode and low-latency buffers do. Every rank launches the same sequence of these.
@@ -257,7 +329,11 @@ impl InternodeBuffer {
         p: &P,
         call: &'static str,
     ) -> Result<(), EpError> {
-        let gate = self.gate.as_deref().map(|g| (g, self.opts.buffer.timeout));
+        // Under capture nothing runs: the replays are gated instead ([`InternodeGraph`]).
+        let gate = match self.is_capturing()? {
+            true => None,
+            false => self.gate.as_deref().map(|g| (g, self.opts.buffer.timeout)),
+        };
         let r = crate::residency::gated(gate, self.rank, call, || {
             self.launch(f, grid, block, 0, p, call)
         });
@@ -284,7 +360,7 @@ impl InternodeBuffer {
         .map_err(self.cuda("cuMemcpyDtoDAsync"))
     }
 
-    fn memset(&self, dst: u64, value: u8, bytes: usize) -> Result<(), EpError> {
+    pub(super) fn memset(&self, dst: u64, value: u8, bytes: usize) -> Result<(), EpError> {
         if bytes == 0 {
             return Ok(());
         }
@@ -297,31 +373,66 @@ impl InternodeBuffer {
             .map_err(self.cuda("cuMemsetD8Async"))
     }
 
-    fn start(&self, order: &StreamOrder<'_>) -> Result<(), EpError> {
+    /// Whether the communication stream is being captured into a CUDA graph (see
+    /// [`InternodeBuffer`], "`num_worst_tokens`").
+    pub fn is_capturing(&self) -> Result<bool, EpError> {
+        let status = self
+            .stream
+            .capture_status()
+            .map_err(self.cuda("cuStreamIsCapturing"))?;
+        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Refuses an operation that waits on the host while the communication stream is captured.
+    pub(super) fn not_capturing(&self, what: &str) -> Result<(), EpError> {
+        if self.is_capturing()? {
+            return Err(invalid(
+                self.rank,
+                format!(
+                    "{what} waits on the host, which a CUDA-graph capture of the communication \
+                     stream cannot hold: call it before or after the capture (dispatch: set \
+                     num_worst_tokens)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes this stream wait for `order.previous_event`, or for the compute stream's work so
+    /// far; under capture only for `previous_event` (the compute stream is not in the graph).
+    pub(super) fn start(&self, order: &StreamOrder<'_>, capturing: bool) -> Result<(), EpError> {
         match order.previous_event {
             Some(e) => e.wait_on(&self.stream),
+            None if capturing => Ok(()),
             None => Event::record(&self.compute, self.rank)?.wait_on(&self.stream),
         }
     }
 
-    fn finish(&self, order: &StreamOrder<'_>) -> Result<Event, EpError> {
-        // The NVLink hop's next operation is ordered after this stream's work by `hand_to_intra`
-        // (the intranode outputs this operation copied from are reused only then).
+    /// Records the end of the operation; makes the compute stream wait for it unless
+    /// `async_finish` or under capture.
+    pub(super) fn finish(
+        &self,
+        order: &StreamOrder<'_>,
+        capturing: bool,
+    ) -> Result<Event, EpError> {
         let e = Event::record(&self.stream, self.rank)?;
-        if !order.async_finish {
+        if !order.async_finish && !capturing {
             e.wait_on(&self.compute)?;
         }
         Ok(e)
     }
 
-    /// Makes the NVLink hop's next operation start after this stream's work so far.
-    fn hand_to_intra(&self) -> Result<(), EpError> {
-        Event::record(&self.stream, self.rank)?.wait_on(self.intra.compute_stream())
+    /// An event at this stream's current end: the NVLink hop's next operation is ordered after
+    /// it (passed as its `previous_event`, with `async_finish`), and this stream then waits for
+    /// that operation's event ([`Self::join`]). Under capture this forks the intranode buffer's
+    /// stream into the graph and joins it back; eagerly it orders the two streams alike.
+    pub(super) fn fork(&self) -> Result<Event, EpError> {
+        Event::record(&self.stream, self.rank)
     }
 
-    /// Makes this stream wait for the NVLink hop's work so far.
-    fn take_from_intra(&self) -> Result<(), EpError> {
-        Event::record(self.intra.compute_stream(), self.rank)?.wait_on(&self.stream)
+    /// Makes this stream wait for an operation of the NVLink hop (its returned event).
+    pub(super) fn join(&self, e: &Event) -> Result<(), EpError> {
+        e.wait_on(&self.stream)
     }
 
     /// Waits (bounded) for this stream on the host, then reports any device error.
@@ -388,6 +499,22 @@ impl InternodeBuffer {
                     source,
                 }
             }
+            ik::error_code::WORST_TOKENS_EXCEEDED => EpError::WorstTokensExceeded {
+                rank: self.rank,
+                received: w.detail as usize,
+                worst: w.what as usize,
+            },
+            ik::error_code::BAD_ROUTING if w.what == k::ROUTING_TOPK_ID => {
+                EpError::ExpertIdOutOfRange {
+                    rank: self.rank,
+                    op: "dispatch layout (computed under capture)",
+                    id: w.detail as i64,
+                    token: w.epoch as usize,
+                    slot: None,
+                    count: None,
+                    num_experts: w.peer as usize,
+                }
+            }
             ik::error_code::BAD_ROUTING => EpError::CorruptRouting {
                 rank: self.rank,
                 what: "node send position (token, node)",
@@ -422,11 +549,17 @@ impl InternodeBuffer {
 
     /// From top-k expert ids `[tokens][k]` (global, -1 for none): tokens per rank, per node and
     /// per expert, `is_token_in_rank`, and the send order to each node. Waits (bounded).
+    ///
+    /// Under CUDA-graph capture it makes no host wait (every replay recomputes the layout from
+    /// the ids `topk_idx` holds then): such a layout serves dispatch with `num_worst_tokens` only,
+    /// and ids out of range are reported by that dispatch's kernels (at
+    /// [`synchronize`](Self::synchronize)) instead of here.
     pub fn get_dispatch_layout(
         &mut self,
         topk_idx: &Tensor<i32>,
     ) -> Result<InternodeLayout, EpError> {
         self.usable()?;
+        let capturing = self.is_capturing()?;
         self.on_this_gpu(topk_idx, "topk_idx")?;
         if topk_idx.shape().len() != 2 {
             return Err(invalid(
@@ -470,14 +603,15 @@ impl InternodeBuffer {
         }
         let [per_rank, per_node, per_expert, scratch_expert, invalid_r, invalid_n, in_rank, in_node, send_pos, node_pos] =
             at;
-        let buf =
-            Arc::new(
-                DeviceBuffer::new(&self.ctx, total).map_err(|source| EpError::Device {
-                    rank: self.rank,
-                    source,
-                })?,
-            );
-        self.start(&StreamOrder::default())?;
+        let buf = Arc::new(if capturing {
+            super::worst::alloc_relaxed(&self.ctx, total, self.rank)?
+        } else {
+            DeviceBuffer::new(&self.ctx, total).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?
+        });
+        self.start(&StreamOrder::default(), capturing)?;
         let b = buf.ptr();
         for (ranks, tpr, tpe, inr, pos, inv) in [
             (r, per_rank, per_expert, in_rank, send_pos, invalid_r),
@@ -504,6 +638,22 @@ impl InternodeBuffer {
                 "cuLaunchKernel(ep_dispatch_layout)",
             )?;
         }
+        let buffer_id = self.id;
+        let views = |node_counts: Vec<usize>, invalid: u64| InternodeLayout {
+            tokens_per_rank: Tensor::view(buf.clone(), per_rank, vec![r]).read_only(),
+            tokens_per_node: Tensor::view(buf.clone(), per_node, vec![n]).read_only(),
+            tokens_per_expert: Tensor::view(buf.clone(), per_expert, vec![e]).read_only(),
+            is_token_in_rank: Tensor::view(buf.clone(), in_rank, vec![t, r]).read_only(),
+            node_pos: Tensor::view(buf.clone(), node_pos, vec![t, n]).read_only(),
+            node_counts,
+            invalid,
+            num_tokens: t,
+            buffer_id,
+        };
+        if capturing {
+            // The counts stay on the GPU; the pack kernel reports ids out of range.
+            return Ok(views(Vec::new(), b + invalid_r as u64));
+        }
         self.sync("the internode dispatch layout")?;
         let dev = |source| EpError::Device {
             rank: self.rank,
@@ -514,19 +664,13 @@ impl InternodeBuffer {
             return Err(err);
         }
         let counts: Vec<i32> = buf.download(per_node, n).map_err(dev)?;
-        Ok(InternodeLayout {
-            tokens_per_rank: Tensor::view(buf.clone(), per_rank, vec![r]).read_only(),
-            tokens_per_node: Tensor::view(buf.clone(), per_node, vec![n]).read_only(),
-            tokens_per_expert: Tensor::view(buf.clone(), per_expert, vec![e]).read_only(),
-            is_token_in_rank: Tensor::view(buf.clone(), in_rank, vec![t, r]).read_only(),
-            node_pos: Tensor::view(buf, node_pos, vec![t, n]).read_only(),
-            node_counts: counts
+        Ok(views(
+            counts
                 .into_iter()
                 .map(|c| c.clamp(0, t as i32) as usize)
                 .collect(),
-            num_tokens: t,
-            buffer_id: self.id,
-        })
+            0,
+        ))
     }
 
     fn check_x(&self, x: &DispatchX<'_>, tokens: usize) -> Result<Rows, EpError> {
@@ -574,39 +718,46 @@ impl InternodeBuffer {
         })
     }
 
-    fn intra_config(&self) -> Config {
+    pub(super) fn intra_config(&self) -> Config {
         Config {
             num_sms: self.intra_sms,
             ..Config::default_for(self.topo.ranks_per_node())
         }
     }
 
-    /// The RDMA hop of a dispatch: waits for the receivers' acks of the previous dispatch,
-    /// packs, writes and signals, waits for every node's rows; returns the rows each node's rail
-    /// peer sent (this rank's own node: `node_counts[my node]`).
-    fn rdma_dispatch(
+    /// Queues the RDMA hop of a dispatch, with no host wait: waits for the receivers' acks of
+    /// the previous dispatch, packs, plans the put on the device from the i32 counts at
+    /// `tokens_per_node` (the layout's, on the GPU), writes and signals, waits for every node's
+    /// rows. The rows each node's rail peer sent (this rank's own node: `tokens_per_node[my
+    /// node]`) land at `recv_dev` (device i32 `[nodes]`) and, with `recv_host`, in the mapped
+    /// page for the host. `layout_invalid`: the layout's report of ids out of range when the host
+    /// never read it (the pack kernel turns it into this rank's error), or 0.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn queue_rdma_dispatch(
         &mut self,
         x: &DispatchX<'_>,
         rows: &Rows,
         topk: Option<&TopK<'_>>,
         node_pos: &Tensor<i32>,
-        node_counts: &[usize],
         tokens_per_node: u64,
-    ) -> Result<Vec<usize>, EpError> {
+        layout_invalid: u64,
+        recv_dev: u64,
+        recv_host: bool,
+    ) -> Result<(), EpError> {
         let (nodes, me) = (self.nodes(), self.my_node());
         let plan = self.plan.clone();
-        self.dispatch_seq += 1;
-        let seq = self.dispatch_seq;
         let error = self.errors.kernel_addr();
-        if seq > 1 {
-            self.launch_wait(
-                Words::DispatchAck,
-                seq - 1,
-                0,
-                0,
-                k::wait_what::DISPATCH_ACK,
-            )?;
-        }
+        let seq = Self::seq_at(true);
+        // Before this dispatch's sequence number is counted: the previous dispatch's acks.
+        self.launch_wait(
+            Words::DispatchAck,
+            seq,
+            0,
+            0,
+            0,
+            0,
+            k::wait_what::DISPATCH_ACK,
+        )?;
         let kk = topk.map_or(0, |t| t.idx.dim(1));
         let (xa, sa) = match x {
             DispatchX::Bf16(t) => (t.device_address(), 0),
@@ -641,6 +792,7 @@ impl InternodeBuffer {
             experts_per_node: (self.opts.buffer.num_experts / nodes) as i32,
             cap: plan.cap as i32,
             rank: self.rank as i32,
+            layout_invalid,
         };
         let warps = (k::THREADS / 32) as usize;
         let grid = rows.tokens.div_ceil(warps).clamp(1, 264) as u32;
@@ -652,26 +804,12 @@ impl InternodeBuffer {
             &pack,
             "cuLaunchKernel(ep_internode_pack)",
         )?;
-        let mut put = self.put_params(Words::DispatchData);
-        for n in (0..nodes).filter(|&n| n != me) {
-            let c = node_counts[n];
-            let segs = plan
-                .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)
-                .ok_or_else(|| {
-                    invalid(
-                        self.rank,
-                        format!("{c} rows to node {n} do not fit its slot"),
-                    )
-                })?;
-            for (s, (src, dst, bytes)) in segs.into_iter().enumerate() {
-                put.seg_local[n][s] = src as u64;
-                put.seg_remote[n][s] = dst as u64;
-                put.seg_bytes[n][s] = bytes as u64;
-            }
-            let value = (seq << 32) | c as u64;
-            put.delta[n] = value.wrapping_sub(self.last_dispatch_word[n]);
-            self.last_dispatch_word[n] = value;
-        }
+        let shape = plan.dispatch_shape(me, rows.row_bytes, rows.scale_words, kk);
+        self.launch_plan_put(&shape, k::PLAN_DISPATCH, tokens_per_node)?;
+        let put = k::PutParams {
+            table: self.state.ptr() + STATE_TABLE as u64,
+            ..self.put_params(Words::DispatchData)
+        };
         self.launch_waiting(
             &self.kernels.put,
             1,
@@ -683,9 +821,32 @@ impl InternodeBuffer {
             Words::DispatchData,
             seq,
             32,
-            self.mapped.device_addr(COUNTS_OFFSET),
+            recv_dev,
+            if recv_host {
+                self.mapped.device_addr(COUNTS_OFFSET)
+            } else {
+                0
+            },
+            tokens_per_node + 4 * me as u64,
             k::wait_what::DISPATCH_DATA,
-        )?;
+        )
+    }
+
+    /// The RDMA hop of a dispatch, then a bounded host wait for it: returns the rows each node's
+    /// rail peer sent (this rank's own node: `node_counts[my node]`).
+    #[allow(clippy::too_many_arguments)]
+    fn rdma_dispatch(
+        &mut self,
+        x: &DispatchX<'_>,
+        rows: &Rows,
+        topk: Option<&TopK<'_>>,
+        node_pos: &Tensor<i32>,
+        node_counts: &[usize],
+        tokens_per_node: u64,
+        recv_dev: u64,
+    ) -> Result<Vec<usize>, EpError> {
+        let (nodes, me) = (self.nodes(), self.my_node());
+        self.queue_rdma_dispatch(x, rows, topk, node_pos, tokens_per_node, 0, recv_dev, true)?;
         self.sync("the internode dispatch's RDMA hop")?;
         Ok((0..nodes)
             .map(|n| {
@@ -694,14 +855,14 @@ impl InternodeBuffer {
                 } else {
                     self.mapped
                         .read_i32(COUNTS_OFFSET + 4 * n)
-                        .clamp(0, plan.cap as i32) as usize
+                        .clamp(0, self.plan.cap as i32) as usize
                 }
             })
             .collect())
     }
 
     /// Put parameters with no segments and no signals, the word array `w` as the target.
-    fn put_params(&self, w: Words) -> k::PutParams {
+    pub(super) fn put_params(&self, w: Words) -> k::PutParams {
         let me = self.my_node();
         k::PutParams {
             descs: self.descs,
@@ -719,7 +880,7 @@ impl InternodeBuffer {
     }
 
     /// Tells every other node's rail peer that this rank is done with what it sent (`w`).
-    fn ack(&self, w: Words) -> Result<(), EpError> {
+    pub(super) fn ack(&self, w: Words) -> Result<(), EpError> {
         let mut put = self.put_params(w);
         for n in (0..self.nodes()).filter(|&n| n != self.my_node()) {
             put.delta[n] = 1;
@@ -734,7 +895,7 @@ impl InternodeBuffer {
     }
 
     /// Views of node `n`'s dispatch receive slot as the NVLink hop's input: `rows` rows.
-    fn forwarder_input(
+    pub(super) fn forwarder_input(
         &self,
         n: usize,
         rows: usize,
@@ -810,7 +971,19 @@ impl InternodeBuffer {
                 ));
             }
         }
-        self.start(&args.order)?;
+        if let Some(w) = args.num_worst_tokens {
+            return self.dispatch_worst(args, &rows, kk, w);
+        }
+        self.not_capturing("dispatch without num_worst_tokens")?;
+        if layout.node_counts.is_empty() {
+            return Err(invalid(
+                self.rank,
+                "a layout computed under CUDA-graph capture has no host counts: dispatch over it \
+                 with num_worst_tokens",
+            ));
+        }
+        self.start(&args.order, false)?;
+        let recv_dev = self.small_counts()?;
         let recv_counts = self.rdma_dispatch(
             &args.x,
             &rows,
@@ -818,6 +991,7 @@ impl InternodeBuffer {
             &layout.node_pos,
             &layout.node_counts,
             layout.tokens_per_node.device_address(),
+            recv_dev.device_address(),
         )?;
         let fp8 = matches!(args.x, DispatchX::Fp8 { .. });
         let cfg = self.intra_config();
@@ -825,8 +999,8 @@ impl InternodeBuffer {
         for (n, &c) in recv_counts.iter().enumerate() {
             let (input, topk) = self.forwarder_input(n, c.max(1), &rows, fp8, kk);
             let (idx, w) = topk.expect("top-k is given");
-            self.hand_to_intra()?;
             let l = self.intra.get_dispatch_layout(&idx)?;
+            let ev = self.fork()?;
             let out = self.intra.dispatch(&DispatchArgs {
                 x: input.as_x(),
                 layout: &l,
@@ -837,28 +1011,17 @@ impl InternodeBuffer {
                 num_worst_tokens: None,
                 expert_alignment: 1,
                 config: cfg,
-                order: StreamOrder::default(),
+                order: intra_order(&ev),
             })?;
+            self.join(&out.event)?;
             parts.push(out);
         }
-        self.take_from_intra()?;
         self.ack(Words::DispatchAck)?;
         let block_rows: Vec<usize> = parts
             .iter()
             .map(|p| p.num_recv_tokens.unwrap_or(0))
             .collect();
         let received: usize = block_rows.iter().sum();
-        let out_rows = match args.num_worst_tokens {
-            Some(w) if received > w => {
-                return Err(EpError::WorstTokensExceeded {
-                    rank: self.rank,
-                    received,
-                    worst: w,
-                });
-            }
-            Some(w) => w,
-            None => received,
-        };
         let local = self.num_local_experts();
         let mut per_expert = vec![0usize; local];
         for p in &parts {
@@ -871,7 +1034,7 @@ impl InternodeBuffer {
         }
         let a = args.expert_alignment;
         per_expert.iter_mut().for_each(|c| *c = c.div_ceil(a) * a);
-        let outs = self.gather_outputs(&parts, out_rows, received, &rows, fp8, kk)?;
+        let outs = self.gather_outputs(&parts, received, received, &rows, fp8, kk)?;
         let counts: Vec<i32> = per_expert
             .iter()
             .map(|&c| c.min(i32::MAX as usize) as i32)
@@ -881,7 +1044,7 @@ impl InternodeBuffer {
                 rank: self.rank,
                 source,
             })?;
-        let event = self.finish(&args.order)?;
+        let event = self.finish(&args.order, false)?;
         Ok(InternodeDispatchOutput {
             x: outs.0,
             topk_idx: outs.1,
@@ -897,10 +1060,24 @@ impl InternodeBuffer {
                 sub: parts.into_iter().map(|p| p.handle).collect(),
                 block_rows,
                 num_tokens: rows.tokens,
-                rows: out_rows,
+                rows: received,
+                tokens_per_node: layout.tokens_per_node.clone(),
+                recv_dev,
+                worst: None,
+                _held: Vec::new(),
             },
             event,
         })
+    }
+
+    /// A fresh device i32 `[MAX_NODES]` for a dispatch's received counts (eager paths).
+    fn small_counts(&self) -> Result<Tensor<i32>, EpError> {
+        let b =
+            DeviceBuffer::new(&self.ctx, 4 * k::MAX_NODES).map_err(|source| EpError::Device {
+                rank: self.rank,
+                source,
+            })?;
+        Ok(Tensor::view(Arc::new(b), 0, vec![k::MAX_NODES]))
     }
 
     /// Concatenates the NVLink hop's outputs (node by node) into fresh tensors of `out_rows`
@@ -1008,21 +1185,20 @@ impl InternodeBuffer {
             });
         }
         let rows = self.check_x(&x, handle.num_tokens)?;
-        self.start(order)?;
-        // The counts the layout downloaded are what the pack kernel pads by.
-        let counts: Vec<i32> = handle.node_counts.iter().map(|&c| c as i32).collect();
-        let tpn =
-            DeviceBuffer::from_slice(&self.ctx, &counts).map_err(|source| EpError::Device {
-                rank: self.rank,
-                source,
-            })?;
+        if handle.worst.is_some() {
+            return self.dispatch_cached_worst(x, handle, &rows, order);
+        }
+        self.not_capturing("cached dispatch over a handle without num_worst_tokens")?;
+        self.start(order, false)?;
+        let recv_dev = self.small_counts()?;
         let recv = self.rdma_dispatch(
             &x,
             &rows,
             None,
             &handle.node_pos,
             &handle.node_counts,
-            tpn.ptr(),
+            handle.tokens_per_node.device_address(),
+            recv_dev.device_address(),
         )?;
         if recv != handle.recv_counts {
             let e = invalid(
@@ -1040,22 +1216,21 @@ impl InternodeBuffer {
         let mut parts = Vec::with_capacity(self.nodes());
         for (n, &c) in recv.iter().enumerate() {
             let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
-            self.hand_to_intra()?;
+            let ev = self.fork()?;
             let mut out = self.intra.dispatch_cached(
                 input.as_x(),
                 &handle.sub[n],
                 &cfg,
-                &StreamOrder::default(),
+                &intra_order(&ev),
             )?;
+            self.join(&out.event)?;
             out.num_recv_tokens = Some(handle.block_rows[n]);
             parts.push(out);
         }
-        self.take_from_intra()?;
         self.ack(Words::DispatchAck)?;
         let received = handle.num_recv_tokens();
         let outs = self.gather_outputs(&parts, handle.rows, received, &rows, fp8, 0)?;
-        drop(tpn);
-        let event = self.finish(order)?;
+        let event = self.finish(order, false)?;
         Ok(InternodeDispatchOutput {
             x: outs.0,
             topk_idx: None,
@@ -1117,70 +1292,125 @@ impl InternodeBuffer {
             self.on_this_gpu(*b, "bias")?;
             self.shape_is(*b, &[h.num_tokens, hidden], "bias")?;
         }
+        let capturing = self.is_capturing()?;
+        if h.worst.is_none() {
+            self.not_capturing("combine over a dispatch without num_worst_tokens")?;
+        }
+        let t = h.num_tokens;
+        // The outputs: pooled with num_worst_tokens (no allocation under capture), else fresh.
+        let (out_x, out_w) = match &h.worst {
+            Some(_) => self.worst_combine_outputs(t, hidden, kk)?,
+            None => {
+                let dev = |source| EpError::Device {
+                    rank: self.rank,
+                    source,
+                };
+                let x = Arc::new(DeviceBuffer::new(&self.ctx, t * hidden * 2).map_err(dev)?);
+                let w = match kk {
+                    0 => None,
+                    _ => Some(Arc::new(
+                        DeviceBuffer::new(&self.ctx, bytes_of::<f32>(t * kk)).map_err(dev)?,
+                    )),
+                };
+                (
+                    Tensor::view(x, 0, vec![t, hidden]),
+                    w.map(|b| Tensor::view(b, 0, vec![t, kk])),
+                )
+            }
+        };
+        let r = self.combine_queued(args, out_x, out_w, hidden, kk, capturing);
+        self.poison_on_err(r)
+    }
+
+    /// The part of a combine that queues work (after the checks): an error here leaves the
+    /// peers' signals unpaired, so it makes the buffer unusable.
+    fn combine_queued(
+        &mut self,
+        args: &InternodeCombineArgs<'_>,
+        out_x: Tensor<Bf16>,
+        out_w: Option<Tensor<f32>>,
+        hidden: usize,
+        kk: usize,
+        capturing: bool,
+    ) -> Result<CombineOutput, EpError> {
+        let h = args.handle;
         let (nodes, me) = (self.nodes(), self.my_node());
         let plan = self.plan.clone();
-        self.combine_seq += 1;
-        let seq = self.combine_seq;
         let error = self.errors.kernel_addr();
-        self.start(&args.order)?;
-        if seq > 1 {
-            self.launch_wait(Words::CombineAck, seq - 1, 0, 0, k::wait_what::COMBINE_ACK)?;
-        }
-        // NVLink hop, node by node: the rail peer's sums of this node's rows.
-        let cfg = self.intra_config();
-        let mut sums = Vec::with_capacity(nodes);
-        let mut at = 0usize;
-        for n in 0..nodes {
-            let r = h.block_rows[n];
-            let x = args.x.rows(at, r);
-            let w = args.topk_weights.map(|w| w.rows(at, r));
-            at += r;
-            self.hand_to_intra()?;
-            let out = self.intra.combine(&CombineArgs {
-                x: &x,
-                handle: &h.sub[n],
-                topk_weights: w.as_ref(),
-                bias: [None, None],
-                config: cfg,
-                order: StreamOrder::default(),
-            })?;
-            sums.push(out);
-        }
-        self.take_from_intra()?;
-        // Stage each node's sums (this rank's own node: straight into its receive slot), then
-        // one put per node and a signal behind it.
-        let mut put = self.put_params(Words::CombineData);
-        for (n, s) in sums.iter().enumerate() {
-            let c = h.recv_counts[n].min(plan.cap);
-            let dst = self.base
-                + if n == me {
-                    plan.c_recv_slot(n)
-                } else {
-                    plan.c_stage_slot(n)
-                } as u64;
-            self.copy(dst, s.x.device_address(), c * hidden * 2)?;
-            if let Some(w) = &s.topk_weights {
-                self.copy(
-                    dst + plan.c_w as u64,
-                    w.device_address(),
-                    bytes_of::<f32>(c * kk),
-                )?;
+        let t = h.num_tokens;
+        self.start(&args.order, capturing)?;
+        if self.opts.buffer.poison_outputs {
+            self.memset(out_x.device_address(), 0xAB, t * hidden * 2)?;
+            if let Some(w) = &out_w {
+                self.memset(w.device_address(), 0xAB, bytes_of::<f32>(t * kk))?;
             }
-            if n != me {
-                let segs = plan.combine_segments(n, me, c, hidden, kk).ok_or_else(|| {
-                    invalid(
-                        self.rank,
-                        format!("{c} combined rows for node {n} do not fit its slot"),
-                    )
-                })?;
-                for (i, (src, dst, bytes)) in segs.into_iter().enumerate() {
-                    put.seg_local[n][i] = src as u64;
-                    put.seg_remote[n][i] = dst as u64;
-                    put.seg_bytes[n][i] = bytes as u64;
+        }
+        // Before this combine's sequence number is counted: the previous combine's acks.
+        self.launch_wait(
+            Words::CombineAck,
+            Self::seq_at(false),
+            0,
+            0,
+            0,
+            0,
+            k::wait_what::COMBINE_ACK,
+        )?;
+        // NVLink hop, node by node: the rail peer's sums of this node's rows; staged (this rank's
+        // own node: straight into its receive slot) for one put per node.
+        let sums = match &h.worst {
+            Some(wh) => {
+                let sums = self.worst_nvlink_combine(args, wh, hidden, kk)?;
+                self.launch_stage(&sums, h, hidden, kk)?;
+                sums
+            }
+            None => {
+                let cfg = self.intra_config();
+                let mut sums = Vec::with_capacity(nodes);
+                let mut at = 0usize;
+                for n in 0..nodes {
+                    let r = h.block_rows[n];
+                    let x = args.x.rows(at, r);
+                    let w = args.topk_weights.map(|w| w.rows(at, r));
+                    at += r;
+                    let ev = self.fork()?;
+                    let out = self.intra.combine(&CombineArgs {
+                        x: &x,
+                        handle: &h.sub[n],
+                        topk_weights: w.as_ref(),
+                        bias: [None, None],
+                        config: cfg,
+                        order: intra_order(&ev),
+                    })?;
+                    self.join(&out.event)?;
+                    sums.push(out);
                 }
-                put.delta[n] = 1;
+                for (n, s) in sums.iter().enumerate() {
+                    let c = h.recv_counts[n].min(plan.cap);
+                    let dst = self.base
+                        + if n == me {
+                            plan.c_recv_slot(n)
+                        } else {
+                            plan.c_stage_slot(n)
+                        } as u64;
+                    self.copy(dst, s.x.device_address(), c * hidden * 2)?;
+                    if let Some(w) = &s.topk_weights {
+                        self.copy(
+                            dst + plan.c_w as u64,
+                            w.device_address(),
+                            bytes_of::<f32>(c * kk),
+                        )?;
+                    }
+                }
+                sums
             }
-        }
+        };
+        // The put is planned on the device from the rows each node sent at dispatch.
+        let shape = plan.combine_shape(me, hidden, kk);
+        self.launch_plan_put(&shape, k::PLAN_COMBINE, h.recv_dev.device_address())?;
+        let put = k::PutParams {
+            table: self.state.ptr() + STATE_TABLE as u64,
+            ..self.put_params(Words::CombineData)
+        };
         self.launch_waiting(
             &self.kernels.put,
             1,
@@ -1188,31 +1418,22 @@ impl InternodeBuffer {
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
-        self.launch_wait(Words::CombineData, seq, 0, 0, k::wait_what::COMBINE_DATA)?;
-        let t = h.num_tokens;
-        let dev = |source| EpError::Device {
-            rank: self.rank,
-            source,
-        };
-        let out_x = Arc::new(DeviceBuffer::new(&self.ctx, t * hidden * 2).map_err(dev)?);
-        let out_w = if kk > 0 {
-            Some(Arc::new(
-                DeviceBuffer::new(&self.ctx, bytes_of::<f32>(t * kk)).map_err(dev)?,
-            ))
-        } else {
-            None
-        };
-        if self.opts.buffer.poison_outputs {
-            self.memset(out_x.ptr(), 0xAB, out_x.len())?;
-            if let Some(w) = &out_w {
-                self.memset(w.ptr(), 0xAB, w.len())?;
-            }
-        }
+        self.launch_wait(
+            Words::CombineData,
+            Self::seq_at(false),
+            0,
+            0,
+            0,
+            0,
+            k::wait_what::COMBINE_DATA,
+        )?;
         let mut slot = [0u64; k::MAX_NODES];
         let mut rows = [0i32; k::MAX_NODES];
         for n in 0..nodes {
             slot[n] = self.base + plan.c_recv_slot(n) as u64;
-            rows[n] = h.node_counts[n].min(plan.cap) as i32;
+            // A layout computed under capture left its counts on the GPU: positions are bounded
+            // by the slot.
+            rows[n] = h.node_counts.get(n).map_or(plan.cap, |&c| c.min(plan.cap)) as i32;
         }
         let p = k::ReduceParams {
             slot,
@@ -1220,8 +1441,8 @@ impl InternodeBuffer {
             node_pos: h.node_pos.device_address(),
             bias0: args.bias[0].map_or(0, |b| b.device_address()),
             bias1: args.bias[1].map_or(0, |b| b.device_address()),
-            out_x: out_x.ptr(),
-            out_w: out_w.as_ref().map_or(0, |b| b.ptr()),
+            out_x: out_x.device_address(),
+            out_w: out_w.as_ref().map_or(0, |b| b.device_address()),
             error,
             num_tokens: t as i32,
             hidden: hidden as i32,
@@ -1242,38 +1463,61 @@ impl InternodeBuffer {
             )?;
         }
         self.ack(Words::CombineAck)?;
-        let event = self.finish(&args.order)?;
+        let event = self.finish(&args.order, capturing)?;
         drop(sums);
         Ok(CombineOutput {
-            x: Tensor::view(out_x, 0, vec![t, hidden]),
-            topk_weights: out_w.map(|b| Tensor::view(b, 0, vec![t, kk])),
+            x: out_x,
+            topk_weights: out_w,
             event,
         })
     }
 
-    /// Waits (bounded) for everything queued, then reports any device error.
+    /// Marks the buffer unusable on an error after work was queued (the peers' signals and the
+    /// device-counted sequence numbers are then out of step).
+    pub(super) fn poison_on_err<T>(&mut self, r: Result<T, EpError>) -> Result<T, EpError> {
+        if let Err(e) = &r {
+            if self.poisoned.is_none() {
+                self.poisoned = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    /// Waits (bounded) for everything queued (the NVLink hop's too), then reports any device
+    /// error: this buffer's, then the NVLink hop's. Refused under capture.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
-        self.sync("the internode stream")
+        self.not_capturing("synchronize")?;
+        self.sync("the internode stream")?;
+        self.intra.synchronize()
     }
 }
 
 /// The NVLink hop's input ids and weights (views of a dispatch receive slot).
-type ForwarderTopK = (Tensor<i32>, Tensor<f32>);
+pub(super) type ForwarderTopK = (Tensor<i32>, Tensor<f32>);
 
 /// A dispatch's concatenated outputs: rows, ids, weights.
 type Gathered = (RecvX, Option<Tensor<i32>>, Option<Tensor<f32>>);
 
 /// The NVLink hop's input rows (views of a dispatch receive slot).
-enum ForwarderInput {
+pub(super) enum ForwarderInput {
     Bf16(Tensor<Bf16>),
     Fp8(Tensor<Fp8E4M3>, Tensor<f32>),
 }
 
 impl ForwarderInput {
-    fn as_x(&self) -> DispatchX<'_> {
+    pub(super) fn as_x(&self) -> DispatchX<'_> {
         match self {
             ForwarderInput::Bf16(t) => DispatchX::Bf16(t),
             ForwarderInput::Fp8(x, scales) => DispatchX::Fp8 { x, scales },
         }
+    }
+}
+
+/// The ordering of an NVLink-hop operation inside an internode one: after `ev` (this stream's
+/// end, [`InternodeBuffer::fork`]); the caller joins its event back.
+pub(super) fn intra_order(ev: &Event) -> StreamOrder<'_> {
+    StreamOrder {
+        previous_event: Some(ev),
+        async_finish: true,
     }
 }

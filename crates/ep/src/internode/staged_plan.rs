@@ -2,7 +2,7 @@
 //! ([`InternodeBuffer`](super::InternodeBuffer)); mirrored by the comment at the top of
 //! `ep-kernels/cuda/internode.cu`. Offsets are equal on every rank (peers write at them).
 
-use ep_kernels::internode::MAX_NODES;
+use ep_kernels::internode::{MAX_NODES, MAX_SEGS};
 
 /// The four signal-word arrays at the start of the buffer, each `u64 [MAX_NODES]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +123,9 @@ impl StagedPlan {
 /// One RDMA write of a put: (offset in this rank's buffer, offset in the peer's, bytes).
 pub(crate) type Segment = (usize, usize, usize);
 
+/// The host's model of every put (the device plans them, `ep_internode_plan_put`, by
+/// [`PutShape`]; tests hold the two equal).
+#[cfg_attr(not(test), allow(dead_code))]
 impl StagedPlan {
     /// The writes that carry `rows` dispatch rows (of `row_bytes`, `scale_words` scales and
     /// `topk` ids and weights each) from this rank's stage slot for node `to` into the receive
@@ -204,6 +207,109 @@ impl StagedPlan {
             *o = (src + start, dst + start, bytes);
         }
         Some(out)
+    }
+}
+
+/// The shape of a put planned on the device (`ep_internode_plan_put`) from row counts the host
+/// never sees: per section its start and size in a slot, its bytes per row and the rows it sends
+/// at least; where node n's slot starts here and where this rank's node's slot starts at a peer.
+/// [`segments`](Self::segments) is the device's rule, on the host: it must equal
+/// [`StagedPlan::dispatch_segments`] / [`StagedPlan::combine_segments`] (tested).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PutShape {
+    pub src_base: usize,
+    pub dst_base: usize,
+    pub slot_bytes: usize,
+    pub sec_off: [usize; MAX_SEGS],
+    pub sec_cap: [usize; MAX_SEGS],
+    pub sec_row: [usize; MAX_SEGS],
+    pub sec_min_rows: [usize; MAX_SEGS],
+    pub cap: usize,
+}
+
+impl StagedPlan {
+    /// The put of a dispatch from this rank's node `me`: rows of `row_bytes`, `scale_words`
+    /// scales and `topk` ids and weights (those at least one row).
+    pub(crate) fn dispatch_shape(
+        &self,
+        me: usize,
+        row_bytes: usize,
+        scale_words: usize,
+        topk: usize,
+    ) -> PutShape {
+        PutShape {
+            src_base: self.d_stage,
+            dst_base: self.d_recv_slot(me),
+            slot_bytes: self.d_slot,
+            sec_off: [0, self.d_scales, self.d_idx, self.d_w],
+            sec_cap: [
+                self.d_scales,
+                self.d_idx - self.d_scales,
+                self.d_w - self.d_idx,
+                self.d_slot - self.d_w,
+            ],
+            sec_row: [row_bytes, scale_words * 4, topk * 4, topk * 4],
+            sec_min_rows: [0, 0, 1, 1],
+            cap: self.cap,
+        }
+    }
+
+    /// The put of a combine from this rank's node `me`: BF16 rows of `hidden`, `topk` weights.
+    pub(crate) fn combine_shape(&self, me: usize, hidden: usize, topk: usize) -> PutShape {
+        PutShape {
+            src_base: self.c_stage,
+            dst_base: self.c_recv_slot(me),
+            slot_bytes: self.c_slot,
+            sec_off: [0, self.c_w, 0, 0],
+            sec_cap: [self.c_w, self.c_slot - self.c_w, 0, 0],
+            sec_row: [hidden * 2, topk * 4, 0, 0],
+            sec_min_rows: [0; MAX_SEGS],
+            cap: self.cap,
+        }
+    }
+}
+
+impl PutShape {
+    /// The writes to node `to` of `rows` rows, as the device computes them: rows clamped to
+    /// the slot, each section's bytes rounded up to 16; a section that would not fit is not
+    /// sent (`None` here; the device reports it). Unsent sections are `(0, 0, 0)`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn segments(&self, to: usize, rows: i64) -> Option<[Segment; MAX_SEGS]> {
+        let rows = rows.clamp(0, self.cap as i64) as usize;
+        let mut out = [(0, 0, 0); MAX_SEGS];
+        for (s, o) in out.iter_mut().enumerate() {
+            if self.sec_row[s] == 0 {
+                continue;
+            }
+            let bytes = up16(rows.max(self.sec_min_rows[s]) * self.sec_row[s])?;
+            if bytes > self.sec_cap[s] {
+                return None;
+            }
+            *o = (
+                self.src_base + to * self.slot_bytes + self.sec_off[s],
+                self.dst_base + self.sec_off[s],
+                bytes,
+            );
+        }
+        Some(out)
+    }
+
+    /// The device plan kernel's parameters for this shape (counts, state, table and the
+    /// identity fields are the caller's).
+    pub(crate) fn params(&self, kind: i32) -> ep_kernels::internode::PlanParams {
+        let w = |a: [usize; MAX_SEGS]| a.map(|v| v as u64);
+        ep_kernels::internode::PlanParams {
+            src_base: self.src_base as u64,
+            dst_base: self.dst_base as u64,
+            slot_bytes: self.slot_bytes as u64,
+            sec_off: w(self.sec_off),
+            sec_cap: w(self.sec_cap),
+            sec_row: w(self.sec_row),
+            sec_min_rows: self.sec_min_rows.map(|v| v as i32),
+            kind,
+            cap: self.cap as i32,
+            ..Default::default()
+        }
     }
 }
 
@@ -389,5 +495,57 @@ mod tests {
                 assert_eq!(words.len(), all);
             }
         }
+    }
+
+    /// The device's put rule ([`PutShape::segments`], what `ep_internode_plan_put` computes)
+    /// equals the host's, for every row count a slot holds, both kinds, BF16 and FP8 rows.
+    #[test]
+    fn the_device_put_plan_equals_the_host_segments() {
+        let (cap, h, k, nodes) = (33, 1024, 6, 4);
+        let p = StagedPlan::new(cap, h, k, nodes).unwrap();
+        for me in 0..nodes {
+            for (row_bytes, sw) in [(h * 2, 0), (h, h / 128), (512, 4)] {
+                let shape = p.dispatch_shape(me, row_bytes, sw, k);
+                for to in (0..nodes).filter(|&t| t != me) {
+                    for rows in 0..=cap {
+                        let host = p.dispatch_segments(to, me, rows, row_bytes, sw, k).unwrap();
+                        let dev = shape.segments(to, rows as i64).unwrap();
+                        for s in 0..4 {
+                            if host[s].2 == 0 {
+                                assert_eq!(dev[s].2, 0, "{rows} rows, section {s}");
+                            } else {
+                                assert_eq!(dev[s], host[s], "{rows} rows, section {s}");
+                            }
+                        }
+                    }
+                    // Counts past the slot are clamped to it, negative ones to zero.
+                    assert_eq!(
+                        shape.segments(to, cap as i64 + 5),
+                        shape.segments(to, cap as i64)
+                    );
+                    assert_eq!(shape.segments(to, -3), shape.segments(to, 0));
+                }
+            }
+            let shape = p.combine_shape(me, h, k);
+            for to in (0..nodes).filter(|&t| t != me) {
+                for rows in 0..=cap {
+                    let host = p.combine_segments(to, me, rows, h, k).unwrap();
+                    let dev = shape.segments(to, rows as i64).unwrap();
+                    assert_eq!(&dev[..2], &host[..], "{rows} rows");
+                    assert_eq!(dev[2..], [(0, 0, 0); 2]);
+                }
+            }
+        }
+        // A row wider than the plan's does not fit: the device sends nothing and reports it.
+        assert!(p
+            .dispatch_shape(0, h * 4, 0, k)
+            .segments(1, cap as i64)
+            .is_none());
+        let params = p
+            .dispatch_shape(1, h * 2, 0, k)
+            .params(ep_kernels::internode::PLAN_DISPATCH);
+        assert_eq!(params.dst_base, p.d_recv_slot(1) as u64);
+        assert_eq!(params.sec_min_rows, [0, 0, 1, 1]);
+        assert_eq!(params.cap, cap as i32);
     }
 }

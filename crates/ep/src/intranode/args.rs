@@ -176,6 +176,10 @@ impl Handle {
     pub fn num_recv_tokens(&self) -> Option<usize> {
         self.num_recv
     }
+    /// The receive region of the dispatch (its `Meta` first, then the rows).
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
 }
 
 /// The arguments of [`Buffer::combine`].

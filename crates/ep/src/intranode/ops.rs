@@ -50,26 +50,9 @@ impl Buffer {
             ));
         }
         let (r, e) = (self.ranks, self.opts.num_experts);
-        // Small (tokens, ranks and experts are bounded at creation), checked all the same.
-        let sections = || -> Option<[usize; 6]> {
-            let mut s = Sections::new(0)?;
-            let per_rank_at = s.take(product(&[4, r]))?;
-            let per_expert_at = s.take(product(&[4, e]))?;
-            let invalid_at = s.take(Some(std::mem::size_of::<k::LayoutInvalid>()))?;
-            let in_rank_at = s.take(product(&[t, r]))?;
-            let send_pos_at = s.take(product(&[4, t, r]))?;
-            Some([
-                per_rank_at,
-                per_expert_at,
-                invalid_at,
-                in_rank_at,
-                send_pos_at,
-                s.at,
-            ])
-        };
-        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at, bytes] =
-            sections()
-                .ok_or_else(|| invalid(self.rank, format!("layout of {t} tokens overflows")))?;
+        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at, bytes] = self
+            .layout_sections(t)
+            .ok_or_else(|| invalid(self.rank, format!("layout of {t} tokens overflows")))?;
         let buf =
             Arc::new(
                 DeviceBuffer::new(&self.ctx, bytes).map_err(|source| EpError::Device {
@@ -78,25 +61,16 @@ impl Buffer {
                 })?,
             );
         self.start(&StreamOrder::default(), false)?;
-        let p = k::LayoutParams {
-            topk_idx: topk_idx.device_address(),
-            tokens_per_rank: buf.ptr() + per_rank_at as u64,
-            tokens_per_expert: buf.ptr() + per_expert_at as u64,
-            is_token_in_rank: buf.ptr() + in_rank_at as u64,
-            send_pos: buf.ptr() + send_pos_at as u64,
-            invalid: buf.ptr() + invalid_at as u64,
-            num_tokens: t as i32,
-            topk: kk as i32,
-            ranks: r as i32,
-            num_experts: e as i32,
-        };
-        self.launch_local(
-            &self.kernels.layout,
-            r as u32 + 1,
-            k::LAYOUT_THREADS,
-            (4 * e) as u32,
-            &p,
-            "cuLaunchKernel(ep_dispatch_layout)",
+        self.launch_layout(
+            topk_idx,
+            buf.ptr(),
+            [
+                per_rank_at,
+                per_expert_at,
+                invalid_at,
+                in_rank_at,
+                send_pos_at,
+            ],
         )?;
         let done = self.finish(&StreamOrder::default(), false)?;
         done.wait_host(self.opts.timeout, "the dispatch layout")?;
@@ -117,6 +91,118 @@ impl Buffer {
             num_tokens: t,
             buffer_id: self.id,
         })
+    }
+
+    /// Byte offsets of a layout's sections for `t` tokens (tokens per rank, per expert, the
+    /// invalid-id report, `is_token_in_rank`, the send order) and its total bytes; `None` when
+    /// a size overflows. Small: tokens, ranks and experts are bounded at creation.
+    pub(crate) fn layout_sections(&self, t: usize) -> Option<[usize; 6]> {
+        let (r, e) = (self.ranks, self.opts.num_experts);
+        let mut s = Sections::new(0)?;
+        let per_rank_at = s.take(product(&[4, r]))?;
+        let per_expert_at = s.take(product(&[4, e]))?;
+        let invalid_at = s.take(Some(std::mem::size_of::<k::LayoutInvalid>()))?;
+        let in_rank_at = s.take(product(&[t, r]))?;
+        let send_pos_at = s.take(product(&[4, t, r]))?;
+        Some([
+            per_rank_at,
+            per_expert_at,
+            invalid_at,
+            in_rank_at,
+            send_pos_at,
+            s.at,
+        ])
+    }
+
+    /// Queues the layout kernel over `topk_idx` into the sections at `at` (offsets from `base`,
+    /// a device address) on the communication stream.
+    fn launch_layout(
+        &self,
+        topk_idx: &Tensor<i32>,
+        base: u64,
+        at: [usize; 5],
+    ) -> Result<(), EpError> {
+        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at] = at;
+        let (r, e) = (self.ranks, self.opts.num_experts);
+        let p = k::LayoutParams {
+            topk_idx: topk_idx.device_address(),
+            tokens_per_rank: base + per_rank_at as u64,
+            tokens_per_expert: base + per_expert_at as u64,
+            is_token_in_rank: base + in_rank_at as u64,
+            send_pos: base + send_pos_at as u64,
+            invalid: base + invalid_at as u64,
+            num_tokens: topk_idx.dim(0) as i32,
+            topk: topk_idx.dim(1) as i32,
+            ranks: r as i32,
+            num_experts: e as i32,
+        };
+        self.launch_local(
+            &self.kernels.layout,
+            r as u32 + 1,
+            k::LAYOUT_THREADS,
+            (4 * e) as u32,
+            &p,
+            "cuLaunchKernel(ep_dispatch_layout)",
+        )
+    }
+
+    /// The layout of `topk_idx` computed on the device into `storage` from byte `at` (at least
+    /// [`layout_sections`](Self::layout_sections)`(tokens)[5]` bytes), with no host wait: the
+    /// internode buffer's NVLink hop with `num_worst_tokens` (CUDA-graph capturable). Ordered
+    /// after `order.previous_event` (or the compute stream's work); ids out of range are not
+    /// reported here (the caller produced them), and dispatch checks every count it reads.
+    pub(crate) fn dispatch_layout_on_device(
+        &mut self,
+        topk_idx: &Tensor<i32>,
+        storage: &Arc<Region>,
+        at: usize,
+        order: &StreamOrder<'_>,
+    ) -> Result<DispatchLayout, EpError> {
+        self.usable()?;
+        self.on_this_gpu(topk_idx, "topk_idx")?;
+        let (t, kk) = (topk_idx.dim(0), topk_idx.dim(1));
+        self.tokens_within_limit(t)?;
+        if kk == 0 || kk > self.opts.max_topk {
+            return Err(invalid(
+                self.rank,
+                format!("top-{kk}: expected 1..={}", self.opts.max_topk),
+            ));
+        }
+        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at, bytes] = self
+            .layout_sections(t)
+            .ok_or_else(|| invalid(self.rank, format!("layout of {t} tokens overflows")))?;
+        if at.checked_add(bytes).is_none_or(|end| end > storage.len()) {
+            return Err(invalid(
+                self.rank,
+                format!("a layout of {bytes} bytes does not fit its storage"),
+            ));
+        }
+        let capturing = self.is_capturing()?;
+        self.start(order, capturing)?;
+        let off = [
+            per_rank_at,
+            per_expert_at,
+            invalid_at,
+            in_rank_at,
+            send_pos_at,
+        ]
+        .map(|o| o + at);
+        self.launch_layout(topk_idx, storage.ptr(), off)?;
+        let [per_rank_at, per_expert_at, _, in_rank_at, send_pos_at] = off;
+        let (r, e) = (self.ranks, self.opts.num_experts);
+        Ok(DispatchLayout {
+            tokens_per_rank: Tensor::view(storage.clone(), per_rank_at, vec![r]).read_only(),
+            tokens_per_expert: Tensor::view(storage.clone(), per_expert_at, vec![e]).read_only(),
+            is_token_in_rank: Tensor::view(storage.clone(), in_rank_at, vec![t, r]).read_only(),
+            send_pos: Tensor::view(storage.clone(), send_pos_at, vec![t, r]),
+            num_tokens: t,
+            buffer_id: self.id,
+        })
+    }
+
+    /// The receive region sections (offsets inside a region) and rows one region holds.
+    pub(crate) fn region_layout(&self) -> (k::RegionLayout, usize) {
+        (self.plan.layout, self.plan.cap)
     }
 
     /// Checks the rows to send; returns (tokens, hidden, row bytes, scale words).

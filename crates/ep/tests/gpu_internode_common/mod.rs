@@ -185,11 +185,98 @@ pub struct Round {
 
 impl Round {
     pub fn generate(c: &Case, topo: &Topology, rngs: &mut [Rng]) -> Round {
-        let world = topo.world();
-        let experts = world * c.experts_per_rank;
-        let inputs: Vec<RankInput> = (0..world)
+        let inputs: Vec<RankInput> = (0..topo.world())
             .map(|r| gen_input(&mut rngs[r], c, topo, r))
             .collect();
+        Self::from_inputs(c, topo, inputs, rngs)
+    }
+
+    /// A round over the routing of `first` (its tokens and top-k ids: a captured graph's layout
+    /// is computed once) with fresh rows, weights, combine inputs and biases.
+    pub fn with_routing_of(c: &Case, topo: &Topology, first: &Round, rngs: &mut [Rng]) -> Round {
+        let inputs: Vec<RankInput> = (0..topo.world())
+            .map(|r| {
+                let mut i = fresh_x(&mut rngs[r], c, &first.inputs[r]);
+                i.weights = random_f32(&mut rngs[r], i.tokens * c.topk);
+                i
+            })
+            .collect();
+        Self::from_inputs(c, topo, inputs, rngs)
+    }
+
+    /// A round with the token counts of `first` (a captured graph's tensor shapes) and fresh
+    /// routing, rows, weights, combine inputs and biases.
+    pub fn with_tokens_of(c: &Case, topo: &Topology, first: &Round, rngs: &mut [Rng]) -> Round {
+        let inputs: Vec<RankInput> = (0..topo.world())
+            .map(|r| {
+                let tokens = first.inputs[r].tokens;
+                let ids: Vec<i32> = (0..tokens)
+                    .flat_map(|_| route(&mut rngs[r], c, topo, r))
+                    .collect();
+                random_rank_input(&mut rngs[r], tokens, c.hidden, c.topk, c.fp8, ids)
+            })
+            .collect();
+        Self::from_inputs(c, topo, inputs, rngs)
+    }
+
+    /// Rank `r`'s input.
+    pub fn input(&self, r: usize) -> &RankInput {
+        &self.inputs[r]
+    }
+
+    /// Rank `r`'s cached-dispatch input (with `Case::cached`).
+    pub fn cached_input(&self, r: usize) -> &RankInput {
+        &self.cached[r]
+    }
+
+    /// Rank `r`'s combine input rows (one per received row) and biases.
+    pub fn combine_input(&self, r: usize) -> (&CombineInput, &[Option<Vec<Bf16>>; 2]) {
+        (&self.combine_in[r], &self.biases[r])
+    }
+
+    /// Checks rank `r`'s outputs of a round: dispatch (with top-k), cached dispatch (when
+    /// given), combine (rows and summed weights).
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_rank(
+        &self,
+        c: &Case,
+        r: usize,
+        out: &InternodeDispatchOutput,
+        cached: Option<&InternodeDispatchOutput>,
+        combined: (&[Bf16], &[f32]),
+        worst: Option<usize>,
+        what: &str,
+    ) -> Result<(), String> {
+        let row_bytes = self.inputs[r].row_bytes;
+        check_dispatch(
+            out,
+            &self.want.received[r],
+            row_bytes,
+            Some(c.topk),
+            worst,
+            &format!("{what} dispatch"),
+        )?;
+        if let (Some(o), Some(w)) = (cached, &self.want_cached) {
+            check_dispatch(
+                o,
+                &w.received[r],
+                row_bytes,
+                None,
+                worst,
+                &format!("{what} cached dispatch"),
+            )?;
+        }
+        check_combine(
+            (combined.0, Some(combined.1)),
+            &self.want_combine[r],
+            &self.abs_combine[r].0,
+            &format!("{what} combine"),
+        )
+    }
+
+    fn from_inputs(c: &Case, topo: &Topology, inputs: Vec<RankInput>, rngs: &mut [Rng]) -> Round {
+        let world = topo.world();
+        let experts = world * c.experts_per_rank;
         let want =
             reference::dispatch(topo, &inputs, experts, c.alignment).expect("reference dispatch");
         let (cached, want_cached) = if c.cached {
@@ -304,13 +391,19 @@ pub fn check_dispatch(
     what: &str,
 ) -> Result<(), String> {
     let n = want.sources.len();
-    if out.num_recv_tokens != n {
+    // With num_worst_tokens the count stays on the GPU: the output's rows are reported.
+    let rows = worst.unwrap_or(n);
+    if out.num_recv_tokens != rows {
         return Err(format!(
-            "{what}: received {} rows, expected {n}",
+            "{what}: num_recv_tokens {}, expected {rows} ({n} received)",
             out.num_recv_tokens
         ));
     }
-    let rows = worst.unwrap_or(n);
+    if n > rows {
+        return Err(format!(
+            "{what}: {n} rows expected, more than num_worst_tokens {rows}"
+        ));
+    }
     let e = |e: EpError| format!("{what}: {e}");
     let x: Vec<u8> = match &out.x {
         RecvX::Bf16(t) => {
@@ -348,11 +441,16 @@ pub fn check_dispatch(
         if idx[n * k..].iter().any(|&i| i != -1) || w[n * k..].iter().any(|&v| v != 0.0) {
             return Err(format!("{what}: padding rows carry an expert or a weight"));
         }
-        let c = out
-            .num_recv_tokens_per_expert
-            .as_ref()
-            .ok_or("no per-expert counts")?;
-        check_eq(&format!("{what} per-expert counts"), c, &want.per_expert)?;
+        match (&out.num_recv_tokens_per_expert, worst) {
+            (Some(c), None) => check_eq(&format!("{what} per-expert counts"), c, &want.per_expert)?,
+            (None, Some(_)) => {}
+            (c, _) => {
+                return Err(format!(
+                    "{what}: host per-expert counts {c:?} (expected them without \
+                     num_worst_tokens only)"
+                ))
+            }
+        }
         let dev: Vec<usize> = out
             .recv_tokens_per_expert
             .as_ref()
