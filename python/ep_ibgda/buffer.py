@@ -765,10 +765,18 @@ class Buffer:
             new_handle = _InternodeHandle(out.handle, is_token_in_rank, t, h, self._id)
         else:
             new_handle = _IntranodeHandle(out.handle, t, h, self._id)
-        keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32, route_w)
+        keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32, route_w) + self._native_outputs(internode, out)
         event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights))
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, recv_topk_idx, recv_topk_weights, counts, new_handle, event
+
+    @staticmethod
+    def _native_outputs(internode: bool, out: Any) -> Tuple[Any, ...]:
+        """What an operation's event keeps alive besides tensors: the internode core's outputs
+        are allocations of their own (not pooled regions), freed when the last view of them
+        goes, which would wait for the device; kept with an ``async_finish`` event, they go
+        after the copies from them instead."""
+        return (out,) if internode else ()
 
     def _check_handle(self, handle: Any, internode: bool) -> None:
         """``TypeError`` unless ``handle`` is what a dispatch of this Buffer returned (in the
@@ -810,7 +818,8 @@ class Buffer:
             else:
                 out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr, config.num_sms)
             recv_x, recv_scales = self._copy_x(out, fp8, h)
-        event = self._finish(compute, comm, async_finish, (values, scales), (recv_x, recv_scales))
+        keep = (values, scales) + self._native_outputs(internode, out)
+        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales))
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, None, None, None, None, event
 
@@ -876,7 +885,8 @@ class Buffer:
             if topk_weights is not None:
                 combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=x.device)
                 combined_w.copy_(self._view(out.topk_weights, torch.float32))
-        event = self._finish(compute, comm, async_finish, (x, topk_weights) + biases, (combined_x, combined_w))
+        keep = (x, topk_weights) + biases + self._native_outputs(internode, out)
+        event = self._finish(compute, comm, async_finish, keep, (combined_x, combined_w))
         return combined_x, combined_w, event
 
     # ----- low-latency mode ------------------------------------------------------------------
