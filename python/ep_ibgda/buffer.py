@@ -287,7 +287,6 @@ class Buffer:
         # Which host every rank is on decides intranode vs internode, as the group spans.
         peers = self._all_gather((socket.gethostname(), self._device, os.environ.get(_RANKS_PER_NODE_ENV)))
         self._hosts = [p[0] for p in peers]
-        self._num_nodes = len(set(self._hosts))
         # Normal mode's nodes: hosts, or virtual nodes of one host (EP_IBGDA_RANKS_PER_NODE).
         self._nodes, self._ranks_per_node, self._virtual_nodes, self._split_refusal = _node_split(
             self._hosts, [p[2] for p in peers]
@@ -607,6 +606,8 @@ class Buffer:
         ``previous_event``), with no host synchronisation.
         """
         self._live()
+        if self._split_refusal is not None:
+            raise _not_implemented(f"{self._split_refusal} (get_dispatch_layout)")
         self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
         chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device)
         chk.positive_int("num_experts", num_experts)

@@ -207,6 +207,8 @@ def test_missing_features_are_named(group, fake):
     interleaved = Buffer(group(4, hosts=["a", "b", "a", "b"]), int(1e8), int(1e9))
     with pytest.raises(NotImplementedError, match="not blocks of consecutive ranks"):
         interleaved.combine(fake((T, H)), None)
+    with pytest.raises(NotImplementedError, match=r"not blocks .*\(get_dispatch_layout\)"):
+        interleaved.get_dispatch_layout(fake((T, K), "int64"), E)
 
 
 def test_normal_mode_rank_masks_are_not_implemented(group, fake):
