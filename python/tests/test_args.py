@@ -285,6 +285,15 @@ def test_native_buffers_without_a_driver_fail_cleanly():
         _ep.Intranode(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, 2, 1.0)
     with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
         _ep.LowLatency(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, True, 1.0)
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.Internode(0, 0, 2, lambda b: [b, b], lambda: None, 2, 1, True, 16, 256, 4, 4, 2, 1.0)
+
+
+def test_internode_topology_is_checked_before_the_gpu():
+    from ep_ibgda import _ep
+
+    with pytest.raises(ValueError, match="ranks_per_node 9 is outside 1..=8"):
+        _ep.Internode(0, 0, 18, lambda b: [b], lambda: None, 2, 9, True, 16, 256, 4, 4, 2, 1.0)
 
 
 # ----- Internode routing (no torch, no GPU: fakes and a one-process object group) -------------
