@@ -5,10 +5,24 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
 - **Bootstrap** goes through the caller's group: ``torch.distributed.all_gather_object`` on
   ``group`` (any backend; vLLM's CPU/gloo group works), or ``comm.allgather`` (mpi4py) when
   ``group`` is None. No port of our own is opened.
+- **Nodes.** Normal mode is intranode (NVLink) while the group is one node, internode when it
+  spans several (DeepEP: more than ``NUM_MAX_NVL_PEERS`` ranks): then ``get_dispatch_layout``
+  returns ``num_tokens_per_rdma_rank`` and ``dispatch``/``combine`` run the Rust core's internode
+  buffer (``ep::internode::InternodeBuffer``: a token crosses to another node once, through the
+  NIC, to the rank of its own local index there, which forwards it over NVLink). The nodes are
+  the group's hosts (each host a block of consecutive ranks of equal size), or, with the
+  environment variable ``EP_IBGDA_RANKS_PER_NODE=N`` (equal on every rank), *virtual nodes*:
+  one host split into nodes of ``N`` consecutive ranks, with every inter-node byte going
+  through the NIC (the emulated NIC where there is no real one), so that 2 or 4 processes
+  sharing one GPU run the internode path. Low-latency mode ignores the split. The core's
+  internode buffer takes at most 8 ranks in all (``NotImplementedError`` beyond).
 - **Sizes.** The Rust buffers are sized by shapes, DeepEP's by bytes. The native buffers are
   therefore built at the first call that needs them, a collective every rank makes: the intranode
   one at the first ``dispatch`` (its shapes, maximised over the ranks, and as many tokens per rank
-  as ``num_nvl_bytes`` pays for), the low-latency one at the first ``low_latency_dispatch`` (its
+  as ``num_nvl_bytes`` pays for), the internode one likewise (as many tokens per rank as both
+  ``num_nvl_bytes``, for the NVLink hop over the node's ranks, and ``num_rdma_bytes``, for the
+  buffer the NIC writes into, pay for; ``num_rdma_bytes`` must not be 0, as in DeepEP), the
+  low-latency one at the first ``low_latency_dispatch`` (its
   ``num_max_dispatch_tokens_per_rank``, hidden and experts; ``num_rdma_bytes`` must be at least
   ``get_low_latency_rdma_size_hint`` of them). A later call that does not fit raises
   ``ValueError`` saying what would.
@@ -22,6 +36,14 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   ``EP_IBGDA_MAX_LIVE_HANDLES`` (default 4) normal-mode handles may be alive at once, and
   low-latency results are double-buffered (a dispatch's handle is good until the second next
   dispatch), as DeepEP's.
+- **Handles** are opaque: pass them back, do not look inside. The intranode one is an object;
+  the internode one is a 10-tuple, as DeepEP's, whose first item is the dispatch's
+  ``is_token_in_rank`` and whose other nine are None (the routing lives in the native handle).
+- **Internode specifics** (the Rust core's first, staged internode version): the layout and
+  every dispatch wait on the host (bounded), also with ``num_worst_tokens``, which only pads
+  the outputs; the NVLink hop's SMs are the core's choice (``Config`` is accepted and checked,
+  its fields not used); outputs are allocated per call rather than pooled. A dispatch without
+  top-k routes by one expert of each destination rank and returns an empty per-expert list.
 - **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
   after the caller's current stream (or after ``previous_event``), and the current stream waits
   for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
@@ -44,10 +66,15 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   low-latency buffer's, which include timed-out ranks).
 - **LogFMT** (``use_logfmt``): our own layout of DeepEP's LogFMT-10 (``ep::low_latency::logfmt``
   in the Rust crate spells it out); not with ``zero_copy``, hidden a multiple of 128.
-- **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode (ranks
-  on more than one node, masks included) and ``use_fabric``.
-- ``get_local_buffer_tensor`` views the native buffers' own memory (the intranode window, the
-  low-latency network buffer), which exist from the first call that builds them.
+- **Not implemented** (``NotImplementedError`` naming the feature): internode normal mode with
+  more than 8 ranks or with hosts that are not blocks of consecutive ranks, rank masks in
+  internode normal mode, and ``use_fabric``.
+- ``get_local_buffer_tensor`` views the native buffers' own memory (the intranode window, or
+  the internode buffer's NVLink-hop window; the low-latency network buffer), which exist from
+  the first call that builds them.
+- **Teardown.** A Buffer with an internode part should end with ``destroy()`` on every rank
+  (``explicitly_destroy=True``): one dropped without it leaves its GPU memory and QPs to the
+  process's exit rather than meet peers that may never come.
 """
 
 import os
@@ -106,6 +133,97 @@ class _IntranodeHandle:
         self.hidden = hidden
         self.num_rows = native.num_rows
         self.buffer_id = buffer_id
+
+
+class _InternodeHandle(tuple):
+    """What ``dispatch`` returns as ``handle`` when the group spans several nodes: pass it to
+    ``combine`` or a cached ``dispatch``. A 10-tuple as DeepEP's internode handle (callers that
+    unpack or count it keep working): item 0 is the dispatch's ``is_token_in_rank``, the other
+    nine are None; the routing itself is the native handle (``native``)."""
+
+    ARITY = 10
+
+    def __new__(cls, native: Any, is_token_in_rank: Any, num_tokens: int, hidden: int, buffer_id: int):
+        self = super().__new__(cls, (is_token_in_rank,) + (None,) * (cls.ARITY - 1))
+        self.native = native
+        self.num_tokens = num_tokens
+        self.hidden = hidden
+        self.num_rows = native.num_rows
+        self.buffer_id = buffer_id
+        return self
+
+
+_RANKS_PER_NODE_ENV = "EP_IBGDA_RANKS_PER_NODE"
+# The most ranks the Rust core's (staged) internode buffer takes, over all nodes.
+_INTERNODE_MAX_RANKS = 8
+
+
+def _node_split(hosts: List[str], per_node: List[Optional[str]]) -> Tuple[int, int, bool, Optional[str]]:
+    """How the group's ranks form nodes: ``(nodes, ranks_per_node, virtual, refusal)``.
+
+    ``hosts`` and ``per_node`` are every rank's host name and ``EP_IBGDA_RANKS_PER_NODE`` (None
+    where unset). With the variable set, the one host splits into virtual nodes of that many
+    consecutive ranks; else each host is a node (a block of consecutive ranks of equal size),
+    and one host of more than ``NUM_MAX_NVL_PEERS`` ranks is nodes of that many, as DeepEP
+    counts. ``ValueError`` for a variable that is malformed, differs between ranks or does not
+    split the group; ``refusal`` says why normal mode cannot run on a split the core cannot
+    take (None when it can), which low-latency mode does not care about."""
+    ranks = len(hosts)
+    if len(set(per_node)) != 1:
+        raise ValueError(f"{_RANKS_PER_NODE_ENV} differs between the ranks (by rank: {per_node}): set it alike on every rank")
+    raw = per_node[0]
+    distinct = list(dict.fromkeys(hosts))
+    if raw is not None:
+        try:
+            rpn = int(raw)
+        except ValueError:
+            raise ValueError(f"{_RANKS_PER_NODE_ENV}={raw!r} is not an integer") from None
+        if not 1 <= rpn <= NUM_MAX_NVL_PEERS or ranks % rpn != 0:
+            raise ValueError(
+                f"{_RANKS_PER_NODE_ENV}={rpn}: virtual nodes need 1..{NUM_MAX_NVL_PEERS} ranks each, "
+                f"dividing the group's {ranks} ranks"
+            )
+        if len(distinct) > 1:
+            raise ValueError(
+                f"{_RANKS_PER_NODE_ENV}={rpn} splits one host into virtual nodes, and the group spans "
+                f"{len(distinct)} hosts ({', '.join(distinct)}): unset it there"
+            )
+        nodes, virtual = ranks // rpn, True
+    elif len(distinct) > 1:
+        nodes, virtual = len(distinct), False
+        rpn = ranks // nodes
+        blocks = [hosts[n * rpn : (n + 1) * rpn] for n in range(nodes)]
+        if ranks % nodes != 0 or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != nodes:
+            return nodes, max(rpn, 1), False, (
+                f"internode normal mode over hosts that are not blocks of consecutive ranks of equal "
+                f"size (by rank: {hosts})"
+            )
+    elif ranks > NUM_MAX_NVL_PEERS:
+        rpn = NUM_MAX_NVL_PEERS
+        nodes, virtual = (ranks + rpn - 1) // rpn, True
+        if ranks % rpn != 0:
+            return nodes, rpn, True, f"internode normal mode over {ranks} ranks, not a multiple of {rpn} per node"
+    else:
+        return 1, ranks, False, None
+    if nodes > 1 and ranks > _INTERNODE_MAX_RANKS:
+        return nodes, rpn, virtual, (
+            f"internode normal mode over {ranks} ranks ({nodes} nodes of {rpn}): the core's internode "
+            f"buffer takes at most {_INTERNODE_MAX_RANKS} ranks"
+        )
+    return nodes, rpn, virtual, None
+
+
+def _most_tokens(fits: Callable[[int], bool]) -> int:
+    """The most tokens per rank (up to 2^20) for which ``fits`` holds (it grows with tokens),
+    0 when none does."""
+    lo, hi = 0, 1 << 20
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class _LowLatencyHandle:
@@ -176,12 +294,16 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._device = self._current_device()
         # Which host every rank is on decides intranode vs internode, as the group spans.
-        peers = self._all_gather((socket.gethostname(), self._device))
+        peers = self._all_gather((socket.gethostname(), self._device, os.environ.get(_RANKS_PER_NODE_ENV)))
         self._hosts = [p[0] for p in peers]
-        self._num_nodes = len(set(self._hosts))
+        # Normal mode's nodes: hosts, or virtual nodes of one host (EP_IBGDA_RANKS_PER_NODE).
+        self._nodes, self._ranks_per_node, self._virtual_nodes, self._split_refusal = _node_split(
+            self._hosts, [p[2] for p in peers]
+        )
         self._timeout_s = float(os.environ.get("EP_IBGDA_TIMEOUT_S", "30"))
         self._max_live = _env_int("EP_IBGDA_MAX_LIVE_HANDLES", 4)
         self._intranode = None
+        self._internode_native = None
         self._ll = None
         self._torch_streams = {}
         # The caller's masks (enable_shrink), applied to each native buffer when it is built.
@@ -213,37 +335,55 @@ class Buffer:
             raise RuntimeError("Buffer: this operation needs torch with a CUDA GPU, and none is available")
         return self._device
 
+    def _agreed_shapes(self, tokens: int, hidden: int, topk: int, num_experts: int) -> Tuple[int, int, int]:
+        """Every rank's first-dispatch shapes, maximised (a collective): ``(tokens, hidden,
+        top-k)``, top-k at least 16; ``ValueError`` on every rank when they disagree on the
+        experts."""
+        need = self._all_gather((tokens, hidden, topk, num_experts))
+        experts = {n[3] for n in need}
+        if len(experts) != 1:
+            raise ValueError(f"dispatch: ranks disagree on num_experts: {sorted(experts)}")
+        return max(n[0] for n in need), max(n[1] for n in need), max(max(n[2] for n in need), 16)
+
+    def _check_fits(self, lim: List[int], tokens: int, hidden: int, topk: int, num_experts: int,
+                    budget: str, would_fit: Callable[[int, int, int], str]) -> None:
+        """``ValueError`` when these shapes exceed the limits ``lim`` (``[tokens, hidden, top-k,
+        experts, ...]``) the native buffer was built with; ``would_fit(tokens, hidden, top-k)``
+        names the byte budgets that would hold them."""
+        if tokens > lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
+            raise ValueError(
+                f"dispatch: {tokens} tokens of hidden {hidden}, top-{topk} of {num_experts} experts "
+                f"does not fit this Buffer, built at its first dispatch for at most {lim[0]} "
+                f"tokens per rank, hidden {lim[1]}, top-{lim[2]} of {lim[3]} experts "
+                f"({budget}); a Buffer with {would_fit(max(tokens, lim[0]), max(hidden, lim[1]), max(topk, lim[2]))} "
+                "whose first dispatch has these shapes would fit"
+            )
+
+    def _normal_buffer(self, internode: bool, tokens: int, hidden: int, topk: int, num_experts: int):
+        """The native normal-mode buffer (intranode or internode), built at the first dispatch."""
+        if internode:
+            return self._internode_buffer(tokens, hidden, topk, num_experts)
+        return self._intranode_buffer(tokens, hidden, topk, num_experts)
+
     def _intranode_buffer(self, tokens: int, hidden: int, topk: int, num_experts: int):
         """The native intranode buffer, built at the first dispatch (a collective)."""
+
+        def per(m: int, h: int, k: int) -> float:
+            n = _ep.intranode_bytes(self.group_size, m, h, k, num_experts, self._max_live)
+            return float("inf") if n is None else n
+
         if self._intranode is None:
             device = self._need_device()
-            need = self._all_gather((tokens, hidden, topk, num_experts))
-            tokens_max = max(n[0] for n in need)
-            hidden_max = max(n[1] for n in need)
-            topk_max = max(max(n[2] for n in need), 16)
-            experts = {n[3] for n in need}
-            if len(experts) != 1:
-                raise ValueError(f"dispatch: ranks disagree on num_experts: {sorted(experts)}")
-            def per(m: int) -> float:
-                n = _ep.intranode_bytes(self.group_size, m, hidden_max, topk_max, num_experts, self._max_live)
-                return float("inf") if n is None else n
-
+            tokens_max, hidden_max, topk_max = self._agreed_shapes(tokens, hidden, topk, num_experts)
             # As many tokens per rank as num_nvl_bytes pays for, and at least this call's.
-            lo, hi = 1, 1 << 20
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if per(mid) <= self.num_nvl_bytes:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            max_tokens = max(tokens_max, lo, 1)
+            paid = _most_tokens(lambda m: per(m, hidden_max, topk_max) <= self.num_nvl_bytes)
             self._intranode = _ep.Intranode(
                 device,
                 self.rank,
                 self.group_size,
                 self._gather_bytes,
                 self._barrier,
-                max_tokens,
+                max(tokens_max, paid, 1),
                 hidden_max,
                 topk_max,
                 num_experts,
@@ -254,17 +394,60 @@ class Buffer:
                 for r, m in enumerate(self._pending_mask):
                     if m and r != self.rank:
                         self._intranode.update_mask(r, True)
-        lim = self._intranode.limits
-        if tokens > lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
-            raise ValueError(
-                f"dispatch: {tokens} tokens of hidden {hidden}, top-{topk} of {num_experts} experts "
-                f"does not fit this Buffer, built at its first dispatch for at most {lim[0]} "
-                f"tokens per rank, hidden {lim[1]}, top-{lim[2]} of {lim[3]} experts "
-                f"({self.num_nvl_bytes} num_nvl_bytes); a Buffer with num_nvl_bytes >= "
-                f"{_ep.intranode_bytes(self.group_size, max(tokens, lim[0]), max(hidden, lim[1]), max(topk, lim[2]), num_experts, self._max_live)} "
-                "whose first dispatch has these shapes would fit"
-            )
+        self._check_fits(
+            self._intranode.limits, tokens, hidden, topk, num_experts, f"{self.num_nvl_bytes} num_nvl_bytes",
+            lambda m, h, k: f"num_nvl_bytes >= {per(m, h, k)}",
+        )
         return self._intranode
+
+    def _internode_bytes(self, m: int, h: int, k: int, num_experts: int) -> Tuple[float, float]:
+        """(num_nvl_bytes, num_rdma_bytes) the internode buffer takes for these limits."""
+        b = _ep.internode_bytes(self._nodes, self._ranks_per_node, m, h, k, num_experts, self._max_live)
+        return (float("inf"), float("inf")) if b is None else b
+
+    def _internode_buffer(self, tokens: int, hidden: int, topk: int, num_experts: int):
+        """The native internode buffer, built at the first dispatch (a collective)."""
+
+        def would_fit(m: int, h: int, k: int) -> str:
+            nvl, rdma = self._internode_bytes(m, h, k, num_experts)
+            return f"num_nvl_bytes >= {nvl} and num_rdma_bytes >= {rdma}"
+
+        if self._internode_native is None:
+            if self.num_rdma_bytes == 0:
+                raise ValueError(
+                    f"dispatch: the group spans {self._nodes} nodes ({self._nodes} x {self._ranks_per_node} "
+                    f"ranks), and internode dispatch needs num_rdma_bytes > 0 (as in DeepEP): a Buffer with "
+                    f"{would_fit(max(tokens, 1), hidden, max(topk, 16))} would fit this call"
+                )
+            device = self._need_device()
+            tokens_max, hidden_max, topk_max = self._agreed_shapes(tokens, hidden, topk, num_experts)
+
+            def fits(m: int) -> bool:
+                nvl, rdma = self._internode_bytes(m, hidden_max, topk_max, num_experts)
+                return nvl <= self.num_nvl_bytes and rdma <= self.num_rdma_bytes
+
+            # As many tokens per rank as both budgets pay for, and at least this call's.
+            self._internode_native = _ep.Internode(
+                device,
+                self.rank,
+                self.group_size,
+                self._gather_bytes,
+                self._barrier,
+                self._nodes,
+                self._ranks_per_node,
+                self._virtual_nodes,
+                max(tokens_max, _most_tokens(fits), 1),
+                hidden_max,
+                topk_max,
+                num_experts,
+                self._max_live,
+                self._timeout_s,
+            )
+        self._check_fits(
+            self._internode_native.limits, tokens, hidden, topk, num_experts,
+            f"{self.num_nvl_bytes} num_nvl_bytes, {self.num_rdma_bytes} num_rdma_bytes", would_fit,
+        )
+        return self._internode_native
 
     def _ll_buffer(self, n: int, hidden: int, topk: int, num_experts: int):
         """The native low-latency buffer, built at the first low-latency call (a collective)."""
@@ -404,11 +587,21 @@ class Buffer:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
 
-    def _internode(self, what: str) -> None:
-        if self._num_nodes > 1 or self.group_size > NUM_MAX_NVL_PEERS:
+    def _normal_mode(self, what: str) -> bool:
+        """Whether normal mode runs internode here (the group spans several nodes); raises for
+        what normal mode cannot do: a split the core's internode buffer cannot take, or masked
+        ranks on the internode path (the intranode kernels honour masks, the internode buffer
+        has none)."""
+        if self._split_refusal is not None:
+            raise _not_implemented(f"{self._split_refusal} ({what})")
+        internode = self._nodes > 1
+        if internode and any(self._pending_mask):
+            masked = [r for r, m in enumerate(self._pending_mask) if m]
             raise _not_implemented(
-                f"internode {what} (the group spans {self._num_nodes} hosts, {self.group_size} ranks)"
+                f"rank masks in internode normal mode ({what} while ranks {masked} are masked: "
+                "the internode buffer has no rank masks; call low_latency_clean_mask_buffer first)"
             )
+        return internode
 
     # ----- normal mode -----------------------------------------------------------------------
 
@@ -422,12 +615,14 @@ class Buffer:
     ):
         """Tokens per rank / expert and ``is_token_in_rank`` from ``topk_idx`` ``[T, K]``.
 
-        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank or None,
-        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, EventOverlap)``;
-        computed with torch operations on the current stream (after ``previous_event``), with
-        no host synchronisation.
+        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 (None
+        within one node), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool,
+        EventOverlap)``; computed with torch operations on the current stream (after
+        ``previous_event``), with no host synchronisation.
         """
         self._live()
+        if self._split_refusal is not None:
+            raise _not_implemented(f"{self._split_refusal} (get_dispatch_layout)")
         self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
         chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device)
         chk.positive_int("num_experts", num_experts)
@@ -450,8 +645,10 @@ class Buffer:
         counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
         num_tokens_per_expert = counts[:num_experts].contiguous()
         num_tokens_per_rdma_rank = None
-        if self._num_nodes > 1:
-            raise _not_implemented("internode get_dispatch_layout (num_tokens_per_rdma_rank)")
+        if self._nodes > 1:
+            # Tokens per node: a token counts once for a node however many of its ranks it goes to.
+            per_node = is_token_in_rank.view(idx.shape[0], self._nodes, self._ranks_per_node).any(dim=2)
+            num_tokens_per_rdma_rank = per_node.sum(dim=0, dtype=torch.int32)
         event = EventOverlap(EventHandle._recorded_on(torch.cuda.current_stream()))
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
 
@@ -474,7 +671,7 @@ class Buffer:
     def dispatch(
         self,
         x: Union[Any, Tuple[Any, Any]],
-        handle: Optional[_IntranodeHandle] = None,
+        handle: Optional[Union[_IntranodeHandle, _InternodeHandle]] = None,
         num_tokens_per_rank: Optional[Any] = None,
         num_tokens_per_rdma_rank: Optional[Any] = None,
         is_token_in_rank: Optional[Any] = None,
@@ -488,14 +685,17 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        """Sends each token to the ranks holding its experts (intranode, NVLink).
+        """Sends each token to the ranks holding its experts: over NVLink within one node,
+        through the NIC and then NVLink when the group spans several (see the module docs).
 
         Returns ``(recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, EventOverlap)``; a cached call (``handle``
         given) returns ``(recv_x, None, None, None, None, EventOverlap)``.
+        ``num_tokens_per_rdma_rank`` (from ``get_dispatch_layout``) is checked when the group
+        spans several nodes and must be None within one.
         """
         self._live()
-        self._internode("dispatch")
+        internode = self._normal_mode("dispatch")
         self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
         fp8, t, h, values, scales = self._check_x(x)
         chk.positive_int("expert_alignment", expert_alignment)
@@ -506,8 +706,7 @@ class Buffer:
             config = Buffer.get_dispatch_config(self.group_size) if self.group_size in _DISPATCH else Config(Buffer.num_sms)
         ranks = self.group_size
         if handle is not None:
-            if not isinstance(handle, _IntranodeHandle) or handle.buffer_id != self._id:
-                raise TypeError("handle must be the handle a dispatch of this Buffer returned")
+            self._check_handle(handle, internode)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle=) takes no topk_idx / topk_weights")
             if t != handle.num_tokens:
@@ -520,7 +719,12 @@ class Buffer:
             raise ValueError("dispatch without handle= needs num_tokens_per_rank (from get_dispatch_layout)")
         chk.tensor("num_tokens_per_rank", num_tokens_per_rank, ("int32",), 1, self._device, (ranks,))
         if num_tokens_per_rdma_rank is not None:
-            raise _not_implemented("internode dispatch (num_tokens_per_rdma_rank given)")
+            if not internode:
+                raise ValueError(
+                    f"num_tokens_per_rdma_rank is for a group that spans several nodes; this one is one "
+                    f"node of {ranks} ranks (get_dispatch_layout returned None for it): pass None"
+                )
+            chk.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, ("int32",), 1, self._device, (self._nodes,))
         if num_tokens_per_expert is None:
             raise ValueError("dispatch without handle= needs num_tokens_per_expert (from get_dispatch_layout)")
         (num_experts,) = chk.tensor("num_tokens_per_expert", num_tokens_per_expert, ("int32",), 1, self._device)
@@ -534,34 +738,34 @@ class Buffer:
             chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
         if num_worst_tokens > 0 and topk_idx is None:
             raise ValueError("num_worst_tokens > 0 needs topk_idx and topk_weights (as in DeepEP)")
+        # Without top-k the route stands in for it: one expert of each destination rank.
+        route_k = k if topk_idx is not None else ranks
+        buf = self._normal_buffer(internode, t, h, route_k, num_experts)
         import torch
 
-        buf = self._intranode_buffer(t, h, k, num_experts)
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
             if topk_idx is not None:
                 idx32 = topk_idx.to(torch.int32)
+                route_w = topk_weights
             else:
-                # Routing without top-k: one expert of each destination rank stands for it.
                 local = num_experts // ranks
                 first = (torch.arange(ranks, device=is_token_in_rank.device, dtype=torch.int32) * local).expand(t, ranks)
                 idx32 = torch.where(is_token_in_rank, first, torch.full_like(first, -1)).contiguous()
-            kk = idx32.shape[1]
-            layout = buf.layout(idx32.data_ptr(), t, kk)
-            out = buf.dispatch(
-                layout,
-                values.data_ptr(),
-                fp8,
-                t,
-                h,
-                scales.data_ptr() if fp8 else 0,
-                idx32.data_ptr() if topk_idx is not None else 0,
-                topk_weights.data_ptr() if topk_idx is not None else 0,
-                k,
-                num_worst_tokens,
-                expert_alignment,
-                config.num_sms,
-            )
+                route_w = None
+                if internode:
+                    route_w = torch.zeros((t, ranks), dtype=torch.float32, device=is_token_in_rank.device)
+            layout = buf.layout(idx32.data_ptr(), t, route_k)
+            scales_ptr = scales.data_ptr() if fp8 else 0
+            if internode:
+                # The internode core always routes by top-k: the stand-in when none was given.
+                out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr, idx32.data_ptr(),
+                                   route_w.data_ptr(), route_k, num_worst_tokens, expert_alignment)
+            else:
+                out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr,
+                                   idx32.data_ptr() if topk_idx is not None else 0,
+                                   topk_weights.data_ptr() if topk_idx is not None else 0,
+                                   k, num_worst_tokens, expert_alignment, config.num_sms)
             recv_x, recv_scales = self._copy_x(out, fp8, h)
             recv_topk_idx = recv_topk_weights = None
             if topk_idx is not None:
@@ -569,12 +773,36 @@ class Buffer:
                 recv_topk_idx.copy_(self._view(out.topk_idx, torch.int32))
                 recv_topk_weights = torch.empty(tuple(out.topk_weights.shape), dtype=torch.float32, device=values.device)
                 recv_topk_weights.copy_(self._view(out.topk_weights, torch.float32))
-        counts = [] if num_worst_tokens > 0 else list(out.num_recv_tokens_per_expert or [])
-        new_handle = _IntranodeHandle(out.handle, t, h, self._id)
-        keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32)
+        if num_worst_tokens > 0 or (internode and topk_idx is None):
+            counts = []
+        else:
+            counts = list(out.num_recv_tokens_per_expert or [])
+        if internode:
+            new_handle = _InternodeHandle(out.handle, is_token_in_rank, t, h, self._id)
+        else:
+            new_handle = _IntranodeHandle(out.handle, t, h, self._id)
+        keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32, route_w) + self._native_outputs(internode, out)
         event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights))
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, recv_topk_idx, recv_topk_weights, counts, new_handle, event
+
+    @staticmethod
+    def _native_outputs(internode: bool, out: Any) -> Tuple[Any, ...]:
+        """What an operation's event keeps alive besides tensors: the internode core's outputs
+        are allocations of their own (not pooled regions), freed when the last view of them
+        goes, which would wait for the device; kept with an ``async_finish`` event, they go
+        after the copies from them instead."""
+        return (out,) if internode else ()
+
+    def _check_handle(self, handle: Any, internode: bool) -> None:
+        """``TypeError`` unless ``handle`` is what a dispatch of this Buffer returned (in the
+        mode this group runs: intranode or internode)."""
+        kind = _InternodeHandle if internode else _IntranodeHandle
+        if not isinstance(handle, kind) or handle.buffer_id != self._id:
+            raise TypeError(
+                f"handle must be the handle a dispatch of this Buffer returned (an "
+                f"{'internode' if internode else 'intranode'} one here), got {type(handle).__name__}"
+            )
 
     def _copy_x(self, out: Any, fp8: bool, h: int):
         """torch copies of a dispatch's received rows (and scales), on the current stream."""
@@ -594,23 +822,27 @@ class Buffer:
     def _dispatch_cached(self, handle, fp8, t, h, values, scales, config, previous_event, async_finish):
         import torch
 
-        buf = self._intranode
+        internode = isinstance(handle, _InternodeHandle)
+        buf = self._internode_native if internode else self._intranode
         if h > buf.limits[1]:
             raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
-            out = buf.dispatch_cached(
-                handle.native, values.data_ptr(), fp8, t, h, scales.data_ptr() if fp8 else 0, config.num_sms
-            )
+            scales_ptr = scales.data_ptr() if fp8 else 0
+            if internode:
+                out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr)
+            else:
+                out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr, config.num_sms)
             recv_x, recv_scales = self._copy_x(out, fp8, h)
-        event = self._finish(compute, comm, async_finish, (values, scales), (recv_x, recv_scales))
+        keep = (values, scales) + self._native_outputs(internode, out)
+        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales))
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, None, None, None, None, event
 
     def combine(
         self,
         x: Any,
-        handle: _IntranodeHandle,
+        handle: Union[_IntranodeHandle, _InternodeHandle],
         topk_weights: Optional[Any] = None,
         bias: Union[Any, Tuple[Any, Any], None] = None,
         config: Optional[Config] = None,
@@ -624,10 +856,9 @@ class Buffer:
         EventOverlap)``.
         """
         self._live()
-        self._internode("combine")
+        internode = self._normal_mode("combine")
         self._check_previous(previous_event, allocate_on_comm_stream, async_finish)
-        if not isinstance(handle, _IntranodeHandle) or handle.buffer_id != self._id:
-            raise TypeError("handle must be the handle a dispatch of this Buffer returned")
+        self._check_handle(handle, internode)
         rows, h = chk.tensor("x", x, ("bfloat16",), 2, self._device, (handle.num_rows, None))
         if (h * 2) % 16 != 0:
             raise ValueError(f"x: hidden {h} gives rows of {h * 2} bytes, not a multiple of 16")
@@ -649,10 +880,10 @@ class Buffer:
             config = Buffer.get_combine_config(self.group_size) if self.group_size in _COMBINE else Config(Buffer.num_sms)
         import torch
 
-        buf = self._intranode
+        buf = self._internode_native if internode else self._intranode
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
-            out = buf.combine(
+            ptrs = (
                 handle.native,
                 x.data_ptr(),
                 rows,
@@ -661,15 +892,17 @@ class Buffer:
                 k,
                 biases[0].data_ptr() if biases[0] is not None else 0,
                 biases[1].data_ptr() if biases[1] is not None else 0,
-                config.num_sms,
             )
+            # The internode core picks the NVLink hop's SMs itself.
+            out = buf.combine(*ptrs) if internode else buf.combine(*ptrs, config.num_sms)
             combined_x = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=x.device)
             combined_x.copy_(self._view(out.x, torch.bfloat16))
             combined_w = None
             if topk_weights is not None:
                 combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=x.device)
                 combined_w.copy_(self._view(out.topk_weights, torch.float32))
-        event = self._finish(compute, comm, async_finish, (x, topk_weights) + biases, (combined_x, combined_w))
+        keep = (x, topk_weights) + biases + self._native_outputs(internode, out)
+        event = self._finish(compute, comm, async_finish, keep, (combined_x, combined_w))
         return combined_x, combined_w, event
 
     # ----- low-latency mode ------------------------------------------------------------------
@@ -981,7 +1214,9 @@ class Buffer:
         zeroes the RDMA buffer) call ``clean_low_latency_buffer`` on every rank before the next
         low-latency call. The native buffers are built at the first call that needs them, so
         the RDMA buffer exists after the first ``low_latency_dispatch`` and the NVLink buffer
-        after the first ``dispatch``; before that this raises ``RuntimeError``.
+        after the first ``dispatch``; before that this raises ``RuntimeError``. When the group
+        spans several nodes the NVLink buffer is the internode buffer's NVLink-hop window (its
+        node's intranode buffer); the RDMA buffer is always the low-latency one.
         """
         self._live()
         elem = chk.dtype_bytes("dtype", dtype)
@@ -995,7 +1230,7 @@ class Buffer:
         native, which, first = (
             (self._ll, "RDMA (low-latency network)", "low_latency_dispatch")
             if use_rdma_buffer
-            else (self._intranode, "NVLink (intranode)", "dispatch")
+            else (self._intranode or self._internode_native, "NVLink (intranode)", "dispatch")
         )
         if native is None:
             raise RuntimeError(
@@ -1025,9 +1260,10 @@ class Buffer:
     def get_comm_stream(self):
         """The communication stream (``torch.cuda.Stream``) of the normal-mode operations."""
         self._live()
-        if self._intranode is None:
+        native = self._intranode or self._internode_native
+        if native is None:
             raise RuntimeError("get_comm_stream: the communication stream is created at the first dispatch of this Buffer")
-        return self._external_stream(self._intranode.comm_stream)
+        return self._external_stream(native.comm_stream)
 
     def destroy(self) -> None:
         """Frees the buffer with every rank (a collective; needs ``explicitly_destroy=True``)."""
@@ -1037,12 +1273,12 @@ class Buffer:
             return
         self._destroyed = True
         errors = []
-        for native in (self._ll, self._intranode):
+        for native in (self._ll, self._intranode, self._internode_native):
             if native is not None:
                 try:
                     native.shutdown()
                 except Exception as e:  # every part is released; report the first failure
                     errors.append(e)
-        self._ll = self._intranode = None
+        self._ll = self._intranode = self._internode_native = None
         if errors:
             raise errors[0]

@@ -1,10 +1,16 @@
-"""Intranode dispatch and combine with ``ep_ibgda`` used as DeepEP, checked against torch.
+"""Normal-mode dispatch and combine with ``ep_ibgda`` used as DeepEP, checked against torch.
 
 Run one process per rank with torchrun (ranks share the GPUs when there are fewer GPUs than
 ranks)::
 
     torchrun --standalone --nproc-per-node 2 python/examples/dispatch_combine.py
     torchrun --standalone --nproc-per-node 2 python/examples/dispatch_combine.py --tokens 4096 --hidden 7168
+
+Intranode on one host; internode when the ranks span several hosts, or with
+``EP_IBGDA_RANKS_PER_NODE`` splitting the one host into virtual nodes (every inter-node byte
+through the NIC, emulated where there is none)::
+
+    EP_IBGDA_RANKS_PER_NODE=1 torchrun --standalone --nproc-per-node 2 python/examples/dispatch_combine.py
 
 Each rank routes random tokens to random top-k experts, dispatches them, sends the received rows
 straight back through combine, and checks both results against a reference computed in torch
@@ -47,17 +53,19 @@ def main() -> None:
 
     cfg = deep_ep.Buffer.get_dispatch_config(world) if world in (2, 4, 8) else deep_ep.Config()
     nvl_bytes = max(cfg.get_nvl_buffer_size_hint(h * 2, world), int(1e9))
-    buf = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, explicitly_destroy=True)
+    # The RDMA budget pays for the internode buffer's NIC side (used when the ranks span nodes).
+    rdma_bytes = max(cfg.get_rdma_buffer_size_hint(h * 2, world), int(1e9))
+    buf = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, explicitly_destroy=True)
 
     def round_trip():
-        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
+        ntpr, ntprr, ntpe, in_rank, _ = buf.get_dispatch_layout(topk_idx, experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe,
-            topk_idx=topk_idx, topk_weights=topk_weights, config=cfg)
+            x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=in_rank,
+            num_tokens_per_expert=ntpe, topk_idx=topk_idx, topk_weights=topk_weights, config=cfg)
         combined, _, _ = buf.combine(recv_x, handle)
-        return in_rank, recv_x, counts, combined
+        return in_rank, recv_x, counts, combined, ntprr is not None
 
-    in_rank, recv_x, counts, combined = round_trip()
+    in_rank, recv_x, counts, combined, internode = round_trip()
 
     # Reference: every rank's inputs; rows arrive by source rank, then token.
     everyone = [None] * world
@@ -79,7 +87,7 @@ def main() -> None:
     torch.cuda.current_stream().synchronize()
     dt = (time.perf_counter() - t0) / max(args.rounds, 1)
     print(
-        f"[rank {rank}/{world} cuda:{dev.index}] received {recv_x.shape[0]} rows "
+        f"[rank {rank}/{world} cuda:{dev.index}, {'internode' if internode else 'intranode'}] received {recv_x.shape[0]} rows "
         f"(per local expert {counts}); dispatch+combine {'OK' if ok else 'MISMATCH'}; "
         f"{dt * 1e3:.2f} ms per round (layout + dispatch + combine, host-synchronised)",
         flush=True,

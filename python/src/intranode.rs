@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use ep::{Bf16, CombineArgs, DispatchArgs, DispatchX, Event, Fp8E4M3, RecvX, StreamOrder, TopK};
+use ep::{CombineArgs, DispatchArgs, Event, StreamOrder, TopK};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::group::PyGroup;
+use crate::normal::{CombineIn, CombineShape, Combined, Dispatched, RecvParts, XIn};
 use crate::to_py;
 use crate::view::{input, DeviceView};
 
@@ -58,44 +59,7 @@ impl Handle {
     }
 }
 
-/// What a dispatch produced, as views of the buffer's pooled memory (internal).
-#[pyclass(module = "ep_ibgda._ep", unsendable)]
-pub struct Dispatched {
-    /// Received rows (BF16 as `<i2`, FP8 as `|u1`).
-    #[pyo3(get)]
-    x: Py<DeviceView>,
-    /// FP8 scales, f32 `[rows, hidden / 128]`.
-    #[pyo3(get)]
-    scales: Option<Py<DeviceView>>,
-    /// Local expert ids, i32 `[rows, k]`.
-    #[pyo3(get)]
-    topk_idx: Option<Py<DeviceView>>,
-    /// Weights, f32 `[rows, k]`.
-    #[pyo3(get)]
-    topk_weights: Option<Py<DeviceView>>,
-    /// Rows received, when known on the host.
-    #[pyo3(get)]
-    num_recv_tokens: Option<usize>,
-    /// Rows per local expert (aligned), when known on the host.
-    #[pyo3(get)]
-    num_recv_tokens_per_expert: Option<Vec<usize>>,
-    /// For combine and cached dispatch.
-    #[pyo3(get)]
-    handle: Py<Handle>,
-}
-
-/// What a combine produced (internal).
-#[pyclass(module = "ep_ibgda._ep", unsendable)]
-pub struct Combined {
-    /// BF16 `[tokens, hidden]`.
-    #[pyo3(get)]
-    x: Py<DeviceView>,
-    /// f32 `[tokens, k]`, when weights were given.
-    #[pyo3(get)]
-    topk_weights: Option<Py<DeviceView>>,
-}
-
-fn released() -> PyErr {
+pub(crate) fn released() -> PyErr {
     PyRuntimeError::new_err("the buffer was destroyed (Buffer.destroy)")
 }
 
@@ -121,72 +85,18 @@ impl Intranode {
         }
         Ok(c)
     }
-
-    /// The tokens to send, over caller memory.
-    ///
-    /// # Safety
-    ///
-    /// As the module says: live, checked tensors of these shapes.
-    unsafe fn x_inputs(
-        &self,
-        x_ptr: u64,
-        fp8: bool,
-        tokens: usize,
-        hidden: usize,
-        scales_ptr: u64,
-    ) -> XIn {
-        let ctx = &self.ctx;
-        if fp8 {
-            // SAFETY: the caller's promise (see the module docs).
-            let x = unsafe { input::<Fp8E4M3>(ctx, x_ptr, &[tokens, hidden]) };
-            let words = hidden.div_ceil(ep::FP8_BLOCK);
-            // SAFETY: as above, scales `[tokens, hidden / 128]` f32.
-            let scales = unsafe { input::<f32>(ctx, scales_ptr, &[tokens, words]) };
-            XIn::Fp8(x, scales)
-        } else {
-            // SAFETY: the caller's promise (see the module docs).
-            XIn::Bf16(unsafe { input::<Bf16>(ctx, x_ptr, &[tokens, hidden]) })
-        }
-    }
-}
-
-/// The tokens to send.
-enum XIn {
-    Bf16(ep::Tensor<Bf16>),
-    Fp8(ep::Tensor<Fp8E4M3>, ep::Tensor<f32>),
-}
-
-impl XIn {
-    fn arg(&self) -> DispatchX<'_> {
-        match self {
-            XIn::Bf16(x) => DispatchX::Bf16(x),
-            XIn::Fp8(x, scales) => DispatchX::Fp8 { x, scales },
-        }
-    }
 }
 
 fn dispatched(py: Python<'_>, out: ep::DispatchOutput) -> PyResult<Dispatched> {
-    let (x, scales) = match &out.x {
-        RecvX::Bf16(x) => (DeviceView::py(py, x)?, None),
-        RecvX::Fp8 { x, scales } => (DeviceView::py(py, x)?, Some(DeviceView::py(py, scales)?)),
-    };
-    Ok(Dispatched {
-        x,
-        scales,
-        topk_idx: out
-            .topk_idx
-            .as_ref()
-            .map(|t| DeviceView::py(py, t))
-            .transpose()?,
-        topk_weights: out
-            .topk_weights
-            .as_ref()
-            .map(|t| DeviceView::py(py, t))
-            .transpose()?,
+    let parts = RecvParts {
+        x: &out.x,
+        topk_idx: out.topk_idx.as_ref(),
+        topk_weights: out.topk_weights.as_ref(),
         num_recv_tokens: out.num_recv_tokens,
         num_recv_tokens_per_expert: out.num_recv_tokens_per_expert.clone(),
-        handle: Py::new(py, Handle { inner: out.handle })?,
-    })
+    };
+    let handle = Py::new(py, Handle { inner: out.handle })?.into_any();
+    Dispatched::new(py, parts, handle)
 }
 
 #[pymethods]
@@ -282,7 +192,7 @@ impl Intranode {
     ) -> PyResult<Dispatched> {
         let ctx = self.ctx.clone();
         // SAFETY: the module's contract: live, checked tensors of these shapes.
-        let xin = unsafe { self.x_inputs(x_ptr, fp8, tokens, hidden, scales_ptr) };
+        let xin = unsafe { XIn::new(&self.ctx, x_ptr, fp8, tokens, hidden, scales_ptr) };
         let topk = (topk_idx_ptr != 0).then(|| {
             // SAFETY: the module's contract: i32 and f32 `[tokens, k]`.
             unsafe {
@@ -326,7 +236,7 @@ impl Intranode {
         num_sms: u32,
     ) -> PyResult<Dispatched> {
         // SAFETY: the module's contract: live, checked tensors of these shapes.
-        let xin = unsafe { self.x_inputs(x_ptr, fp8, tokens, hidden, scales_ptr) };
+        let xin = unsafe { XIn::new(&self.ctx, x_ptr, fp8, tokens, hidden, scales_ptr) };
         let config = self.config(num_sms)?;
         let start = self.here()?;
         let x = xin.arg();
@@ -360,25 +270,22 @@ impl Intranode {
         bias1_ptr: u64,
         num_sms: u32,
     ) -> PyResult<Combined> {
-        let ctx = self.ctx.clone();
-        let tokens = handle.inner.num_tokens();
-        // SAFETY: the module's contract: live, checked tensors of these shapes.
-        let x = unsafe { input::<Bf16>(&ctx, x_ptr, &[rows, hidden]) };
-        let w = (topk_weights_ptr != 0)
-            // SAFETY: as above, f32 `[rows, k]`.
-            .then(|| unsafe { input::<f32>(&ctx, topk_weights_ptr, &[rows, k]) });
-        let b0 = (bias0_ptr != 0)
-            // SAFETY: as above, BF16 `[tokens, hidden]`.
-            .then(|| unsafe { input::<Bf16>(&ctx, bias0_ptr, &[tokens, hidden]) });
-        let b1 = (bias1_ptr != 0)
-            // SAFETY: as above, BF16 `[tokens, hidden]`.
-            .then(|| unsafe { input::<Bf16>(&ctx, bias1_ptr, &[tokens, hidden]) });
+        let shape = CombineShape {
+            rows,
+            hidden,
+            k,
+            tokens: handle.inner.num_tokens(),
+        };
+        let bias_ptrs = [bias0_ptr, bias1_ptr];
+        let inputs =
+            // SAFETY: the module's contract: live, checked tensors of these shapes.
+            unsafe { CombineIn::new(&self.ctx, shape, x_ptr, topk_weights_ptr, bias_ptrs) };
         let config = self.config(num_sms)?;
         let start = self.here()?;
         let ranks = self.buf()?.ranks();
-        let mut args = CombineArgs::new(&x, &handle.inner, ranks);
-        args.topk_weights = w.as_ref();
-        args.bias = [b0.as_ref(), b1.as_ref()];
+        let mut args = CombineArgs::new(&inputs.x, &handle.inner, ranks);
+        args.topk_weights = inputs.topk_weights.as_ref();
+        args.bias = inputs.bias();
         args.config = config;
         args.order = StreamOrder {
             previous_event: Some(&start),
@@ -387,15 +294,7 @@ impl Intranode {
         let t0 = Instant::now();
         let out = self.buf()?.combine(&args);
         self.lap(t0);
-        let out = out.map_err(to_py)?;
-        Ok(Combined {
-            x: DeviceView::py(py, &out.x)?,
-            topk_weights: out
-                .topk_weights
-                .as_ref()
-                .map(|t| DeviceView::py(py, t))
-                .transpose()?,
-        })
+        Combined::new(py, &out.map_err(to_py)?)
     }
 
     /// Nanoseconds of host time spent inside the `ep` core's operations (layout, dispatch,

@@ -45,9 +45,11 @@ class FakeTensor:
 class OneRankGroup:
     """The object-group protocol Buffer accepts: rank(), size(), all_gather_object, barrier."""
 
-    def __init__(self, size=1, hosts=None):
+    def __init__(self, size=1, hosts=None, ranks_per_node=None):
         self._size = size
         self._hosts = hosts
+        # Every rank's EP_IBGDA_RANKS_PER_NODE, when the test makes them differ.
+        self._ranks_per_node = ranks_per_node
 
     def rank(self):
         return 0
@@ -56,8 +58,11 @@ class OneRankGroup:
         return self._size
 
     def all_gather_object(self, obj):
-        if self._hosts is not None and isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], str):
-            return [(h, obj[1]) for h in self._hosts]
+        if isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], str):
+            # Buffer's set-up gather: (host, device, EP_IBGDA_RANKS_PER_NODE).
+            hosts = self._hosts or [obj[0]] * self._size
+            per_node = self._ranks_per_node or [obj[2]] * self._size
+            return [(h, obj[1], n) for h, n in zip(hosts, per_node)]
         return [obj] * self._size
 
     def barrier(self):

@@ -124,7 +124,7 @@ def test_dispatch_argument_errors(group, fake):
         b.dispatch(x, config={"num_sms": 20}, **layout(fake))
     with pytest.raises(TypeError, match="handle must be the handle"):
         b.dispatch(x, handle=("not", "ours"))
-    with pytest.raises(NotImplementedError, match="internode"):
+    with pytest.raises(ValueError, match="num_tokens_per_rdma_rank is for a group that spans several nodes"):
         b.dispatch(x, num_tokens_per_rdma_rank=fake((1,), "int32"), **layout(fake))
 
 
@@ -200,9 +200,15 @@ def test_masks_need_enable_shrink_and_a_rank_in_range(group, fake):
 
 
 def test_missing_features_are_named(group, fake):
-    two_hosts = Buffer(group(2, hosts=["a", "b"]), int(1e8))
-    with pytest.raises(NotImplementedError, match="internode dispatch"):
-        two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
+    # The core's internode buffer takes at most 8 ranks; hosts must be blocks of ranks.
+    sixteen = Buffer(group(16, hosts=["a"] * 8 + ["b"] * 8), int(1e8), int(1e9))
+    with pytest.raises(NotImplementedError, match="internode normal mode over 16 ranks .* at most 8 ranks"):
+        sixteen.dispatch(fake((T, H)), **layout(fake, 16))
+    interleaved = Buffer(group(4, hosts=["a", "b", "a", "b"]), int(1e8), int(1e9))
+    with pytest.raises(NotImplementedError, match="not blocks of consecutive ranks"):
+        interleaved.combine(fake((T, H)), None)
+    with pytest.raises(NotImplementedError, match=r"not blocks .*\(get_dispatch_layout\)"):
+        interleaved.get_dispatch_layout(fake((T, K), "int64"), E)
 
 
 def test_normal_mode_rank_masks(group, fake):
@@ -288,3 +294,140 @@ def test_native_buffers_without_a_driver_fail_cleanly():
         _ep.Intranode(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, 2, 1.0)
     with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
         _ep.LowLatency(0, 0, 1, lambda b: [b], lambda: None, 16, 256, 4, 4, True, 1.0)
+    with pytest.raises(RuntimeError, match="rank 0: GPU 0: the CUDA driver"):
+        _ep.Internode(0, 0, 2, lambda b: [b, b], lambda: None, 2, 1, True, 16, 256, 4, 4, 2, 1.0)
+
+
+def test_internode_topology_is_checked_before_the_gpu():
+    from ep_ibgda import _ep
+
+    with pytest.raises(ValueError, match="ranks_per_node 9 is outside 1..=8"):
+        _ep.Internode(0, 0, 18, lambda b: [b], lambda: None, 2, 9, True, 16, 256, 4, 4, 2, 1.0)
+
+
+# ----- Internode routing (no torch, no GPU: fakes and a one-process object group) -------------
+
+RPN = "EP_IBGDA_RANKS_PER_NODE"
+
+
+def test_node_split_from_hosts_and_the_environment(group, monkeypatch):
+    monkeypatch.delenv(RPN, raising=False)
+    one = Buffer(group(4), int(1e8))
+    assert (one._nodes, one._ranks_per_node, one._split_refusal) == (1, 4, None)
+    hosts = Buffer(group(4, hosts=["a", "a", "b", "b"]), int(1e8), int(1e9))
+    assert (hosts._nodes, hosts._ranks_per_node, hosts._virtual_nodes) == (2, 2, False)
+    monkeypatch.setenv(RPN, "1")
+    v = Buffer(group(2), int(1e8), int(1e9))
+    assert (v._nodes, v._ranks_per_node, v._virtual_nodes, v._split_refusal) == (2, 1, True, None)
+    monkeypatch.setenv(RPN, "2")
+    v = Buffer(group(4), int(1e8), int(1e9))
+    assert (v._nodes, v._ranks_per_node, v._virtual_nodes) == (2, 2, True)
+    # As many ranks per node as the group: one node, intranode.
+    monkeypatch.setenv(RPN, "4")
+    assert Buffer(group(4), int(1e8))._nodes == 1
+
+
+def test_ranks_per_node_errors(group, monkeypatch):
+    for value, match in (
+        ("two", "EP_IBGDA_RANKS_PER_NODE='two' is not an integer"),
+        ("3", "EP_IBGDA_RANKS_PER_NODE=3: virtual nodes need 1..8 ranks each, dividing the group's 4 ranks"),
+        ("0", "virtual nodes need 1..8"),
+        ("16", "virtual nodes need 1..8"),
+    ):
+        monkeypatch.setenv(RPN, value)
+        with pytest.raises(ValueError, match=match):
+            Buffer(group(4), int(1e8))
+    monkeypatch.setenv(RPN, "1")
+    with pytest.raises(ValueError, match="splits one host into virtual nodes, and the group spans 2 hosts"):
+        Buffer(group(2, hosts=["a", "b"]), int(1e8))
+    monkeypatch.delenv(RPN)
+    with pytest.raises(ValueError, match=r"differs between the ranks \(by rank: \['1', None\]\)"):
+        Buffer(group(2, ranks_per_node=["1", None]), int(1e8))
+
+
+def test_internode_layout_and_dispatch_argument_errors(group, fake, monkeypatch):
+    monkeypatch.setenv(RPN, "1")
+    b = Buffer(group(2), int(1e8), int(1e9))
+    x = fake((T, H))
+    lay = layout(fake, 2)
+    with pytest.raises(TypeError, match="num_tokens_per_rdma_rank must have dtype int32"):
+        b.dispatch(x, num_tokens_per_rdma_rank=fake((2,), "int64"), **lay)
+    with pytest.raises(ValueError, match=r"num_tokens_per_rdma_rank has shape \[1\], expected \[2\]"):
+        b.dispatch(x, num_tokens_per_rdma_rank=fake((1,), "int32"), **lay)
+    with pytest.raises(ValueError, match="is_token_in_rank has shape"):
+        b.dispatch(x, **dict(lay, is_token_in_rank=fake((T, 1), "bool")))
+    with pytest.raises(ValueError, match="num_worst_tokens > 0 needs topk_idx"):
+        b.dispatch(x, num_worst_tokens=4, **{k: v for k, v in lay.items() if not k.startswith("topk")})
+    with pytest.raises(ValueError, match=r"x\[0\]: FP8 hidden 200"):
+        b.dispatch((fake((T, 200), "float8_e4m3fn"), fake((T, 1), "float32")), **lay)
+    with pytest.raises(TypeError, match=r"handle must be .* \(an internode one here\)"):
+        b.dispatch(x, handle=("not", "ours"))
+    with pytest.raises(TypeError, match=r"handle must be .* \(an internode one here\)"):
+        b.combine(x, None)
+    # The layout checks run before any torch call.
+    with pytest.raises(TypeError, match="topk_idx must have dtype int64"):
+        b.get_dispatch_layout(fake((T, K), "float32"), E)
+    with pytest.raises(ValueError, match="num_experts 3 is not a multiple of the 2 ranks"):
+        b.get_dispatch_layout(fake((T, K), "int64"), 3)
+
+
+def test_internode_needs_rdma_bytes(group, fake, monkeypatch):
+    # Checked before the native buffer is built (no collective, no GPU).
+    monkeypatch.setenv(RPN, "1")
+    b = Buffer(group(2), int(1e8), 0)
+    with pytest.raises(ValueError, match=r"spans 2 nodes \(2 x 1 ranks\).*num_rdma_bytes > 0.*num_rdma_bytes >= \d+"):
+        b.dispatch(fake((T, H)), **layout(fake, 2))
+
+
+def test_a_handle_of_the_other_mode_is_refused(group, fake, monkeypatch):
+    from ep_ibgda.buffer import _InternodeHandle, _IntranodeHandle
+
+    class Native:
+        num_rows = 3
+
+    monkeypatch.setenv(RPN, "1")
+    inter = Buffer(group(2), int(1e8), int(1e9))
+    foreign = _IntranodeHandle(Native(), T, H, inter._id)
+    with pytest.raises(TypeError, match="an internode one here"):
+        inter.combine(fake((3, H)), foreign)
+    monkeypatch.delenv(RPN)
+    intra = Buffer(group(2), int(1e8))
+    h = _InternodeHandle(Native(), "in_rank", T, H, intra._id)
+    with pytest.raises(TypeError, match="an intranode one here"):
+        intra.dispatch(fake((T, H)), handle=h)
+
+
+def test_internode_handle_is_a_deepep_sized_tuple():
+    from ep_ibgda.buffer import _InternodeHandle
+
+    class Native:
+        num_rows = 5
+
+    h = _InternodeHandle(Native(), "in_rank", 7, H, 1)
+    assert isinstance(h, tuple) and len(h) == 10
+    assert h[0] == "in_rank" and all(v is None for v in h[1:])
+    assert (h.num_tokens, h.num_rows, h.hidden) == (7, 5, H)
+
+
+def test_node_split_refusals():
+    from ep_ibgda.buffer import _node_split
+
+    assert _node_split(["a"] * 8, [None] * 8) == (1, 8, False, None)
+    assert _node_split(["a", "a", "b", "b"], [None] * 4) == (2, 2, False, None)
+    assert _node_split(["a"] * 4, ["2"] * 4) == (2, 2, True, None)
+    nodes, rpn, virtual, why = _node_split(["a"] * 16, [None] * 16)
+    assert (nodes, rpn) == (2, 8) and "at most 8 ranks" in why
+    _, _, _, why = _node_split(["a", "b", "b"], [None] * 3)
+    assert "not blocks of consecutive ranks" in why
+
+
+def test_internode_bytes_are_paid_by_both_budgets():
+    from ep_ibgda import _ep
+
+    nvl, rdma = _ep.internode_bytes(2, 2, 128, H, 16, 8, 4)
+    assert nvl > 0 and rdma > 0
+    nvl2, rdma2 = _ep.internode_bytes(2, 2, 256, H, 16, 8, 4)
+    assert nvl2 > nvl and rdma2 > rdma
+    # Out-of-range topologies and overflowing sizes give None.
+    assert _ep.internode_bytes(2, 9, 128, H, 16, 8, 4) is None
+    assert _ep.internode_bytes(2, 2, 1 << 62, H, 16, 8, 4) is None

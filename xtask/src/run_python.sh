@@ -6,6 +6,10 @@
 #   EP_IBGDA_TEST_RANKS=2,8 bash bundle/python/run.sh    other rank counts
 #   EP_IBGDA_TEST_RANKS=4 bash bundle/python/run.sh      the 4-rank cases only
 #   EXAMPLE_RANKS=4 bash bundle/python/run.sh            ranks of the example (default 2)
+#   EP_IBGDA_RANKS_PER_NODE=1 bash bundle/python/run.sh  the example internode, over virtual nodes
+#                                        of 1 rank (the pytest files set it themselves, per test)
+#   EP_PY_TESTS='test_gpu_internode.py' bash bundle/python/run.sh   only these pytest files (a glob of
+#                                        python/tests names; default test_gpu_*.py)
 #   bash bundle/python/run.sh --bench    instead of the tests: the host overhead of the Python
 #                                        layer over the Rust core and CUDA-graph replay of
 #                                        low-latency dispatch/combine (bench/host_overhead.py),
@@ -68,7 +72,8 @@ if [ "${1:-}" = "--bench" ]; then
 fi
 
 cd "$here/tests" || exit 1
-timeout "${EP_PY_SUITE_TIMEOUT:-480}" "$pyx" -m pytest -v -rs -s --durations=0 -p no:cacheprovider test_gpu_*.py 2>&1 | tee -a "$out/python_suite.log"
+# shellcheck disable=SC2086
+timeout "${EP_PY_SUITE_TIMEOUT:-480}" env -u EP_IBGDA_RANKS_PER_NODE "$pyx" -m pytest -v -rs -s --durations=0 -p no:cacheprovider ${EP_PY_TESTS:-test_gpu_*.py} 2>&1 | tee -a "$out/python_suite.log"
 suite=${PIPESTATUS[0]}
 
 timeout "${EP_PY_EXAMPLE_TIMEOUT:-90}" "$pyx" -m torch.distributed.run --standalone --nproc-per-node "${EXAMPLE_RANKS:-2}" \

@@ -60,6 +60,25 @@ impl InternodeOptions {
             nic_handler: HandlerChoice::Auto,
         }
     }
+
+    /// The options of the NVLink hop's intranode [`Buffer`] that each rank of `topo` builds over
+    /// its node's ranks for these options (what sizes its GPU memory).
+    pub fn nvlink_options(&self, topo: &Topology) -> BufferOptions {
+        intra_options(topo, &self.buffer)
+    }
+
+    /// Bytes of the registered net buffer (the RDMA hop's slots and signal words) that each
+    /// rank of `topo` allocates for these options; `None` when the size overflows.
+    pub fn net_bytes(&self, topo: &Topology) -> Option<usize> {
+        let b = &self.buffer;
+        StagedPlan::new(
+            b.max_tokens_per_rank,
+            b.max_hidden,
+            b.max_topk,
+            topo.nodes(),
+        )
+        .map(|p| p.bytes)
+    }
 }
 
 pub(super) struct Kernels {
