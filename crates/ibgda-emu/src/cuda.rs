@@ -46,7 +46,7 @@
 //!
 //! # The GPU agent
 //!
-//! Where it can be started ([`crate::agent`]; opt-in: `IBGDA_EMU_AGENT=1` turns it on),
+//! Where it can be started ([`crate::agent`]; on by default, `IBGDA_EMU_AGENT=0` turns it off),
 //! lanes are [`AgentLane`](crate::cuda_agent::AgentLane)s: small device operations (copies up
 //! to [`AGENT_COPY_MAX`](crate::agent::AGENT_COPY_MAX), inline data, atomics, device CQEs) are
 //! commands a GPU block executes, and only large copies and copies to or from host memory use

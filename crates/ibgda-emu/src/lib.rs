@@ -60,7 +60,7 @@
 //! memory are written by the NIC thread once an event recorded after the data has completed.
 //! The per-operation cost model is in the `cuda` module's source docs.
 //!
-//! **The GPU agent** (opt-in: [`AGENT_ENV`]`=1` turns it on where it can start): one
+//! **The GPU agent** (on by default where it can start; [`AGENT_ENV`]`=0` turns it off): one
 //! block (eight warps) per GPU and process, shared by every NIC there, executes the small
 //! operations (device copies up to [`AGENT_COPY_MAX`], inline data, atomics, device CQEs) from
 //! a command ring in pinned host memory, with GPU loads, stores and system-scope atomics; large

@@ -815,10 +815,10 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
 
 // ---- the GPU agent -------------------------------------------------------------------------
 
-/// Whether this run must have the GPU agent: it is opt-in (`IBGDA_EMU_AGENT=1`), and built into
+/// Whether this run must have the GPU agent: it is on unless `IBGDA_EMU_AGENT=0`, and built into
 /// every bundle.
 fn agent_expected() -> bool {
-    std::env::var(ibgda_emu::AGENT_ENV).is_ok_and(|v| v.trim() == "1")
+    !std::env::var(ibgda_emu::AGENT_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"))
 }
 
 /// The CUDA backend starts the GPU agent by default; allocations and frees (`cuMemFree` waits for
@@ -830,7 +830,7 @@ fn gpu_agent_runs_and_allocations_still_return() {
     let Some(ctxs) = gpus(1) else { return };
     let mem = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
     if !agent_expected() {
-        eprintln!("{} is not 1: the agent is off", ibgda_emu::AGENT_ENV);
+        eprintln!("{}=0: the agent is off", ibgda_emu::AGENT_ENV);
         assert!(!mem.uses_agent());
         return;
     }
@@ -906,8 +906,8 @@ fn gpu_agent_runs_and_allocations_still_return() {
 
 /// `cuMemFree` waits for every outstanding piece of work of the context and meanwhile holds a
 /// driver lock that the NIC thread's next driver call waits on. Atomics must go on while another
-/// thread frees memory in a loop: with the agent (`IBGDA_EMU_AGENT=1`: its idle exits and relaunches), and
-/// without it (deferred atomics: a stream waits on a counter the host releases, which
+/// thread frees memory in a loop: with the agent (the default: its idle exits and relaunches), and
+/// without it (`IBGDA_EMU_AGENT=0`) (deferred atomics: a stream waits on a counter the host releases, which
 /// a NIC thread stuck behind the free could never do; the release thread does). Batches are
 /// spaced around the agent's idle exit.
 #[test]

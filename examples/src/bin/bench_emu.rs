@@ -10,8 +10,8 @@
 //! Prints a table; with `--json`, writes one record per measurement, each with `bench`, `qps`,
 //! `bytes`, `ranks` (emulated NICs: 2), `gpus`, `strict` (the NICs' strict mode), `date`,
 //! `machine`, `progress_threads` (of the sending NIC: `--threads`, default 1), `agent` (whether
-//! the NICs' small operations ran on the GPU agent: opt-in with `IBGDA_EMU_AGENT=1`; without
-//! it the copy-engine path), and:
+//! the NICs' small operations ran on the GPU agent: the default; with `IBGDA_EMU_AGENT=0`
+//! the copy-engine path), and:
 //! - `emu_small_ops`: `mops` (million WQEs/s, all QPs together), `inline` (inline WQE or a
 //!   gather from GPU memory);
 //! - `emu_atomics`: `mops` of 8-byte fetch-adds, `shared` (every QP on one word, or each on its
