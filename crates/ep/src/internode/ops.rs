@@ -1017,6 +1017,14 @@ impl InternodeBuffer {
             parts.push(out);
         }
         self.ack(Words::DispatchAck)?;
+        // The host waits for the ack (its signal's completion) before anything of this dispatch
+        // is freed or allocated: `cuMemFree` waits for every kernel of the context while holding
+        // a driver lock the emulated NIC's driver calls need, so freeing a temporary while the
+        // ack kernel waits for the NIC stalls both until the kernel's bound runs out (ranks as
+        // processes on one H200, 2026-12-02: every `gpu_internode_procs` case). This path
+        // already waits on the host for the rows each node sent; `num_worst_tokens` takes the
+        // pooled path, which frees nothing.
+        self.sync("the internode dispatch ack")?;
         let block_rows: Vec<usize> = parts
             .iter()
             .map(|p| p.num_recv_tokens.unwrap_or(0))
@@ -1464,6 +1472,11 @@ impl InternodeBuffer {
         }
         self.ack(Words::CombineAck)?;
         let event = self.finish(&args.order, capturing)?;
+        if h.worst.is_none() {
+            // As after the dispatch ack: the per-node sums are freed only once the ack kernel,
+            // which waits for the NIC, has ended (this path waits on the host anyway).
+            self.sync("the internode combine ack")?;
+        }
         drop(sums);
         Ok(CombineOutput {
             x: out_x,
