@@ -222,20 +222,20 @@ def test_normal_mode_rank_masks(group, fake):
     with pytest.raises(ValueError, match="mask_status has shape"):
         b.low_latency_query_mask_buffer(fake((1,), "int32"))
     # Normal-mode calls no longer refuse a masked rank (the intranode kernels honour masks).
-    b._internode("dispatch")
+    assert b._normal_mode("dispatch") is False
     b.low_latency_clean_mask_buffer()
     assert b._pending_mask == [0, 0]
     # A low-latency Buffer may mask itself (low-latency masks can name any rank).
     s = Buffer(group(), int(1e8), int(1e9), low_latency_mode=True, enable_shrink=True)
     s.low_latency_update_mask_buffer(0, True)
     assert s._pending_mask == [1]
-    s._internode("dispatch")
+    assert s._normal_mode("dispatch") is False
     s.low_latency_clean_mask_buffer()
     assert s._pending_mask == [0]
-    # Internode normal mode stays unimplemented, masks or not.
+    # Internode normal mode has no rank masks: refused while one is set.
     two_hosts = Buffer(group(2, hosts=["a", "b"]), int(1e8), enable_shrink=True)
     two_hosts.low_latency_update_mask_buffer(1, True)
-    with pytest.raises(NotImplementedError, match="internode dispatch"):
+    with pytest.raises(NotImplementedError, match=r"rank masks in internode normal mode \(dispatch while ranks \[1\]"):
         two_hosts.dispatch(fake((T, H)), **layout(fake, 2))
 
 
