@@ -40,10 +40,14 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   the internode one is a 10-tuple, as DeepEP's, whose first item is the dispatch's
   ``is_token_in_rank`` and whose other nine are None (the routing lives in the native handle).
 - **Internode specifics** (the Rust core's first, staged internode version): the layout and
-  every dispatch wait on the host (bounded), also with ``num_worst_tokens``, which only pads
-  the outputs; the NVLink hop's SMs are the core's choice (``Config`` is accepted and checked,
-  its fields not used); outputs are allocated per call rather than pooled. A dispatch without
+  every dispatch without ``num_worst_tokens`` wait on the host (bounded); with it, dispatch
+  makes no host wait and its outputs come from the core's pools; the NVLink hop's SMs are the
+  core's choice (``Config`` is accepted and checked, its fields not used). A dispatch without
   top-k routes by one expert of each destination rank and returns an empty per-expert list.
+  Device errors (a wait that ran out of ``EP_IBGDA_TIMEOUT_S``, a NIC failure) are recorded by
+  the kernels, whose later work still runs on what arrived: every internode operation first
+  raises any error recorded so far (``RuntimeError`` / ``TimeoutError`` naming rank, peer and
+  what), so a failure surfaces at the next call instead of as incomplete sums.
 - **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
   after the caller's current stream (or after ``previous_event``), and the current stream waits
   for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
@@ -741,6 +745,8 @@ class Buffer:
         # Without top-k the route stands in for it: one expert of each destination rank.
         route_k = k if topk_idx is not None else ranks
         buf = self._normal_buffer(internode, t, h, route_k, num_experts)
+        if internode:
+            buf.check_errors()
         import torch
 
         compute, comm = self._streams(buf.comm_stream, previous_event)
@@ -826,6 +832,8 @@ class Buffer:
         buf = self._internode_native if internode else self._intranode
         if h > buf.limits[1]:
             raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
+        if internode:
+            buf.check_errors()
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
             scales_ptr = scales.data_ptr() if fp8 else 0
@@ -881,6 +889,10 @@ class Buffer:
         import torch
 
         buf = self._internode_native if internode else self._intranode
+        if internode:
+            # The combine's kernels run on whatever arrived: a device error an earlier operation
+            # recorded (none of them waited for it on the host) raises here, not as wrong sums.
+            buf.check_errors()
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
             ptrs = (

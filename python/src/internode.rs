@@ -12,9 +12,12 @@
 //! What differs from the intranode buffer: the layout and every dispatch wait on the host
 //! (bounded; the staged core counts the rows each node sent before the NVLink hop), dispatch
 //! always routes by top-k ids (the Python layer stands one expert per destination rank in for a
-//! dispatch without top-k), the outputs are fresh allocations of each call rather than pooled
-//! regions, and the SMs of the NVLink hop are the core's choice (what keeps every rank sharing
-//! the GPU co-resident), not the caller's `Config.num_sms`.
+//! dispatch without top-k), the outputs are fresh allocations of each call (pooled regions of
+//! the core with `num_worst_tokens`), the SMs of the NVLink hop are the core's choice (what
+//! keeps every rank sharing the GPU co-resident), not the caller's `Config.num_sms`, and device
+//! errors are not reported by any wait after the kernels of a combine (or of anything with
+//! `num_worst_tokens`): the Python layer calls [`Internode::check_errors`] before every
+//! operation, so an earlier failure raises instead of feeding incomplete outputs on.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -344,6 +347,15 @@ impl Internode {
     /// Waits (bounded) for the communication stream; reports errors the kernels recorded.
     fn synchronize(&mut self) -> PyResult<()> {
         self.buf()?.synchronize().map_err(to_py)
+    }
+
+    /// Raises, without waiting, a device error that kernels of earlier operations recorded
+    /// (`InternodeBuffer::check_errors`): after one, outputs are incomplete (a combine sums only
+    /// the parts that arrived) and the buffer is unusable. The Python layer calls it before
+    /// every operation, since combine (and every operation with `num_worst_tokens`) makes no
+    /// host wait that would report its kernels' errors.
+    fn check_errors(&mut self) -> PyResult<()> {
+        self.buf()?.check_errors().map_err(to_py)
     }
 
     /// Tears the buffer down together with every rank (a collective); idempotent.

@@ -44,6 +44,14 @@ def _stack(torch, items, empty):
     return torch.stack(items) if items else empty
 
 
+def _settled(buf):
+    """Waits for the internode buffer's queued work and raises any error its kernels recorded.
+    A failed kernel (a wait out of time, a NIC failure) leaves the later ones to run on what
+    arrived, and combine makes no host wait that would report it: values are compared only
+    after this, so such a failure reads as itself, not as sums missing whole copies."""
+    buf._internode_native.synchronize()
+
+
 def _body(rank, world, base_seed, ranks_per_node):
     import torch
     import torch.distributed as dist
@@ -94,6 +102,7 @@ def _body(rank, world, base_seed, ranks_per_node):
         x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=ALIGN,
         config=deep_ep.Buffer.get_dispatch_config(world), **lay
     )
+    _settled(buf)
     empty_x = torch.empty(0, H, dtype=torch.bfloat16)
     ref_x = _stack(torch, [all_x[s][t] for s, t in rows], empty_x)
     assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (len(rows), H)
@@ -123,6 +132,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     # Combine of the received rows: each token comes back once per rank it went to.
     n_copies = ref_in_rank.sum(1).float()
     combined, combined_w, ev = buf.combine(recv_x, handle, topk_weights=recv_w)
+    _settled(buf)
     ref = (x_cpu.float() * n_copies[:, None]).to(torch.bfloat16)
     torch.testing.assert_close(combined.cpu(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(combined_w.cpu(), torch.where(valid, w_cpu, torch.zeros_like(w_cpu)))
@@ -134,6 +144,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     combined, none_w, ev = buf.combine(recv_x, handle, bias=(b0.to(dev), b1.to(dev)), previous_event=before,
                                        async_finish=True, allocate_on_comm_stream=True)
     ev.current_stream_wait()
+    _settled(buf)
     assert none_w is None
     ref = (x_cpu.float() * n_copies[:, None] + b0.float() + b1.float()).to(torch.bfloat16)
     torch.testing.assert_close(combined.cpu(), ref, rtol=3e-2, atol=3e-2)
@@ -142,6 +153,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     x2_cpu = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
     all_x2 = gather(x2_cpu)
     out = buf.dispatch(x2_cpu.to(dev), handle=handle)
+    _settled(buf)
     assert out[1:5] == (None, None, None, None)
     ref_x2 = _stack(torch, [all_x2[s][t] for s, t in rows], empty_x)
     assert torch.equal(out[0].cpu(), ref_x2), "cached dispatch rows differ"
@@ -155,6 +167,7 @@ def _body(rank, world, base_seed, ranks_per_node):
         (x8_cpu.to(dev), s_cpu.to(dev)), topk_idx=topk_idx, topk_weights=topk_weights, async_finish=True, **lay
     )
     ev.current_stream_wait()
+    _settled(buf)
     assert rx8.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32 and rs.shape == (len(rows), H // 128)
     if rows:
         assert torch.equal(rx8.view(torch.uint8).cpu(), torch.stack([all_x8[s][0][t] for s, t in rows]))
@@ -165,6 +178,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     all_y8 = gather((y8_cpu.view(torch.uint8), t_cpu))
     prev = deep_ep.Buffer.capture()
     (ry8, rt), *nones, ev = buf.dispatch((y8_cpu.to(dev), t_cpu.to(dev)), handle=h8, previous_event=prev)
+    _settled(buf)
     assert nones == [None, None, None, None]
     if rows:
         assert torch.equal(ry8.view(torch.uint8).cpu(), torch.stack([all_y8[s][0][t] for s, t in rows]))
@@ -176,19 +190,23 @@ def _body(rank, world, base_seed, ranks_per_node):
     rx, ri, rw, counts_w, hw, ev = buf.dispatch(
         x, topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst, **lay
     )
+    _settled(buf)
     assert counts_w == [] and rx.shape == (worst, H) and ri.shape == (worst, K)
     assert torch.equal(rx[: len(rows)].cpu(), ref_x)
     assert bool((ri[len(rows):] == -1).all()) and bool((rw[len(rows):] == 0).all())
     combined, _, ev = buf.combine(rx, hw)
+    _settled(buf)
     torch.testing.assert_close(combined.cpu(), (x_cpu.float() * n_copies[:, None]).to(torch.bfloat16),
                                rtol=2e-2, atol=2e-2)
     del hw
 
     # Without top-k: rows only (routed by is_token_in_rank).
     rx, ri, rw, counts_n, hn, ev = buf.dispatch(x, **lay)
+    _settled(buf)
     assert ri is None and rw is None and counts_n == []
     assert torch.equal(rx.cpu(), ref_x)
     combined, _, ev = buf.combine(rx, hn)
+    _settled(buf)
     torch.testing.assert_close(combined.cpu(), (x_cpu.float() * n_copies[:, None]).to(torch.bfloat16),
                                rtol=2e-2, atol=2e-2)
     del hn

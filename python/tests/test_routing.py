@@ -47,9 +47,13 @@ def _combined(handle, hidden, k, with_weights):
 
 
 class FakeInternode:
-    """``_ep.Internode``'s signatures; records each call in ``calls``."""
+    """``_ep.Internode``'s signatures; records each call in ``calls`` (``check_errors`` apart, in
+    ``checks``: the call before every operation). ``device_error``: what a kernel of an earlier
+    operation recorded, raised by ``check_errors`` as the native one raises it."""
 
     calls = []
+    checks = []
+    device_error = None
 
     def __init__(self, device, rank, world, all_gather, barrier, nodes, ranks_per_node, virtual_nodes,
                  max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs, timeout_s):
@@ -78,6 +82,11 @@ class FakeInternode:
 
     def local_buffer(self):
         return View((4096,), "|u1")
+
+    def check_errors(self):
+        self.checks.append(len(self.calls))
+        if self.device_error is not None:
+            raise RuntimeError(self.device_error)
 
     def shutdown(self):
         self.calls.append(("shutdown",))
@@ -114,6 +123,8 @@ def env(monkeypatch):
     torch = fake_torch.install(monkeypatch)
     calls = []
     monkeypatch.setattr(FakeInternode, "calls", calls)
+    monkeypatch.setattr(FakeInternode, "checks", [])
+    monkeypatch.setattr(FakeInternode, "device_error", None)
     monkeypatch.setattr(buffer._ep, "Internode", FakeInternode, raising=False)
     monkeypatch.setattr(buffer._ep, "Intranode", FakeIntranode)
     return torch, calls
@@ -184,6 +195,50 @@ def test_virtual_nodes_route_every_normal_call_to_the_internode_buffer(env, monk
     assert buf.get_comm_stream().ptr == 99
     buf.destroy()
     assert calls[-1] == ("shutdown",)
+
+
+def test_internode_device_errors_raise_before_the_next_operation(env, monkeypatch):
+    """The internode combine (and anything with num_worst_tokens) makes no host wait after its
+    kernels, and a failed kernel (a wait out of time, a NIC failure) leaves the later ones to
+    run on what arrived: a combine then sums only some of each token's copies (seen on an H200
+    as a combine off by whole copies, with no error). Every internode operation must first
+    raise what the kernels recorded so far, and call nothing native after it."""
+    import ep_ibgda as deep_ep
+
+    torch, calls = env
+    monkeypatch.setenv("EP_IBGDA_RANKS_PER_NODE", "2")
+    buf = deep_ep.Buffer(OneRankGroup(W), int(1e8), int(1e8), explicitly_destroy=True)
+    idx, w, x = _inputs(torch)
+    ntpr, ntprr, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    lay = dict(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=in_rank,
+               num_tokens_per_expert=ntpe)
+    native = FakeInternode.checks  # the call count at each check
+
+    # Each operation checks before its first native call (the layout's, for a fresh dispatch).
+    rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **lay)
+    assert calls[native[-1]][0] == "layout" and calls[-1][0] == "dispatch"
+    buf.combine(rx, handle, topk_weights=rw)
+    assert len(native) == 2 and calls[native[-1]][0] == "combine"
+    buf.dispatch(x, handle=handle)
+    assert len(native) == 3 and calls[native[-1]][0] == "cached"
+    rxw, _, _, _, hw, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=80, **lay)
+    buf.combine(rxw, hw, previous_event=deep_ep.Buffer.capture(), async_finish=True)
+    assert len(native) == 5 and calls[native[-1]][0] == "combine"
+
+    # A device error recorded by then: each operation raises it and queues nothing.
+    monkeypatch.setattr(FakeInternode, "device_error", "rank 0: internode quiet to node 1 failed")
+    before = len(calls)
+    for op in (
+        lambda: buf.combine(rx, handle, topk_weights=rw),
+        lambda: buf.combine(rxw, hw, async_finish=True, previous_event=deep_ep.Buffer.capture()),
+        lambda: buf.dispatch(x, handle=handle),
+        lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **lay),
+        lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=80, **lay),
+    ):
+        with pytest.raises(RuntimeError, match="internode quiet to node 1 failed"):
+            op()
+    assert len(calls) == before, calls[before:]
+    buf.destroy()
 
 
 def test_one_node_stays_intranode(env, monkeypatch):

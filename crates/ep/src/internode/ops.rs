@@ -1503,6 +1503,28 @@ impl InternodeBuffer {
         self.sync("the internode stream")?;
         self.intra.synchronize()
     }
+
+    /// Reports, without waiting, a device error that kernels of earlier operations recorded so
+    /// far (this buffer's, then the NVLink hop's), and makes the buffer unusable; a buffer that
+    /// is unusable already returns its first error.
+    ///
+    /// A kernel that fails (a wait that ran out of time, a put or quiet the NIC refused) records
+    /// its error and ends; the kernels queued after it still run, and waits that see a recorded
+    /// error give up at once, so the outputs of that operation and of the ones after it are
+    /// incomplete (a combine sums only the parts that arrived). Operations that make no host
+    /// wait after their kernels (combine, everything with `num_worst_tokens`, the acks that end
+    /// a dispatch) leave such errors for the caller: [`synchronize`](Self::synchronize) waits
+    /// and reports them; this reads host-mapped words only, so it costs no wait and may precede
+    /// every operation (errors of work still queued are not seen yet). Allowed under capture.
+    pub fn check_errors(&mut self) -> Result<(), EpError> {
+        self.usable()?;
+        self.check_device_error()?;
+        if let Err(e) = self.intra.check_device_error() {
+            self.poisoned.get_or_insert_with(|| e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
 }
 
 /// The NVLink hop's input ids and weights (views of a dispatch receive slot).

@@ -192,8 +192,10 @@ impl Buffer {
         Ok(())
     }
 
-    /// Turns a recorded device error into an `Err` (and marks the buffer unusable).
-    pub(super) fn check_device_error(&mut self) -> Result<(), EpError> {
+    /// Turns a recorded device error into an `Err` (and marks the buffer unusable). Reads
+    /// host-mapped memory only: no wait (the internode buffer checks its NVLink hop's errors
+    /// through it, [`InternodeBuffer::check_errors`](crate::internode::InternodeBuffer::check_errors)).
+    pub(crate) fn check_device_error(&mut self) -> Result<(), EpError> {
         let Some(word) = self.mapped.read_error(ERROR_OFFSET) else {
             return Ok(());
         };
