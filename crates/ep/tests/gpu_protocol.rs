@@ -508,7 +508,12 @@ fn gpu_emulator_progresses_while_waiting_kernels_fill_the_gpu() {
     let mut rng = Rng::new(seed());
     let r = rig(&ctxs[0], &ctxs[0], 1 << 20);
     let fill = r.func("protocol_fill_gpu");
-    let threads = 256u32;
+    // Blocks as large as a block can be: the GPU's block scheduler spreads blocks over every
+    // SM, so the room left free is the room of a few whole blocks, spread over some SMs. With
+    // 256-thread blocks that room was too fragmented for the emulator's GPU agent (one
+    // 256-thread block, but with more registers per thread than the fill kernel), which then
+    // never started while the waiting blocks held the GPU (H200, 2026-12-02).
+    let threads = 1024u32;
     let per_sm = fill
         .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
         .unwrap();

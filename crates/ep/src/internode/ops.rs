@@ -1236,6 +1236,9 @@ impl InternodeBuffer {
             parts.push(out);
         }
         self.ack(Words::DispatchAck)?;
+        // As in `dispatch`: nothing is freed or allocated while the ack kernel waits for the
+        // NIC (ranks as processes stalled here on an H200, 2026-12-02).
+        self.sync("the internode cached dispatch ack")?;
         let received = handle.num_recv_tokens();
         let outs = self.gather_outputs(&parts, handle.rows, received, &rows, fp8, 0)?;
         let event = self.finish(order, false)?;
