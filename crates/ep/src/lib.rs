@@ -29,6 +29,7 @@ mod mapped;
 mod mask;
 pub mod preflight;
 pub mod reference;
+mod region_pool;
 mod rendezvous;
 pub mod residency;
 mod tensor;

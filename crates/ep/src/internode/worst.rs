@@ -33,6 +33,7 @@ use crate::error::{invalid, EpError};
 use crate::intranode::{
     CombineArgs, CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK,
 };
+use crate::region_pool::RegionPool;
 use crate::tensor::{Region, Tensor};
 
 /// Sections are aligned to this (every row of every section stays 16-byte aligned).
@@ -113,41 +114,12 @@ impl WorstPlan {
     }
 }
 
-/// Regions of one allocation, handed out while no tensor or handle holds them.
-struct SlotPool {
-    what: &'static str,
-    slots: Vec<Arc<Region>>,
-}
-
-impl SlotPool {
-    fn new(what: &'static str, buf: &Arc<DeviceBuffer>, bytes: usize, n: usize) -> Self {
-        Self {
-            what,
-            slots: (0..n)
-                .map(|i| Arc::new(Region::part(buf, i * bytes, bytes)))
-                .collect(),
-        }
-    }
-
-    fn acquire(&self, rank: usize) -> Result<Arc<Region>, EpError> {
-        self.slots
-            .iter()
-            .find(|r| Arc::strong_count(r) == 1)
-            .cloned()
-            .ok_or(EpError::RegionsInUse {
-                rank,
-                what: self.what,
-                limit: self.slots.len(),
-            })
-    }
-}
-
 /// The pools of the `num_worst_tokens` path: `max_live_outputs` dispatch regions and as many
 /// combine outputs.
 pub(crate) struct WorstPools {
     plan: WorstPlan,
-    dispatch: SlotPool,
-    combine: SlotPool,
+    dispatch: RegionPool,
+    combine: RegionPool,
 }
 
 /// What marks a `num_worst_tokens` dispatch's handle: the NVLink hop's fixed rows per source
@@ -216,8 +188,8 @@ impl InternodeBuffer {
             let d = Arc::new(alloc_relaxed(&self.ctx, total(plan.bytes)?, self.rank)?);
             let c = Arc::new(alloc_relaxed(&self.ctx, total(plan.c_bytes)?, self.rank)?);
             self.worst = Some(WorstPools {
-                dispatch: SlotPool::new("internode dispatch output", &d, plan.bytes, n),
-                combine: SlotPool::new("internode combine output", &c, plan.c_bytes, n),
+                dispatch: RegionPool::new("internode dispatch output", &d, 0, plan.bytes, n),
+                combine: RegionPool::new("internode combine output", &c, 0, plan.c_bytes, n),
                 plan,
             });
         }
