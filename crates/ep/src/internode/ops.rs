@@ -14,8 +14,8 @@ use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::intranode::{
-    CombineArgs, CombineOutput, DispatchArgs, DispatchX, Handle, RecvX, StreamOrder, TopK,
-    FP8_BLOCK,
+    CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, DispatchX, Handle, RecvX,
+    StreamOrder, TopK, FP8_BLOCK,
 };
 use crate::kernel_launch::launch_with_params;
 use crate::tensor::Tensor;
@@ -420,6 +420,44 @@ impl InternodeBuffer {
     /// Makes this stream wait for an operation of the NVLink hop (its returned event).
     pub(super) fn join(&self, e: &Event) -> Result<(), EpError> {
         e.wait_on(&self.stream)
+    }
+
+    /// Combines `x` (and `topk_weights`) over `handle` on the NVLink hop, forked from this
+    /// stream and joined back to it.
+    pub(super) fn intra_combine_forked(
+        &mut self,
+        x: &Tensor<Bf16>,
+        handle: &Handle,
+        topk_weights: Option<&Tensor<f32>>,
+        config: Config,
+    ) -> Result<CombineOutput, EpError> {
+        let ev = self.fork()?;
+        let out = self.intra.combine(&CombineArgs {
+            x,
+            handle,
+            topk_weights,
+            bias: [None, None],
+            config,
+            order: intra_order(&ev),
+        })?;
+        self.join(&out.event)?;
+        Ok(out)
+    }
+
+    /// Cached dispatch of `x` over `handle` on the NVLink hop, forked from this stream and
+    /// joined back to it.
+    pub(super) fn intra_dispatch_cached_forked(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        config: &Config,
+    ) -> Result<DispatchOutput, EpError> {
+        let ev = self.fork()?;
+        let out = self
+            .intra
+            .dispatch_cached(x, handle, config, &intra_order(&ev))?;
+        self.join(&out.event)?;
+        Ok(out)
     }
 
     /// Waits (bounded) for this stream on the host, then reports any device error.
@@ -1211,14 +1249,7 @@ impl InternodeBuffer {
         let mut parts = Vec::with_capacity(self.nodes());
         for (n, &c) in recv.iter().enumerate() {
             let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
-            let ev = self.fork()?;
-            let mut out = self.intra.dispatch_cached(
-                input.as_x(),
-                &handle.sub[n],
-                &cfg,
-                &intra_order(&ev),
-            )?;
-            self.join(&out.event)?;
+            let mut out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
             out.num_recv_tokens = Some(handle.block_rows[n]);
             parts.push(out);
         }
@@ -1367,17 +1398,7 @@ impl InternodeBuffer {
                     let x = args.x.rows(at, r);
                     let w = args.topk_weights.map(|w| w.rows(at, r));
                     at += r;
-                    let ev = self.fork()?;
-                    let out = self.intra.combine(&CombineArgs {
-                        x: &x,
-                        handle: &h.sub[n],
-                        topk_weights: w.as_ref(),
-                        bias: [None, None],
-                        config: cfg,
-                        order: intra_order(&ev),
-                    })?;
-                    self.join(&out.event)?;
-                    sums.push(out);
+                    sums.push(self.intra_combine_forked(&x, &h.sub[n], w.as_ref(), cfg)?);
                 }
                 for (n, s) in sums.iter().enumerate() {
                     let c = h.recv_counts[n].min(plan.cap);

@@ -30,9 +30,7 @@ use super::ops::{
 use super::staged_plan::Words;
 use crate::dtype::{Bf16, Fp8E4M3};
 use crate::error::{invalid, EpError};
-use crate::intranode::{
-    CombineArgs, CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK,
-};
+use crate::intranode::{CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK};
 use crate::region_pool::RegionPool;
 use crate::tensor::{Region, Tensor};
 
@@ -202,6 +200,13 @@ impl InternodeBuffer {
         w.min(self.intra.region_layout().1)
     }
 
+    /// A free dispatch region of the `num_worst_tokens` pool, and the plan it is laid out by.
+    fn worst_dispatch_region(&mut self) -> Result<(Arc<Region>, WorstPlan), EpError> {
+        let rank = self.rank;
+        let pools = self.worst_pools()?;
+        Ok((pools.dispatch.acquire(rank)?, pools.plan.clone()))
+    }
+
     /// Dispatch with `num_worst_tokens = w` (checked by the caller): no host wait.
     pub(super) fn dispatch_worst(
         &mut self,
@@ -211,11 +216,7 @@ impl InternodeBuffer {
         w: usize,
     ) -> Result<InternodeDispatchOutput, EpError> {
         let capturing = self.is_capturing()?;
-        let rank = self.rank;
-        let (region, plan) = {
-            let pools = self.worst_pools()?;
-            (pools.dispatch.acquire(rank)?, pools.plan.clone())
-        };
+        let (region, plan) = self.worst_dispatch_region()?;
         let block = self.block_rows(w);
         let r = self.dispatch_worst_queued(args, rows, kk, w, region, plan, block, capturing);
         self.poison_on_err(r)
@@ -326,11 +327,7 @@ impl InternodeBuffer {
         order: &StreamOrder<'_>,
     ) -> Result<InternodeDispatchOutput, EpError> {
         let capturing = self.is_capturing()?;
-        let rank = self.rank;
-        let (region, plan) = {
-            let pools = self.worst_pools()?;
-            (pools.dispatch.acquire(rank)?, pools.plan.clone())
-        };
+        let (region, plan) = self.worst_dispatch_region()?;
         let r = self.dispatch_cached_worst_queued(x, handle, rows, order, region, plan, capturing);
         self.poison_on_err(r)
     }
@@ -368,14 +365,7 @@ impl InternodeBuffer {
         let mut parts = Vec::with_capacity(self.nodes());
         for n in 0..self.nodes() {
             let (input, _) = self.forwarder_input(n, cap, rows, fp8, 0);
-            let ev = self.fork()?;
-            let out = self.intra.dispatch_cached(
-                input.as_x(),
-                &handle.sub[n],
-                &cfg,
-                &intra_order(&ev),
-            )?;
-            self.join(&out.event)?;
+            let out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
             parts.push(out.handle);
         }
         self.launch_gather(&parts, &region, &plan, w, rows, 0, 1, wh.block)?;
@@ -591,17 +581,7 @@ impl InternodeBuffer {
                     vec![wh.block, kk],
                 )
             });
-            let ev = self.fork()?;
-            let out = self.intra.combine(&CombineArgs {
-                x: &x,
-                handle: s,
-                topk_weights: w.as_ref(),
-                bias: [None, None],
-                config: cfg,
-                order: intra_order(&ev),
-            })?;
-            self.join(&out.event)?;
-            sums.push(out);
+            sums.push(self.intra_combine_forked(&x, s, w.as_ref(), cfg)?);
         }
         Ok(sums)
     }
