@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::intranode::layout_params;
 use crate::intranode::{
     CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, DispatchX, Handle, RecvX,
     StreamOrder, TopK, FP8_BLOCK,
@@ -642,18 +643,7 @@ impl InternodeBuffer {
             (r, per_rank, per_expert, in_rank, send_pos, invalid_r),
             (n, per_node, scratch_expert, in_node, node_pos, invalid_n),
         ] {
-            let p = ik::LayoutParams {
-                topk_idx: topk_idx.device_address(),
-                tokens_per_rank: b + tpr as u64,
-                tokens_per_expert: b + tpe as u64,
-                is_token_in_rank: b + inr as u64,
-                send_pos: b + pos as u64,
-                invalid: b + inv as u64,
-                num_tokens: t as i32,
-                topk: kk as i32,
-                ranks: ranks as i32,
-                num_experts: e as i32,
-            };
+            let p = layout_params(topk_idx, b, [tpr, tpe, inv, inr, pos], ranks, e);
             self.launch(
                 &self.kernels.layout,
                 ranks as u32 + 1,
