@@ -26,7 +26,7 @@ pub use ep_kernels::testing::{check_eq, random_f32};
 use ibgda_device::protocol::HandlerChoice;
 
 #[path = "../gpu_shared/mod.rs"]
-mod gpu_shared;
+pub mod gpu_shared;
 pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
 pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
