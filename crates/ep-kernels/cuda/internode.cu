@@ -357,6 +357,10 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_put(con
     }
 }
 
+// A row count as a peer or a kernel wrote it, clamped to [0, cap]: a count past the region's
+// capacity must not send a copy out of bounds.
+__device__ __forceinline__ int inter_clamp_rows(int v, int cap) { return v < 0 ? 0 : (v > cap ? cap : v); }
+
 // Wait: one thread per other node, until its word reaches the target (bounded). The target is a
 // sequence number counted on the device (InterCtrl), read here, so that graph replays wait for
 // their own operation's signals.
@@ -365,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(32) ep_internode_wait(const InterWa
     const int nodes = min(p.nodes, kInterMaxNodes);
     if (n == p.my_node && p.own_count != 0) {
         const int c = *reinterpret_cast<const int*>(p.own_count);
-        const int v = c < 0 ? 0 : (c > p.cap ? p.cap : c);
+        const int v = inter_clamp_rows(c, p.cap);
         if (p.counts_out != 0) reinterpret_cast<int*>(p.counts_out)[n] = v;
         if (p.counts_host != 0) reinterpret_cast<volatile int*>(p.counts_host)[n] = v;
     }
@@ -412,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(32) ep_internode_plan_put(const Int
         }
         if (n >= nodes || n == p.my_node) continue;
         const int raw = counts[n];
-        const int rows = raw < 0 ? 0 : (raw > p.cap ? p.cap : raw);
+        const int rows = inter_clamp_rows(raw, p.cap);
         for (int s = 0; s < kInterMaxSegs; ++s) {
             if (p.sec_row[s] == 0) continue;
             const uint64_t r = static_cast<uint64_t>(rows > p.sec_min_rows[s] ? rows : p.sec_min_rows[s]);
@@ -443,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_recv_pr
     const int n = blockIdx.x;
     if (n >= min(p.nodes, kInterMaxNodes) || p.topk <= 0) return;
     const int raw = reinterpret_cast<const int*>(p.counts)[n];
-    const int c = raw < 0 ? 0 : (raw > p.cap ? p.cap : raw);
+    const int c = inter_clamp_rows(raw, p.cap);
     int* ids = reinterpret_cast<int*>(p.slot[n] + p.off_idx);
     float* w = reinterpret_cast<float*>(p.slot[n] + p.off_w);
     const int64_t end = static_cast<int64_t>(p.cap) * p.topk;
@@ -457,7 +461,20 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_recv_pr
 __device__ __forceinline__ int inter_region_rows(uint64_t meta, uint64_t off, int cap) {
     if (meta == 0) return 0;
     const int v = *reinterpret_cast<const int*>(meta + off);
-    return v < 0 ? 0 : (v > cap ? cap : v);
+    return inter_clamp_rows(v, cap);
+}
+
+// The first row of each node's block in the concatenation of the NVLink hop's receive regions
+// (pre has nodes + 1 entries; pre[nodes] is the total, also returned). One thread.
+__device__ __forceinline__ int inter_region_prefix(int* pre, const uint64_t* meta, int nodes, uint64_t off,
+                                                   int cap) {
+    int acc = 0;
+    for (int n = 0; n < nodes; ++n) {
+        pre[n] = acc;
+        acc += inter_region_rows(meta[n], off, cap);
+    }
+    pre[nodes] = acc;
+    return acc;
 }
 
 // Where row i of the concatenation lies: the node whose block holds it (pre has nodes + 1 entries).
@@ -475,12 +492,7 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_gather(
     __shared__ int pre[kInterMaxNodes + 1];
     const int nodes = min(p.nodes, kInterMaxNodes);
     if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int n = 0; n < nodes; ++n) {
-            pre[n] = acc;
-            acc += inter_region_rows(p.meta[n], p.meta_num_recv, p.region_cap);
-        }
-        pre[nodes] = acc;
+        const int acc = inter_region_prefix(pre, p.meta, nodes, p.meta_num_recv, p.region_cap);
         if (blockIdx.x == 0 && acc > p.rows)
             record_error(p.error, kErrWorstTokensExceeded, p.rank, p.rank, static_cast<uint32_t>(p.rows), 0u,
                          static_cast<uint64_t>(acc));
@@ -533,14 +545,7 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_gather(
 extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_scatter(const InterScatterParams p) {
     __shared__ int pre[kInterMaxNodes + 1];
     const int nodes = min(p.nodes, kInterMaxNodes);
-    if (threadIdx.x == 0) {
-        int acc = 0;
-        for (int n = 0; n < nodes; ++n) {
-            pre[n] = acc;
-            acc += inter_region_rows(p.meta[n], p.meta_num_recv, p.region_cap);
-        }
-        pre[nodes] = acc;
-    }
+    if (threadIdx.x == 0) inter_region_prefix(pre, p.meta, nodes, p.meta_num_recv, p.region_cap);
     __syncthreads();
     const int total = min(pre[nodes], p.rows);
     const int lane = threadIdx.x & 31;
@@ -569,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_stage(c
     for (int n = 0; n < nodes; ++n) {
         if (p.dst[n] == 0) continue;
         const int raw = reinterpret_cast<const int*>(p.counts)[n];
-        const int c = raw < 0 ? 0 : (raw > p.cap ? p.cap : raw);
+        const int c = inter_clamp_rows(raw, p.cap);
         for (int i = blockIdx.x * warps + (threadIdx.x >> 5); i < c; i += gridDim.x * warps) {
             const int4* src = reinterpret_cast<const int4*>(p.src_x[n] + static_cast<int64_t>(i) * p.hidden * 2);
             int4* dst = reinterpret_cast<int4*>(p.dst[n] + static_cast<int64_t>(i) * p.hidden * 2);

@@ -121,6 +121,20 @@ pub fn rank_gpus(n: usize) -> Option<Vec<Arc<CudaContext>>> {
     Some(ctxs)
 }
 
+/// Runs `f` on the contexts of each rank count of `all` that [`rank_counts`] keeps, ranks spread
+/// over the visible GPUs by [`rank_gpus`]; with no GPU at all it returns after the first count
+/// (which `rank_gpus` reports as skipped).
+///
+/// ```no_run
+/// ep_kernels::testing::on_rank_counts(&[2, 4, 8], |ctxs| assert!(ctxs.len() >= 2));
+/// ```
+pub fn on_rank_counts(all: &[usize], mut f: impl FnMut(&[Arc<CudaContext>])) {
+    for ranks in rank_counts(all) {
+        let Some(ctxs) = rank_gpus(ranks) else { return };
+        f(&ctxs);
+    }
+}
+
 /// Contexts for `n` ranks of this process spread round robin over the first `gpus` GPUs (rank
 /// `i` on GPU `i % gpus`; ranks on one GPU share its primary context): what [`rank_gpus`] hands a
 /// test, and what the examples run on.

@@ -20,6 +20,7 @@ mod config;
 mod dtype;
 mod error;
 mod event;
+mod graph;
 pub mod internode;
 mod intranode;
 mod kernel_launch;
@@ -28,6 +29,7 @@ mod mapped;
 mod mask;
 pub mod preflight;
 pub mod reference;
+mod region_pool;
 mod rendezvous;
 pub mod residency;
 mod tensor;
@@ -37,6 +39,7 @@ pub use config::{BufferOptions, Config};
 pub use dtype::{Bf16, Element, Fp8E4M3};
 pub use error::EpError;
 pub use event::Event;
+pub use graph::CapturedGraph;
 pub use intranode::{
     Buffer, CombineArgs, CombineOutput, DispatchArgs, DispatchLayout, DispatchOutput, DispatchX,
     Handle, RecvX, StreamOrder, TopK, FP8_BLOCK,

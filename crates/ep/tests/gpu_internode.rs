@@ -19,6 +19,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use ep::internode::{InternodeBuffer, Topology};
 use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
+use gpu_internode_common::gpu_shared::poison_host;
 use gpu_internode_common::{options, rank_rngs, rank_round, topologies, Case, Round};
 use ibgda_device::protocol::HandlerChoice;
 
@@ -279,15 +280,6 @@ fn gpu_internode_error_cqe_is_an_err_with_its_syndrome() {
         "rank 0: {e0}"
     );
     drop_all(bufs);
-}
-
-/// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too).
-fn poison_host<T: ep::Element>(t: &ep::Tensor<T>) -> Result<(), String> {
-    let n = t.numel() * std::mem::size_of::<T>();
-    let words = vec![0xABAB_ABABu32; n.div_ceil(4)];
-    let bytes: &[u8] = bytemuck::cast_slice(&words);
-    t.copy_from_host(bytemuck::cast_slice(&bytes[..n]))
-        .map_err(|e| e.to_string())
 }
 
 /// Rank `r` of the graph test: the layout before the capture (fixed routing) or, with

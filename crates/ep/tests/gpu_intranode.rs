@@ -15,17 +15,15 @@ use ep::{
     Bf16, Buffer, BufferOptions, CombineArgs, DispatchArgs, DispatchOutput, DispatchX, EpError,
     Fp8E4M3, Tensor,
 };
-use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
+use ep_kernels::testing::{on_rank_counts, on_rank_threads, rank_gpus, seed, Rng};
+use gpu_intranode_common::gpu_shared::poison_host;
 use gpu_intranode_common::{case_options, random_bf16, rank_rngs, Case, Round, Routing};
 
 /// Every case runs at each of these, on however many GPUs there are (ranks share them).
 const RANK_COUNTS: [usize; 3] = [2, 4, 8];
 
 fn run_case(c: &Case) {
-    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
-        let Some(ctxs) = rank_gpus(ranks) else { return };
-        run_case_on(c, &ctxs);
-    }
+    on_rank_counts(&RANK_COUNTS, |ctxs| run_case_on(c, ctxs));
 }
 
 fn run_case_on(c: &Case, ctxs: &[Arc<CudaContext>]) {
@@ -391,16 +389,6 @@ impl Replay {
             want,
         }
     }
-}
-
-/// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too).
-fn poison_host<T: ep::Element>(t: &Tensor<T>) -> Result<(), String> {
-    // Words, so that the bytes are aligned for any element type.
-    let n = t.numel() * std::mem::size_of::<T>();
-    let words = vec![0xABAB_ABABu32; n.div_ceil(4)];
-    let bytes: &[u8] = bytemuck::cast_slice(&words);
-    t.copy_from_host(bytemuck::cast_slice(&bytes[..n]))
-        .map_err(|e| e.to_string())
 }
 
 /// Rank `r` of the graph test: layout before the capture, dispatch (worst tokens, top-k) and

@@ -14,7 +14,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use ep::reference::normal_mode_links;
 use ep::{Bf16, Buffer, DispatchArgs, DispatchX, EpError, StreamOrder, TopK};
-use ep_kernels::testing::{on_rank_threads, rank_gpus, seed};
+use ep_kernels::testing::{on_rank_counts, on_rank_threads, rank_gpus, seed};
 use gpu_intranode_common::{case_options, config_for, rank_rngs, upload, Case, RankPlan, Round};
 
 const RANK_COUNTS: [usize; 3] = [2, 4, 8];
@@ -57,10 +57,7 @@ fn set_masks(buf: &mut Buffer, r: usize, masked: &[Vec<bool>]) -> Result<(), Str
 }
 
 fn run_case(c: &Case) {
-    for ranks in ep_kernels::testing::rank_counts(&RANK_COUNTS) {
-        let Some(ctxs) = rank_gpus(ranks) else { return };
-        run_case_on(c, &ctxs);
-    }
+    on_rank_counts(&RANK_COUNTS, |ctxs| run_case_on(c, ctxs));
 }
 
 fn run_case_on(c: &Case, ctxs: &[Arc<CudaContext>]) {

@@ -7,46 +7,15 @@
 //! the host around it, so every rank's graph is queued before any rank allocates or frees.
 
 use std::sync::Arc;
-use std::time::Duration;
-
-use cudarc::driver::{sys, CudaGraph};
 
 use super::buffer::InternodeBuffer;
-use crate::error::{invalid, EpError};
-use crate::residency::{gated, LaunchGate};
+use crate::error::EpError;
+use crate::graph::{capture, CapturedGraph, GraphOf};
+use crate::residency::LaunchGate;
 
-/// A captured sequence of internode operations, replayed on the buffer's communication stream.
-pub struct InternodeGraph {
-    graph: CudaGraph,
-    rank: usize,
-    /// The launch gate of ranks sharing this GPU, and its bound (`None`: not shared).
-    gate: Option<(Arc<LaunchGate>, Duration)>,
-}
-
-impl std::fmt::Debug for InternodeGraph {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InternodeGraph")
-            .field("rank", &self.rank)
-            .finish_non_exhaustive()
-    }
-}
-
-impl InternodeGraph {
-    /// Queues one replay (no host wait). Every rank replays its graph the same number of times,
-    /// in the same order as its other operations; ranks of this process sharing a GPU meet
-    /// around each replay, as around every launch of a kernel that spins.
-    pub fn replay(&self) -> Result<(), EpError> {
-        let go = || {
-            self.graph.launch().map_err(|source| EpError::Cuda {
-                rank: self.rank,
-                call: "cuGraphLaunch",
-                source,
-            })
-        };
-        let gate = self.gate.as_ref().map(|(g, t)| (&**g, *t));
-        gated(gate, self.rank, "cuGraphLaunch (internode graph)", go)
-    }
-}
+/// A captured sequence of internode operations, replayed on the buffer's communication stream
+/// ([`CapturedGraph::replay`]).
+pub type InternodeGraph = CapturedGraph;
 
 impl InternodeBuffer {
     /// Captures what `f` queues on the [communication stream](Self::comm_stream) into a graph
@@ -66,27 +35,12 @@ impl InternodeBuffer {
         f: impl FnOnce(&mut Self) -> Result<R, EpError>,
     ) -> Result<(InternodeGraph, R), EpError> {
         let rank = self.rank;
-        let cuda = move |call, source| EpError::Cuda { rank, call, source };
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| cuda("cuStreamBeginCapture", e))?;
-        let r = f(self);
-        let g = self
-            .stream
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(|e| cuda("cuStreamEndCapture", e));
-        let r = r?;
-        let graph = g?.ok_or_else(|| invalid(self.rank, "the capture recorded no work"))?;
-        Ok((
-            InternodeGraph {
-                graph,
-                rank: self.rank,
-                gate: self
-                    .launch_gate()
-                    .map(|g| (g.clone(), self.opts.buffer.timeout)),
-            },
-            r,
-        ))
+        let stream = self.stream.clone();
+        let (graph, r) = capture(self, &stream, rank, f)?;
+        let gate = self
+            .launch_gate()
+            .map(|g| (g.clone(), self.opts.buffer.timeout));
+        Ok((CapturedGraph::new(graph, rank, gate, GraphOf::Internode), r))
     }
 
     /// The host rendezvous of the ranks of this process sharing this GPU (`None` when this rank

@@ -13,9 +13,10 @@ use crate::config::Config;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
 use crate::error::{invalid, EpError};
 use crate::event::Event;
+use crate::intranode::layout_params;
 use crate::intranode::{
-    CombineArgs, CombineOutput, DispatchArgs, DispatchX, Handle, RecvX, StreamOrder, TopK,
-    FP8_BLOCK,
+    CombineArgs, CombineOutput, DispatchArgs, DispatchOutput, DispatchX, Handle, RecvX,
+    StreamOrder, TopK, FP8_BLOCK,
 };
 use crate::kernel_launch::launch_with_params;
 use crate::tensor::Tensor;
@@ -376,26 +377,13 @@ impl InternodeBuffer {
     /// Whether the communication stream is being captured into a CUDA graph (see
     /// [`InternodeBuffer`], "`num_worst_tokens`").
     pub fn is_capturing(&self) -> Result<bool, EpError> {
-        let status = self
-            .stream
-            .capture_status()
-            .map_err(self.cuda("cuStreamIsCapturing"))?;
-        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        crate::graph::is_capturing(&self.stream, self.rank)
     }
 
     /// Refuses an operation that waits on the host while the communication stream is captured.
     pub(super) fn not_capturing(&self, what: &str) -> Result<(), EpError> {
-        if self.is_capturing()? {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{what} waits on the host, which a CUDA-graph capture of the communication \
-                     stream cannot hold: call it before or after the capture (dispatch: set \
-                     num_worst_tokens)"
-                ),
-            ));
-        }
-        Ok(())
+        let hint = " (dispatch: set num_worst_tokens)";
+        crate::graph::refuse_host_wait(&self.stream, self.rank, what, hint)
     }
 
     /// Makes this stream wait for `order.previous_event`, or for the compute stream's work so
@@ -433,6 +421,44 @@ impl InternodeBuffer {
     /// Makes this stream wait for an operation of the NVLink hop (its returned event).
     pub(super) fn join(&self, e: &Event) -> Result<(), EpError> {
         e.wait_on(&self.stream)
+    }
+
+    /// Combines `x` (and `topk_weights`) over `handle` on the NVLink hop, forked from this
+    /// stream and joined back to it.
+    pub(super) fn intra_combine_forked(
+        &mut self,
+        x: &Tensor<Bf16>,
+        handle: &Handle,
+        topk_weights: Option<&Tensor<f32>>,
+        config: Config,
+    ) -> Result<CombineOutput, EpError> {
+        let ev = self.fork()?;
+        let out = self.intra.combine(&CombineArgs {
+            x,
+            handle,
+            topk_weights,
+            bias: [None, None],
+            config,
+            order: intra_order(&ev),
+        })?;
+        self.join(&out.event)?;
+        Ok(out)
+    }
+
+    /// Cached dispatch of `x` over `handle` on the NVLink hop, forked from this stream and
+    /// joined back to it.
+    pub(super) fn intra_dispatch_cached_forked(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        config: &Config,
+    ) -> Result<DispatchOutput, EpError> {
+        let ev = self.fork()?;
+        let out = self
+            .intra
+            .dispatch_cached(x, handle, config, &intra_order(&ev))?;
+        self.join(&out.event)?;
+        Ok(out)
     }
 
     /// Waits (bounded) for this stream on the host, then reports any device error.
@@ -617,18 +643,7 @@ impl InternodeBuffer {
             (r, per_rank, per_expert, in_rank, send_pos, invalid_r),
             (n, per_node, scratch_expert, in_node, node_pos, invalid_n),
         ] {
-            let p = ik::LayoutParams {
-                topk_idx: topk_idx.device_address(),
-                tokens_per_rank: b + tpr as u64,
-                tokens_per_expert: b + tpe as u64,
-                is_token_in_rank: b + inr as u64,
-                send_pos: b + pos as u64,
-                invalid: b + inv as u64,
-                num_tokens: t as i32,
-                topk: kk as i32,
-                ranks: ranks as i32,
-                num_experts: e as i32,
-            };
+            let p = layout_params(topk_idx, b, [tpr, tpe, inv, inr, pos], ranks, e);
             self.launch(
                 &self.kernels.layout,
                 ranks as u32 + 1,
@@ -1224,14 +1239,7 @@ impl InternodeBuffer {
         let mut parts = Vec::with_capacity(self.nodes());
         for (n, &c) in recv.iter().enumerate() {
             let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
-            let ev = self.fork()?;
-            let mut out = self.intra.dispatch_cached(
-                input.as_x(),
-                &handle.sub[n],
-                &cfg,
-                &intra_order(&ev),
-            )?;
-            self.join(&out.event)?;
+            let mut out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
             out.num_recv_tokens = Some(handle.block_rows[n]);
             parts.push(out);
         }
@@ -1383,17 +1391,7 @@ impl InternodeBuffer {
                     let x = args.x.rows(at, r);
                     let w = args.topk_weights.map(|w| w.rows(at, r));
                     at += r;
-                    let ev = self.fork()?;
-                    let out = self.intra.combine(&CombineArgs {
-                        x: &x,
-                        handle: &h.sub[n],
-                        topk_weights: w.as_ref(),
-                        bias: [None, None],
-                        config: cfg,
-                        order: intra_order(&ev),
-                    })?;
-                    self.join(&out.event)?;
-                    sums.push(out);
+                    sums.push(self.intra_combine_forked(&x, &h.sub[n], w.as_ref(), cfg)?);
                 }
                 for (n, s) in sums.iter().enumerate() {
                     let c = h.recv_counts[n].min(plan.cap);

@@ -30,9 +30,8 @@ use super::ops::{
 use super::staged_plan::Words;
 use crate::dtype::{Bf16, Fp8E4M3};
 use crate::error::{invalid, EpError};
-use crate::intranode::{
-    CombineArgs, CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK,
-};
+use crate::intranode::{CombineOutput, DispatchArgs, DispatchX, RecvX, StreamOrder, TopK};
+use crate::region_pool::RegionPool;
 use crate::tensor::{Region, Tensor};
 
 /// Sections are aligned to this (every row of every section stays 16-byte aligned).
@@ -113,41 +112,12 @@ impl WorstPlan {
     }
 }
 
-/// Regions of one allocation, handed out while no tensor or handle holds them.
-struct SlotPool {
-    what: &'static str,
-    slots: Vec<Arc<Region>>,
-}
-
-impl SlotPool {
-    fn new(what: &'static str, buf: &Arc<DeviceBuffer>, bytes: usize, n: usize) -> Self {
-        Self {
-            what,
-            slots: (0..n)
-                .map(|i| Arc::new(Region::part(buf, i * bytes, bytes)))
-                .collect(),
-        }
-    }
-
-    fn acquire(&self, rank: usize) -> Result<Arc<Region>, EpError> {
-        self.slots
-            .iter()
-            .find(|r| Arc::strong_count(r) == 1)
-            .cloned()
-            .ok_or(EpError::RegionsInUse {
-                rank,
-                what: self.what,
-                limit: self.slots.len(),
-            })
-    }
-}
-
 /// The pools of the `num_worst_tokens` path: `max_live_outputs` dispatch regions and as many
 /// combine outputs.
 pub(crate) struct WorstPools {
     plan: WorstPlan,
-    dispatch: SlotPool,
-    combine: SlotPool,
+    dispatch: RegionPool,
+    combine: RegionPool,
 }
 
 /// What marks a `num_worst_tokens` dispatch's handle: the NVLink hop's fixed rows per source
@@ -216,8 +186,8 @@ impl InternodeBuffer {
             let d = Arc::new(alloc_relaxed(&self.ctx, total(plan.bytes)?, self.rank)?);
             let c = Arc::new(alloc_relaxed(&self.ctx, total(plan.c_bytes)?, self.rank)?);
             self.worst = Some(WorstPools {
-                dispatch: SlotPool::new("internode dispatch output", &d, plan.bytes, n),
-                combine: SlotPool::new("internode combine output", &c, plan.c_bytes, n),
+                dispatch: RegionPool::new("internode dispatch output", &d, 0, plan.bytes, n),
+                combine: RegionPool::new("internode combine output", &c, 0, plan.c_bytes, n),
                 plan,
             });
         }
@@ -230,6 +200,13 @@ impl InternodeBuffer {
         w.min(self.intra.region_layout().1)
     }
 
+    /// A free dispatch region of the `num_worst_tokens` pool, and the plan it is laid out by.
+    fn worst_dispatch_region(&mut self) -> Result<(Arc<Region>, WorstPlan), EpError> {
+        let rank = self.rank;
+        let pools = self.worst_pools()?;
+        Ok((pools.dispatch.acquire(rank)?, pools.plan.clone()))
+    }
+
     /// Dispatch with `num_worst_tokens = w` (checked by the caller): no host wait.
     pub(super) fn dispatch_worst(
         &mut self,
@@ -239,11 +216,7 @@ impl InternodeBuffer {
         w: usize,
     ) -> Result<InternodeDispatchOutput, EpError> {
         let capturing = self.is_capturing()?;
-        let rank = self.rank;
-        let (region, plan) = {
-            let pools = self.worst_pools()?;
-            (pools.dispatch.acquire(rank)?, pools.plan.clone())
-        };
+        let (region, plan) = self.worst_dispatch_region()?;
         let block = self.block_rows(w);
         let r = self.dispatch_worst_queued(args, rows, kk, w, region, plan, block, capturing);
         self.poison_on_err(r)
@@ -354,11 +327,7 @@ impl InternodeBuffer {
         order: &StreamOrder<'_>,
     ) -> Result<InternodeDispatchOutput, EpError> {
         let capturing = self.is_capturing()?;
-        let rank = self.rank;
-        let (region, plan) = {
-            let pools = self.worst_pools()?;
-            (pools.dispatch.acquire(rank)?, pools.plan.clone())
-        };
+        let (region, plan) = self.worst_dispatch_region()?;
         let r = self.dispatch_cached_worst_queued(x, handle, rows, order, region, plan, capturing);
         self.poison_on_err(r)
     }
@@ -396,14 +365,7 @@ impl InternodeBuffer {
         let mut parts = Vec::with_capacity(self.nodes());
         for n in 0..self.nodes() {
             let (input, _) = self.forwarder_input(n, cap, rows, fp8, 0);
-            let ev = self.fork()?;
-            let out = self.intra.dispatch_cached(
-                input.as_x(),
-                &handle.sub[n],
-                &cfg,
-                &intra_order(&ev),
-            )?;
-            self.join(&out.event)?;
+            let out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
             parts.push(out.handle);
         }
         self.launch_gather(&parts, &region, &plan, w, rows, 0, 1, wh.block)?;
@@ -619,17 +581,7 @@ impl InternodeBuffer {
                     vec![wh.block, kk],
                 )
             });
-            let ev = self.fork()?;
-            let out = self.intra.combine(&CombineArgs {
-                x: &x,
-                handle: s,
-                topk_weights: w.as_ref(),
-                bias: [None, None],
-                config: cfg,
-                order: intra_order(&ev),
-            })?;
-            self.join(&out.event)?;
-            sums.push(out);
+            sums.push(self.intra_combine_forked(&x, s, w.as_ref(), cfg)?);
         }
         Ok(sums)
     }

@@ -92,25 +92,12 @@ impl Buffer {
     /// Whether the communication stream is being captured into a CUDA graph (see
     /// [`dispatch`](Self::dispatch), "CUDA graphs").
     pub fn is_capturing(&self) -> Result<bool, EpError> {
-        let status = self
-            .comm
-            .capture_status()
-            .map_err(self.cuda("cuStreamIsCapturing"))?;
-        Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        crate::graph::is_capturing(&self.comm, self.rank)
     }
 
     /// Refuses an operation that waits on the host while the communication stream is captured.
     pub(super) fn not_capturing(&self, what: &str) -> Result<(), EpError> {
-        if self.is_capturing()? {
-            return Err(invalid(
-                self.rank,
-                format!(
-                    "{what} waits on the host, which a CUDA-graph capture of the communication \
-                     stream cannot hold: call it before or after the capture"
-                ),
-            ));
-        }
-        Ok(())
+        crate::graph::refuse_host_wait(&self.comm, self.rank, what, "")
     }
 
     /// Makes the communication stream wait for `order.previous_event`, or for the compute

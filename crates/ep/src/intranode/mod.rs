@@ -43,6 +43,7 @@ pub use args::{
     CombineArgs, CombineOutput, DispatchArgs, DispatchLayout, DispatchOutput, DispatchX, Handle,
     RecvX, StreamOrder, TopK,
 };
+pub(crate) use ops::layout_params;
 pub(crate) use plan::RegionPlan;
 pub use plan::FP8_BLOCK;
 pub use setup::Buffer;

@@ -21,6 +21,32 @@ use super::errors::{check_expert_alignment, clamp_count, layout_invalid_error};
 use super::plan::{product, Sections, FP8_BLOCK, HOST_INFO_OFFSET};
 use super::setup::Buffer;
 
+/// The layout kernel's parameters over `topk_idx` (`[tokens][k]`) for `ranks` destinations and
+/// `experts` experts, its outputs in the sections at `at` (offsets from `base`, a device
+/// address): tokens per rank, tokens per expert, the invalid-id report, token-in-rank flags,
+/// send positions.
+pub(crate) fn layout_params(
+    topk_idx: &Tensor<i32>,
+    base: u64,
+    at: [usize; 5],
+    ranks: usize,
+    experts: usize,
+) -> k::LayoutParams {
+    let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at] = at;
+    k::LayoutParams {
+        topk_idx: topk_idx.device_address(),
+        tokens_per_rank: base + per_rank_at as u64,
+        tokens_per_expert: base + per_expert_at as u64,
+        is_token_in_rank: base + in_rank_at as u64,
+        send_pos: base + send_pos_at as u64,
+        invalid: base + invalid_at as u64,
+        num_tokens: topk_idx.dim(0) as i32,
+        topk: topk_idx.dim(1) as i32,
+        ranks: ranks as i32,
+        num_experts: experts as i32,
+    }
+}
+
 impl Buffer {
     /// From top-k expert ids `[tokens][k]` (-1 for none), computes tokens per rank and per
     /// expert, `is_token_in_rank`, and the send order. Ids out of range are an `Err`. Waits
@@ -122,20 +148,8 @@ impl Buffer {
         base: u64,
         at: [usize; 5],
     ) -> Result<(), EpError> {
-        let [per_rank_at, per_expert_at, invalid_at, in_rank_at, send_pos_at] = at;
         let (r, e) = (self.ranks, self.opts.num_experts);
-        let p = k::LayoutParams {
-            topk_idx: topk_idx.device_address(),
-            tokens_per_rank: base + per_rank_at as u64,
-            tokens_per_expert: base + per_expert_at as u64,
-            is_token_in_rank: base + in_rank_at as u64,
-            send_pos: base + send_pos_at as u64,
-            invalid: base + invalid_at as u64,
-            num_tokens: topk_idx.dim(0) as i32,
-            topk: topk_idx.dim(1) as i32,
-            ranks: r as i32,
-            num_experts: e as i32,
-        };
+        let p = layout_params(topk_idx, base, at, r, e);
         self.launch_local(
             &self.kernels.layout,
             r as u32 + 1,

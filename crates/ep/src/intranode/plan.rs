@@ -1,14 +1,9 @@
-//! Sizes and places: the receive region, window and output plans, and the pools of regions
-//! handed out as tensor storage.
-
-use std::sync::Arc;
+//! Sizes and places: the receive region, window and output plans (the pools of regions handed
+//! out as tensor storage are [`RegionPool`](crate::region_pool::RegionPool)s over them).
 
 use ep_kernels::intranode as k;
-use ibgda_device::cuda::DeviceBuffer;
 
 use crate::config::BufferOptions;
-use crate::error::EpError;
-use crate::tensor::Region;
 
 const ALIGN: usize = 256;
 pub(super) const ERROR_OFFSET: usize = 0;
@@ -211,43 +206,6 @@ impl WindowPlan {
             self.bytes,
         ]
         .map(|w| w as u64)
-    }
-}
-
-/// Regions handed out as tensor storage: fixed slots of one allocation, made at creation (the
-/// receive regions are part of the window peers map), reused once nothing refers to them.
-#[derive(Debug)]
-pub(super) struct Pool {
-    what: &'static str,
-    pub(super) slots: Vec<Arc<Region>>,
-}
-
-impl Pool {
-    pub(super) fn new(
-        what: &'static str,
-        buf: &Arc<DeviceBuffer>,
-        at: usize,
-        bytes: usize,
-        n: usize,
-    ) -> Self {
-        Self {
-            what,
-            slots: (0..n)
-                .map(|i| Arc::new(Region::part(buf, at + i * bytes, bytes)))
-                .collect(),
-        }
-    }
-
-    pub(super) fn acquire(&self, rank: usize) -> Result<Arc<Region>, EpError> {
-        self.slots
-            .iter()
-            .find(|r| Arc::strong_count(r) == 1)
-            .cloned()
-            .ok_or(EpError::RegionsInUse {
-                rank,
-                what: self.what,
-                limit: self.slots.len(),
-            })
     }
 }
 

@@ -12,11 +12,12 @@ use crate::config::BufferOptions;
 use crate::error::{invalid, EpError};
 use crate::event::Event;
 use crate::mask::RankMask;
+use crate::region_pool::RegionPool;
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate};
 
 use super::plan::{
-    OutputPlan, Pool, RegionPlan, WindowPlan, ERROR_OFFSET, HOST_INFO_OFFSET, MAX_HIDDEN,
+    OutputPlan, RegionPlan, WindowPlan, ERROR_OFFSET, HOST_INFO_OFFSET, MAX_HIDDEN,
     MAX_LIVE_OUTPUTS, MAX_TOPK,
 };
 
@@ -94,8 +95,8 @@ pub struct Buffer {
     /// address. Otherwise by offset in the publisher's window, staged there when needed.
     pub(super) same_space: bool,
     pub(super) plan: RegionPlan,
-    pub(super) recv_pool: Pool,
-    pub(super) out_pool: Pool,
+    pub(super) recv_pool: RegionPool,
+    pub(super) out_pool: RegionPool,
     pub(super) out_w_offset: usize,
     pub(super) mapped: Arc<crate::mapped::MappedHost>,
     /// What the kernels get as `error` (points at the error word in `mapped`).
@@ -348,14 +349,14 @@ impl Buffer {
             opts: opts.clone(),
             num_local_experts: opts.num_experts / ranks,
             kernels: parts.kernels,
-            recv_pool: Pool::new(
+            recv_pool: RegionPool::new(
                 "receive",
                 &parts.window,
                 wplan.recv_at,
                 wplan.recv_bytes,
                 limit,
             ),
-            out_pool: Pool::new("combine output", &parts.out, 0, oplan.bytes, limit),
+            out_pool: RegionPool::new("combine output", &parts.out, 0, oplan.bytes, limit),
             window: parts.window,
             wplan,
             peer_window,
@@ -449,7 +450,7 @@ impl Buffer {
         );
         std::mem::forget(std::mem::take(&mut self.peers));
         std::mem::forget(self.window.clone());
-        std::mem::forget(self.out_pool.slots.first().cloned());
+        std::mem::forget(self.out_pool.slots().first().cloned());
         std::mem::forget(self.mapped.clone());
         std::mem::forget(self.errors.clone());
         std::mem::forget(self.mask.keep());

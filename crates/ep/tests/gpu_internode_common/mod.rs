@@ -26,7 +26,7 @@ pub use ep_kernels::testing::{check_eq, random_f32};
 use ibgda_device::protocol::HandlerChoice;
 
 #[path = "../gpu_shared/mod.rs"]
-mod gpu_shared;
+pub mod gpu_shared;
 pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
 pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
@@ -234,16 +234,13 @@ impl Round {
         (&self.combine_in[r], &self.biases[r])
     }
 
-    /// Checks rank `r`'s outputs of a round: dispatch (with top-k), cached dispatch (when
-    /// given), combine (rows and summed weights).
-    #[allow(clippy::too_many_arguments)]
-    pub fn check_rank(
+    /// Checks rank `r`'s dispatch (with top-k) and, when given, its cached dispatch.
+    pub fn check_dispatches(
         &self,
         c: &Case,
         r: usize,
         out: &InternodeDispatchOutput,
         cached: Option<&InternodeDispatchOutput>,
-        combined: (&[Bf16], &[f32]),
         worst: Option<usize>,
         what: &str,
     ) -> Result<(), String> {
@@ -266,6 +263,23 @@ impl Round {
                 &format!("{what} cached dispatch"),
             )?;
         }
+        Ok(())
+    }
+
+    /// Checks rank `r`'s outputs of a round: dispatch (with top-k), cached dispatch (when
+    /// given), combine (rows and summed weights).
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_rank(
+        &self,
+        c: &Case,
+        r: usize,
+        out: &InternodeDispatchOutput,
+        cached: Option<&InternodeDispatchOutput>,
+        combined: (&[Bf16], &[f32]),
+        worst: Option<usize>,
+        what: &str,
+    ) -> Result<(), String> {
+        self.check_dispatches(c, r, out, cached, worst, what)?;
         check_combine(
             (combined.0, Some(combined.1)),
             &self.want_combine[r],
@@ -589,25 +603,7 @@ pub fn rank_round(
         .map_err(e)?;
     buf.synchronize().map_err(e)?;
 
-    let row_bytes = inp.row_bytes;
-    check_dispatch(
-        &out,
-        &round.want.received[r],
-        row_bytes,
-        Some(c.topk),
-        worst,
-        &format!("{what} dispatch"),
-    )?;
-    if let (Some(o), Some(w)) = (&cached, &round.want_cached) {
-        check_dispatch(
-            o,
-            &w.received[r],
-            row_bytes,
-            None,
-            worst,
-            &format!("{what} cached dispatch"),
-        )?;
-    }
+    round.check_dispatches(c, r, &out, cached.as_ref(), worst, what)?;
     let gx = comb.x.to_host().map_err(e)?;
     let gw = comb
         .topk_weights

@@ -19,7 +19,7 @@ pub use ep_kernels::testing::check_eq;
 use ep_kernels::testing::Rng;
 
 #[path = "../gpu_shared/mod.rs"]
-mod gpu_shared;
+pub mod gpu_shared;
 pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -60,3 +60,13 @@ pub fn random_rank_input(
         weights: random_f32(rng, tokens * topk),
     }
 }
+
+/// Overwrites a tensor with 0xAB bytes (what `poison_outputs` writes too), the error as text.
+pub fn poison_host<T: ep::Element>(t: &Tensor<T>) -> Result<(), String> {
+    // Words, so that the bytes are aligned for any element type.
+    let n = t.numel() * std::mem::size_of::<T>();
+    let words = vec![0xABAB_ABABu32; n.div_ceil(4)];
+    let bytes: &[u8] = bytemuck::cast_slice(&words);
+    t.copy_from_host(bytemuck::cast_slice(&bytes[..n]))
+        .map_err(|e| e.to_string())
+}
