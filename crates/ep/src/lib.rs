@@ -9,10 +9,11 @@
 //! ([`Buffer::create_group`]), compute a [`DispatchLayout`] from top-k expert ids,
 //! [`dispatch`](Buffer::dispatch) tokens to the ranks holding their experts and
 //! [`combine`](Buffer::combine) the expert outputs back.
-//! [`internode`] holds the groundwork of the path across nodes: the [`internode::Topology`]
-//! (virtual nodes included), its CPU reference and the byte budget of its rings; ranks on
-//! several hosts find each other through [`bootstrap::LaunchEnv`] (torchrun, srun, mpirun).
-//! [`reference`] is the CPU definition of every result, used by the tests.
+//! [`internode`] is the path across nodes: [`internode::InternodeBuffer`] (each token crosses
+//! to another node once, over the transport, and is forwarded over NVLink there), its
+//! [`internode::Topology`] (virtual nodes included) and CPU reference; ranks on several hosts
+//! find each other through [`bootstrap::LaunchEnv`] (torchrun, srun, mpirun).
+//! [`reference`](mod@reference) is the CPU definition of every result, used by the tests.
 
 pub mod bootstrap;
 mod checks;
