@@ -745,8 +745,7 @@ class Buffer:
         # Without top-k the route stands in for it: one expert of each destination rank.
         route_k = k if topk_idx is not None else ranks
         buf = self._normal_buffer(internode, t, h, route_k, num_experts)
-        if internode:
-            buf.check_errors()
+        buf.check_errors()
         import torch
 
         compute, comm = self._streams(buf.comm_stream, previous_event)
@@ -832,8 +831,7 @@ class Buffer:
         buf = self._internode_native if internode else self._intranode
         if h > buf.limits[1]:
             raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
-        if internode:
-            buf.check_errors()
+        buf.check_errors()
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
             scales_ptr = scales.data_ptr() if fp8 else 0
@@ -889,10 +887,9 @@ class Buffer:
         import torch
 
         buf = self._internode_native if internode else self._intranode
-        if internode:
-            # The combine's kernels run on whatever arrived: a device error an earlier operation
-            # recorded (none of them waited for it on the host) raises here, not as wrong sums.
-            buf.check_errors()
+        # The combine's kernels run on whatever arrived: a device error an earlier operation
+        # recorded (none of them waited for it on the host) raises here, not as wrong sums.
+        buf.check_errors()
         compute, comm = self._streams(buf.comm_stream, previous_event)
         with torch.cuda.stream(comm):
             ptrs = (

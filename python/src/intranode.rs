@@ -337,6 +337,13 @@ impl Intranode {
         self.buf()?.synchronize().map_err(to_py)
     }
 
+    /// Raises, without waiting, a device error that kernels of earlier operations recorded
+    /// (`Buffer::check_errors`). The Python layer calls it before every operation: combine makes
+    /// no host wait that would report its kernels' errors.
+    fn check_errors(&mut self) -> PyResult<()> {
+        self.buf()?.check_errors().map_err(to_py)
+    }
+
     /// Tears the buffer down together with every rank (a collective); idempotent.
     fn shutdown(&mut self) -> PyResult<()> {
         match self.inner.take() {

@@ -265,6 +265,37 @@ def test_one_node_stays_intranode(env, monkeypatch):
     assert not any(c[0] in ("new", "dispatch", "combine", "cached") for c in calls)
 
 
+def test_intranode_device_errors_raise_before_the_next_operation(env, monkeypatch):
+    """As internode: the intranode combine makes no host wait after its kernels either, so a
+    device error recorded by an earlier operation must raise before the next one queues
+    anything, not come back as incomplete sums."""
+    import ep_ibgda as deep_ep
+
+    torch, calls = env
+    monkeypatch.setenv("EP_IBGDA_RANKS_PER_NODE", str(W))
+    buf = deep_ep.Buffer(OneRankGroup(W), int(1e8), 0, explicitly_destroy=True)
+    idx, w, x = _inputs(torch)
+    ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    lay = dict(num_tokens_per_rank=ntpr, is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+    checks = FakeInternode.checks
+    rx, _, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **lay)
+    buf.combine(rx, handle, topk_weights=rw)
+    buf.dispatch(x, handle=handle)
+    assert len(checks) == 3, checks
+    monkeypatch.setattr(FakeInternode, "device_error", "rank 0: timed out waiting for rank 1")
+    before = len(calls)
+    for op in (
+        lambda: buf.combine(rx, handle, topk_weights=rw),
+        lambda: buf.dispatch(x, handle=handle),
+        lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **lay),
+    ):
+        with pytest.raises(RuntimeError, match="timed out waiting for rank 1"):
+            op()
+    assert len(calls) == before, calls[before:]
+    monkeypatch.setattr(FakeInternode, "device_error", None)
+    buf.destroy()
+
+
 def test_internode_budget_covers_the_first_dispatch(env, monkeypatch):
     import ep_ibgda as deep_ep
 

@@ -191,6 +191,18 @@ impl Buffer {
         Err(err)
     }
 
+    /// Reports, without waiting, an error that kernels of earlier operations recorded (a wait
+    /// that ran out of time, a routing value out of range): after one, the outputs of that
+    /// operation and of those queued after it are incomplete, and the buffer is unusable.
+    /// Operations that end without a host wait (combine, dispatch with `num_worst_tokens`,
+    /// `async_finish`) leave such errors for the caller; [`synchronize`](Self::synchronize)
+    /// waits and reports them, this reads host-mapped memory only and may precede every
+    /// operation (errors of work still queued are not seen yet).
+    pub fn check_errors(&mut self) -> Result<(), EpError> {
+        self.usable()?;
+        self.check_device_error()
+    }
+
     /// Waits (bounded) until everything queued on the communication stream has run, then reports
     /// any error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
