@@ -966,6 +966,8 @@ class Buffer:
         import torch
 
         buf = self._ll_buffer(n, h, k, num_experts)
+        # An error an earlier operation's kernels recorded raises here, before anything is queued.
+        buf.check_errors()
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)
@@ -1064,6 +1066,7 @@ class Buffer:
         import torch
 
         buf = self._ll
+        buf.check_errors()
         compute, stream = self._streams(buf.stream, None)
         with torch.cuda.stream(stream):
             idx32 = topk_idx.to(torch.int32)

@@ -372,6 +372,13 @@ impl LowLatency {
         self.buf()?.synchronize().map_err(to_py)
     }
 
+    /// Raises, without waiting, a device error that kernels of earlier operations recorded
+    /// (`LowLatencyBuffer::check_errors`); the Python layer calls it before every dispatch and
+    /// combine, which make no host wait that would report their kernels' errors.
+    fn check_errors(&mut self) -> PyResult<()> {
+        self.buf()?.check_errors().map_err(to_py)
+    }
+
     /// Tears the buffer down together with every rank (a collective); idempotent.
     fn shutdown(&mut self) -> PyResult<()> {
         match self.inner.take() {

@@ -312,3 +312,34 @@ def test_internode_budget_covers_the_first_dispatch(env, monkeypatch):
     big.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr, is_token_in_rank=in_rank,
                  num_tokens_per_expert=ntpe)
     assert big._internode_native.limits[0] > 1000
+
+
+class FakeLowLatency:
+    """``_ep.LowLatency``'s constructor; its ``check_errors`` raises what a kernel of an earlier
+    operation recorded, and any other native call after it fails the test."""
+
+    def __init__(self, device, rank, world, all_gather, barrier, n, hidden, topk, num_experts, nvlink,
+                 timeout_s, shrink):
+        self.limits = [n, hidden, topk, num_experts]
+        self.stream = 97
+
+    def check_errors(self):
+        raise RuntimeError("rank 0: timed out after 20s waiting for rank 1 (low-latency dispatch receive)")
+
+    def __getattr__(self, name):
+        raise AssertionError(f"native LowLatency.{name} used after a recorded device error")
+
+
+def test_low_latency_device_errors_raise_before_anything_is_queued(env, monkeypatch):
+    """Low-latency dispatch and combine end without a host wait too: an error their kernels
+    recorded raises at the next call, before it queues anything."""
+    import ep_ibgda as deep_ep
+    from ep_ibgda import buffer
+
+    torch, _ = env
+    monkeypatch.setattr(buffer._ep, "LowLatency", FakeLowLatency)
+    buf = deep_ep.Buffer(OneRankGroup(W), 0, int(1e10), low_latency_mode=True, explicitly_destroy=True)
+    idx = torch.Tensor((T, K), torch.int64)
+    x = torch.Tensor((T, H), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="timed out after 20s waiting for rank 1"):
+        buf.low_latency_dispatch(x, idx, 32, E)

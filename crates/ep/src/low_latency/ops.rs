@@ -463,6 +463,18 @@ impl LowLatencyBuffer {
         Ok(())
     }
 
+    /// Reports, without waiting, an error that kernels of earlier operations recorded (a wait
+    /// that ran out of time without shrink, a transport failure, an id out of range): after
+    /// one, the outputs of that operation and of those queued after it are incomplete, and the
+    /// buffer is unusable. Dispatch and combine end without a host wait, so such errors wait
+    /// for the caller: [`synchronize`](Self::synchronize) waits and reports them; this reads
+    /// host memory only and may precede every operation (errors of work still queued are not
+    /// seen yet).
+    pub fn check_errors(&mut self) -> Result<(), EpError> {
+        self.usable()?;
+        self.check_device_error()
+    }
+
     /// Waits (bounded) until everything queued on the buffer's stream has run, then reports any
     /// error the kernels recorded.
     pub fn synchronize(&mut self) -> Result<(), EpError> {
