@@ -138,3 +138,24 @@ def low_latency_buffer(n, hidden, world, experts, **options):
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(n, hidden, world, experts)
     return deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=experts // world,
                           explicitly_destroy=True, **options)
+
+
+def normal_routing(torch, tokens, experts, k, gen):
+    """Normal-mode routing: random top-``k`` ids, distinct per token, about 10% of entries -1 and
+    token 0 sent nowhere, with random weights (CPU tensors). Returns ``(idx, w)``."""
+    idx = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+    drop = torch.rand(tokens, k, generator=gen) < 0.1
+    idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    idx[0] = -1
+    w = torch.rand(tokens, k, generator=gen)
+    return idx, w
+
+
+def expected_rows(all_idx, rank, local):
+    """(src, token) of every row normal-mode rank ``rank`` receives (``local`` experts a rank):
+    by source rank, then token."""
+    rows = []
+    for src, idx in enumerate(all_idx):
+        on = ((idx >= 0) & (idx // local == rank)).any(dim=1)
+        rows += [(src, t) for t in range(idx.shape[0]) if bool(on[t])]
+    return rows

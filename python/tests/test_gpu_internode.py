@@ -14,30 +14,11 @@ import os
 
 import pytest
 
-from gpu_ranks import gather, need_gpu, run_ranks, seed, world_sizes
+from gpu_ranks import expected_rows, gather, need_gpu, normal_routing, run_ranks, seed, world_sizes
 
 H = 256
 K = 4
 ALIGN = 4
-
-
-def _routing(torch, tokens, experts, gen):
-    """Random top-k ids (distinct per token, ~10% of entries -1, one token sent nowhere)."""
-    idx = torch.rand(tokens, experts, generator=gen).topk(K, dim=1).indices
-    drop = torch.rand(tokens, K, generator=gen) < 0.1
-    idx = torch.where(drop, torch.full_like(idx, -1), idx)
-    idx[0] = -1
-    w = torch.rand(tokens, K, generator=gen)
-    return idx, w
-
-
-def _expected_rows(all_idx, rank, local):
-    """(src, token) of every row rank ``rank`` receives: by source rank, then token."""
-    rows = []
-    for src, idx in enumerate(all_idx):
-        on = ((idx >= 0) & (idx // local == rank)).any(dim=1)
-        rows += [(src, t) for t in range(idx.shape[0]) if bool(on[t])]
-    return rows
 
 
 def _stack(torch, items, empty):
@@ -66,7 +47,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     experts = 4 * world
     local = experts // world
     tokens = 40 + 8 * rank  # ranks send different counts
-    idx_cpu, w_cpu = _routing(torch, tokens, experts, gen)
+    idx_cpu, w_cpu = normal_routing(torch, tokens, experts, K, gen)
     x_cpu = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
 
     buf = deep_ep.Buffer(dist.group.WORLD, int(1e8), int(1e8), explicitly_destroy=True)
@@ -88,7 +69,7 @@ def _body(rank, world, base_seed, ranks_per_node):
     assert torch.equal(ntpe.cpu(), torch.bincount(idx_cpu[valid], minlength=experts).to(torch.int32))
 
     all_x, all_idx, all_w = [list(z) for z in zip(*gather((x_cpu, idx_cpu, w_cpu)))]
-    rows = _expected_rows(all_idx, rank, local)
+    rows = expected_rows(all_idx, rank, local)
     lay = dict(num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=ntprr, is_token_in_rank=in_rank,
                num_tokens_per_expert=ntpe)
 

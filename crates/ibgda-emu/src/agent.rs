@@ -61,7 +61,7 @@
 //! Agents are shared through a process-wide registry of weak references: every `CudaMemory` on
 //! a context holds the context's agent; the last one dropped stops it (a flag in pinned memory
 //! the agent polls when idle) and waits, at most [`STOP_BOUND`], for the kernel to end.
-//! The agent is on by default; [`AGENT_ENV`]`=0` turns it off (see [`enabled_by_env`]).
+//! The agent is on by default; [`AGENT_ENV`]`=0` turns it off (see [`agent_enabled_by_env`]).
 
 use std::ffi::c_void;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
@@ -188,7 +188,7 @@ pub(crate) fn after_publish(seen: AgentState, launched: u32) -> AfterPublish {
 /// the stream-only path left a kernel waiting for completions the NIC had queued on its streams
 /// until the kernel's bound ran out (`gpu_low_latency_verbs` at EP4, the internode tests), the
 /// same runs with the agent passed.
-pub(crate) fn enabled_by_env() -> bool {
+pub fn agent_enabled_by_env() -> bool {
     !std::env::var(AGENT_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"))
 }
 
@@ -212,7 +212,7 @@ static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
 /// off, not built, or could not be started or would block driver calls here (logged once per
 /// context, with the reason).
 pub(crate) fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<Agent>> {
-    if !enabled_by_env() {
+    if !agent_enabled_by_env() {
         return None;
     }
     let key = ctx.cu_ctx() as usize;

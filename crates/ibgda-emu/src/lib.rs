@@ -169,8 +169,8 @@ mod spin_wait;
 mod strict;
 
 pub use agent::{
-    agent_built, agent_launches, agent_refusal, AGENT_COPY_MAX, AGENT_ENV, AGENT_IDLE_EXIT,
-    AGENT_SMS,
+    agent_built, agent_enabled_by_env, agent_launches, agent_refusal, AGENT_COPY_MAX, AGENT_ENV,
+    AGENT_IDLE_EXIT, AGENT_SMS,
 };
 pub use backend::{AtomicOp, Lane, Loc, Mark, MemoryBackend};
 pub use cq::{CqConfig, CqMode, CQE_BYTES};

@@ -815,12 +815,6 @@ fn gpu_emulator_progresses_while_spinning_kernels_fill_the_gpu() {
 
 // ---- the GPU agent -------------------------------------------------------------------------
 
-/// Whether this run must have the GPU agent: it is on unless `IBGDA_EMU_AGENT=0`, and built into
-/// every bundle.
-fn agent_expected() -> bool {
-    !std::env::var(ibgda_emu::AGENT_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"))
-}
-
 /// The CUDA backend starts the GPU agent by default; allocations and frees (`cuMemFree` waits for
 /// every kernel of the context) return within the agent's idle exit and a margin even right
 /// after it ran a command; commands posted around the idle exit (while the agent ends, or after
@@ -829,7 +823,7 @@ fn agent_expected() -> bool {
 fn gpu_agent_runs_and_allocations_still_return() {
     let Some(ctxs) = gpus(1) else { return };
     let mem = ibgda_emu::CudaMemory::new(&ctxs[0]).unwrap();
-    if !agent_expected() {
+    if !ibgda_emu::agent_enabled_by_env() {
         eprintln!("{}=0: the agent is off", ibgda_emu::AGENT_ENV);
         assert!(!mem.uses_agent());
         return;

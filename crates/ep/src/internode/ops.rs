@@ -894,6 +894,17 @@ impl InternodeBuffer {
         }
     }
 
+    /// [`ack`](Self::ack), then a bounded host wait for it, on the eager paths (which wait on
+    /// the host anyway) before they free or allocate their temporaries: `cuMemFree` waits for
+    /// every kernel of the context while holding a driver lock the emulated NIC's driver calls
+    /// need, so a free while the ack kernel waits for the NIC stalls both until the kernel's
+    /// bound runs out (ranks as processes on one H200, 2026-12-02). The `num_worst_tokens` paths
+    /// free nothing (pooled regions) and make no host wait.
+    pub(super) fn ack_and_wait(&mut self, w: Words, what: &'static str) -> Result<(), EpError> {
+        self.ack(w)?;
+        self.sync(what)
+    }
+
     /// Tells every other node's rail peer that this rank is done with what it sent (`w`).
     pub(super) fn ack(&self, w: Words) -> Result<(), EpError> {
         let mut put = self.put_params(w);
@@ -1031,15 +1042,7 @@ impl InternodeBuffer {
             self.join(&out.event)?;
             parts.push(out);
         }
-        self.ack(Words::DispatchAck)?;
-        // The host waits for the ack (its signal's completion) before anything of this dispatch
-        // is freed or allocated: `cuMemFree` waits for every kernel of the context while holding
-        // a driver lock the emulated NIC's driver calls need, so freeing a temporary while the
-        // ack kernel waits for the NIC stalls both until the kernel's bound runs out (ranks as
-        // processes on one H200, 2026-12-02: every `gpu_internode_procs` case). This path
-        // already waits on the host for the rows each node sent; `num_worst_tokens` takes the
-        // pooled path, which frees nothing.
-        self.sync("the internode dispatch ack")?;
+        self.ack_and_wait(Words::DispatchAck, "the internode dispatch ack")?;
         let block_rows: Vec<usize> = parts
             .iter()
             .map(|p| p.num_recv_tokens.unwrap_or(0))
@@ -1243,10 +1246,7 @@ impl InternodeBuffer {
             out.num_recv_tokens = Some(handle.block_rows[n]);
             parts.push(out);
         }
-        self.ack(Words::DispatchAck)?;
-        // As in `dispatch`: nothing is freed or allocated while the ack kernel waits for the
-        // NIC (ranks as processes stalled here on an H200, 2026-12-02).
-        self.sync("the internode cached dispatch ack")?;
+        self.ack_and_wait(Words::DispatchAck, "the internode cached dispatch ack")?;
         let received = handle.num_recv_tokens();
         let outs = self.gather_outputs(&parts, handle.rows, received, &rows, fp8, 0)?;
         let event = self.finish(order, false)?;
@@ -1471,13 +1471,13 @@ impl InternodeBuffer {
                 "cuLaunchKernel(ep_internode_reduce)",
             )?;
         }
-        self.ack(Words::CombineAck)?;
-        let event = self.finish(&args.order, capturing)?;
         if h.worst.is_none() {
-            // As after the dispatch ack: the per-node sums are freed only once the ack kernel,
-            // which waits for the NIC, has ended (this path waits on the host anyway).
-            self.sync("the internode combine ack")?;
+            // The per-node sums below are freed.
+            self.ack_and_wait(Words::CombineAck, "the internode combine ack")?;
+        } else {
+            self.ack(Words::CombineAck)?;
         }
+        let event = self.finish(&args.order, capturing)?;
         drop(sums);
         Ok(CombineOutput {
             x: out_x,
