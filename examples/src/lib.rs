@@ -76,6 +76,50 @@ pub mod bench {
         o
     }
 
+    /// Environment variables that change what a benchmark measures, recorded with its command
+    /// where set: the emulated NIC's GPU agent and strict mode, the NIC and its handler mode.
+    const COMMAND_ENV: [&str; 4] = [
+        "IBGDA_EMU_AGENT",
+        "IBGDA_EMU_STRICT",
+        "EP_NIC",
+        "IBGDA_NIC_HANDLER",
+    ];
+
+    /// The command that produced this run's records: the [`COMMAND_ENV`] variables that are set,
+    /// then the program's arguments as given.
+    pub fn command_line() -> String {
+        let env = COMMAND_ENV
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")));
+        env.chain(std::env::args()).collect::<Vec<_>>().join(" ")
+    }
+
+    /// `record` (one JSON object) with a `command` field appended.
+    pub fn with_command(record: &str, command: &str) -> String {
+        let body = record.trim_end();
+        let body = body.strip_suffix('}').unwrap_or(body);
+        let sep = if body.trim_end().ends_with('{') {
+            ""
+        } else {
+            ", "
+        };
+        format!("{body}{sep}\"command\": {}}}", json_str(command))
+    }
+
+    /// Writes `records` (JSON objects, one string each) to `path` as a JSON array, one object
+    /// a line, each with the run's `command` ([`command_line`]), and says where.
+    pub fn write_records(path: &str, records: &[String]) -> anyhow::Result<()> {
+        let command = command_line();
+        let lines: Vec<String> = records
+            .iter()
+            .map(|r| format!("  {}", with_command(r.trim_start(), &command)))
+            .collect();
+        std::fs::write(path, format!("[\n{}\n]\n", lines.join(",\n")))
+            .map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;
+        println!("wrote {path}");
+        Ok(())
+    }
+
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -95,6 +139,15 @@ pub mod bench {
             assert!(percentile(&[], 0.5).is_nan());
             assert_eq!(json_num(f64::NAN), "null");
             assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        }
+
+        #[test]
+        fn records_carry_their_command() {
+            assert_eq!(
+                with_command("{\"us\": 1.0}  ", "bench_x --json a"),
+                "{\"us\": 1.0, \"command\": \"bench_x --json a\"}"
+            );
+            assert_eq!(with_command("{}", "b"), "{\"command\": \"b\"}");
         }
     }
 }

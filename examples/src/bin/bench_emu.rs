@@ -599,9 +599,7 @@ fn main() -> Result<()> {
                 format!("  {{{}}}", f.join(", "))
             })
             .collect();
-        std::fs::write(&path, format!("[\n{}\n]\n", body.join(",\n")))
-            .with_context(|| format!("writing {path}"))?;
-        println!("wrote {path}");
+        ep_examples::bench::write_records(&path, &body)?;
     }
     Ok(())
 }

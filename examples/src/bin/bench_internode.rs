@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use ep::internode::reference;
 use ep::internode::{
     InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, Topology,
@@ -312,8 +312,9 @@ fn main() -> Result<()> {
                 / n;
             println!("{bench:<20} {dtype:<5} {sms:>4} {us:>10.1} {rdma:>10.2} {nvl:>10.2}");
             records.push(format!(
-                "  {{\"bench\": \"{bench}\", \"dtype\": \"{dtype}\", \"rdma_gbps\": {rdma:.2}, \"nvl_gbps\": {nvl:.2}, \"line_rate_gbps\": {}, \"us\": {us:.1}, \"sms\": {sms}, \"nodes\": {}, \"ranks_per_node\": {}, \"gpus\": {used_gpus}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"shaped\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                "  {{\"bench\": \"{bench}\", \"dtype\": \"{dtype}\", \"rdma_gbps\": {rdma:.2}, \"nvl_gbps\": {nvl:.2}, \"line_rate_gbps\": {}, \"us\": {us:.1}, \"sms\": {sms}, \"ranks\": {}, \"nodes\": {}, \"ranks_per_node\": {}, \"gpus\": {used_gpus}, \"tokens\": {}, \"hidden\": {}, \"topk\": {}, \"experts\": {}, \"shaped\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                 if a.shape { format!("{LINE_RATE_GBPS:.1}") } else { "null".into() },
+                a.size.nodes * a.size.rpn,
                 a.size.nodes,
                 a.size.rpn,
                 a.size.tokens,
@@ -326,9 +327,7 @@ fn main() -> Result<()> {
     }
     drop_on_rank_threads(bufs);
     if let Some(p) = &a.json {
-        std::fs::write(p, format!("[\n{}\n]\n", records.join(",\n")))
-            .with_context(|| format!("writing {p}"))?;
-        println!("wrote {p}");
+        ep_examples::bench::write_records(p, &records)?;
     }
     Ok(())
 }

@@ -372,10 +372,7 @@ fn summarize(
 }
 
 fn write_json(path: &str, records: &[String]) -> Result<()> {
-    let json = format!("[\n{}\n]\n", records.join(",\n"));
-    std::fs::write(path, json).with_context(|| format!("writing {path}"))?;
-    println!("wrote {path}");
-    Ok(())
+    ep_examples::bench::write_records(path, records)
 }
 
 fn machine_name(n: usize, ctx: &Arc<CudaContext>) -> String {

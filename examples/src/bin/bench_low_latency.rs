@@ -386,10 +386,8 @@ fn main() -> Result<()> {
     } else {
         Ok(())
     };
-    let json = format!("[\n{}\n]\n", records.join(",\n"));
     if let Some(p) = &a.json {
-        std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
-        println!("wrote {p}");
+        ep_examples::bench::write_records(p, &records)?;
     }
     transport
 }
@@ -596,9 +594,7 @@ fn rank_process(comm: Arc<TcpCommunicator>, a: &Args, n: usize) -> Result<()> {
     };
     if comm.rank() == 0 {
         if let Some(p) = &a.json {
-            let json = format!("[\n{}\n]\n", records.join(",\n"));
-            std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
-            println!("wrote {p}");
+            ep_examples::bench::write_records(p, &records)?;
         }
     }
     transport

@@ -1991,10 +1991,8 @@ fn main() -> Result<()> {
         }
     }
 
-    let json = format!("[\n  {}\n]\n", records.join(",\n  "));
     if let Some(p) = &a.json {
-        std::fs::write(p, json).with_context(|| format!("writing {p}"))?;
-        println!("\nJSON: {p}");
+        ep_examples::bench::write_records(p, &records)?;
     }
     if !failures.is_empty() {
         bail!(
