@@ -205,6 +205,9 @@ pub struct InternodeBuffer {
     /// teardown is a collective of theirs). Taken by the teardown.
     node_group: Option<SubGroup>,
     pub(super) net: Option<Net>,
+    /// Phase timing ([`record_phases`](Self::record_phases)): `None` (off) costs each phase
+    /// boundary one test.
+    pub(super) phases: Option<Box<super::phases::PhaseRecorder>>,
 }
 
 /// A shared communicator seen as one of its own (the world group of [`InternodeBuffer::new`],
@@ -593,6 +596,7 @@ impl InternodeBuffer {
             gate_failure: std::sync::OnceLock::new(),
             group,
             node_group: None,
+            phases: None,
             net: Some(Net {
                 mesh: Some(mesh),
                 registration,

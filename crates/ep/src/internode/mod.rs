@@ -15,6 +15,7 @@
 mod buffer;
 mod graph;
 mod ops;
+mod phases;
 pub mod plan;
 pub mod reference;
 mod staged_plan;
@@ -27,4 +28,5 @@ pub use ops::{
     InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput, InternodeHandle,
     InternodeLayout,
 };
+pub use phases::{PhaseTiming, PutCount};
 pub use topology::{NodeKind, Topology, TopologyError, MAX_RANKS_PER_NODE};

@@ -8,6 +8,7 @@ use ep_kernels::intranode as ik;
 use ibgda_device::cuda::DeviceBuffer;
 
 use super::buffer::{InternodeBuffer, COUNTS_OFFSET, ERROR_OFFSET, STATE_CTRL, STATE_TABLE};
+use super::phases::{put_count, PhaseInfo, PutCount};
 use super::staged_plan::{up16, Words};
 use crate::config::Config;
 use crate::dtype::{Bf16, Element, Fp8E4M3};
@@ -746,7 +747,9 @@ impl InternodeBuffer {
     /// rows. The rows each node's rail peer sent (this rank's own node: `tokens_per_node[my
     /// node]`) land at `recv_dev` (device i32 `[nodes]`) and, with `recv_host`, in the mapped
     /// page for the host. `layout_invalid`: the layout's report of ids out of range when the host
-    /// never read it (the pack kernel turns it into this rank's error), or 0.
+    /// never read it (the pack kernel turns it into this rank's error), or 0. `host_counts`: the
+    /// same counts as `tokens_per_node` where the host read them (empty: it did not), only for
+    /// the bytes that phase timing reports.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn queue_rdma_dispatch(
         &mut self,
@@ -755,6 +758,7 @@ impl InternodeBuffer {
         topk: Option<&TopK<'_>>,
         node_pos: &Tensor<i32>,
         tokens_per_node: u64,
+        host_counts: &[usize],
         layout_invalid: u64,
         recv_dev: u64,
         recv_host: bool,
@@ -773,6 +777,7 @@ impl InternodeBuffer {
             0,
             k::wait_what::DISPATCH_ACK,
         )?;
+        self.phase("ack wait (previous op)", PhaseInfo::default())?;
         let kk = topk.map_or(0, |t| t.idx.dim(1));
         let (xa, sa) = match x {
             DispatchX::Bf16(t) => (t.device_address(), 0),
@@ -819,8 +824,19 @@ impl InternodeBuffer {
             &pack,
             "cuLaunchKernel(ep_internode_pack)",
         )?;
+        let timing = self.timing_phases();
+        let puts = match timing {
+            true => self.dispatch_put_counts(host_counts, rows, kk),
+            false => Vec::new(),
+        };
+        if timing {
+            let per_row = rows.row_bytes + 4 * rows.scale_words + 8 * kk;
+            let packed: usize = host_counts.iter().sum::<usize>() * per_row;
+            self.phase("pack", PhaseInfo::bytes(packed as u64))?;
+        }
         let shape = plan.dispatch_shape(me, rows.row_bytes, rows.scale_words, kk);
         self.launch_plan_put(&shape, k::PLAN_DISPATCH, tokens_per_node)?;
+        self.phase("plan put", PhaseInfo::default())?;
         let put = k::PutParams {
             table: self.state.ptr() + STATE_TABLE as u64,
             ..self.put_params(Words::DispatchData)
@@ -832,6 +848,7 @@ impl InternodeBuffer {
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
+        self.put_phase(puts)?;
         self.launch_wait(
             Words::DispatchData,
             seq,
@@ -844,7 +861,53 @@ impl InternodeBuffer {
             },
             tokens_per_node + 4 * me as u64,
             k::wait_what::DISPATCH_DATA,
-        )
+        )?;
+        self.phase("wait data", PhaseInfo::default())
+    }
+
+    /// Ends a put phase: its bytes and WQEs as the host plans them (`puts`, empty where the
+    /// counts stay on the GPU).
+    pub(super) fn put_phase(&mut self, puts: Vec<PutCount>) -> Result<(), EpError> {
+        if !self.timing_phases() {
+            return Ok(());
+        }
+        let info = PhaseInfo {
+            node: None,
+            bytes: puts.iter().map(|p| p.bytes).sum(),
+            puts,
+        };
+        self.phase("put + quiet", info)
+    }
+
+    /// The writes of a dispatch's put to every other node, from the rows this rank sends each
+    /// (`counts`, as the host read them; empty: unknown), as [`StagedPlan::dispatch_segments`]
+    /// plans them.
+    fn dispatch_put_counts(&self, counts: &[usize], rows: &Rows, kk: usize) -> Vec<PutCount> {
+        let me = self.my_node();
+        (0..self.nodes())
+            .filter(|&n| n != me && n < counts.len())
+            .filter_map(|n| {
+                let c = counts[n].min(self.plan.cap);
+                let segs =
+                    self.plan
+                        .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)?;
+                Some(put_count(n, &segs.map(|s| s.2), 1))
+            })
+            .collect()
+    }
+
+    /// The writes of a combine's put to every other node, `counts[n]` rows back to node `n`
+    /// (the rows its rail peer sent at dispatch).
+    fn combine_put_counts(&self, counts: &[usize], hidden: usize, kk: usize) -> Vec<PutCount> {
+        let me = self.my_node();
+        (0..self.nodes())
+            .filter(|&n| n != me && n < counts.len())
+            .filter_map(|n| {
+                let c = counts[n].min(self.plan.cap);
+                let segs = self.plan.combine_segments(n, me, c, hidden, kk)?;
+                Some(put_count(n, &segs.map(|s| s.2), 1))
+            })
+            .collect()
     }
 
     /// The RDMA hop of a dispatch, then a bounded host wait for it: returns the rows each node's
@@ -861,8 +924,19 @@ impl InternodeBuffer {
         recv_dev: u64,
     ) -> Result<Vec<usize>, EpError> {
         let (nodes, me) = (self.nodes(), self.my_node());
-        self.queue_rdma_dispatch(x, rows, topk, node_pos, tokens_per_node, 0, recv_dev, true)?;
+        self.queue_rdma_dispatch(
+            x,
+            rows,
+            topk,
+            node_pos,
+            tokens_per_node,
+            node_counts,
+            0,
+            recv_dev,
+            true,
+        )?;
         self.sync("the internode dispatch's RDMA hop")?;
+        self.phase("host wait (rows received)", PhaseInfo::default())?;
         Ok((0..nodes)
             .map(|n| {
                 if n == me {
@@ -1008,8 +1082,10 @@ impl InternodeBuffer {
                  with num_worst_tokens",
             ));
         }
+        self.phase_begin("dispatch")?;
         self.start(&args.order, false)?;
         let recv_dev = self.small_counts()?;
+        self.phase("start", PhaseInfo::default())?;
         let recv_counts = self.rdma_dispatch(
             &args.x,
             &rows,
@@ -1026,6 +1102,7 @@ impl InternodeBuffer {
             let (input, topk) = self.forwarder_input(n, c.max(1), &rows, fp8, kk);
             let (idx, w) = topk.expect("top-k is given");
             let l = self.intra.get_dispatch_layout(&idx)?;
+            self.phase("nvl layout", PhaseInfo::node(n, 0))?;
             let ev = self.fork()?;
             let out = self.intra.dispatch(&DispatchArgs {
                 x: input.as_x(),
@@ -1040,9 +1117,12 @@ impl InternodeBuffer {
                 order: intra_order(&ev),
             })?;
             self.join(&out.event)?;
+            let moved = out.num_recv_tokens.unwrap_or(0) * rows.row_bytes;
+            self.phase("nvl dispatch", PhaseInfo::node(n, moved as u64))?;
             parts.push(out);
         }
         self.ack_and_wait(Words::DispatchAck, "the internode dispatch ack")?;
+        self.phase("ack + host wait", PhaseInfo::default())?;
         let block_rows: Vec<usize> = parts
             .iter()
             .map(|p| p.num_recv_tokens.unwrap_or(0))
@@ -1061,6 +1141,10 @@ impl InternodeBuffer {
         let a = args.expert_alignment;
         per_expert.iter_mut().for_each(|c| *c = c.div_ceil(a) * a);
         let outs = self.gather_outputs(&parts, received, received, &rows, fp8, kk)?;
+        self.phase(
+            "gather",
+            PhaseInfo::bytes((received * rows.row_bytes) as u64),
+        )?;
         let counts: Vec<i32> = per_expert
             .iter()
             .map(|&c| c.min(i32::MAX as usize) as i32)
@@ -1071,6 +1155,7 @@ impl InternodeBuffer {
                 source,
             })?;
         let event = self.finish(&args.order, false)?;
+        self.phase("finish", PhaseInfo::default())?;
         Ok(InternodeDispatchOutput {
             x: outs.0,
             topk_idx: outs.1,
@@ -1215,8 +1300,10 @@ impl InternodeBuffer {
             return self.dispatch_cached_worst(x, handle, &rows, order);
         }
         self.not_capturing("cached dispatch over a handle without num_worst_tokens")?;
+        self.phase_begin("cached dispatch")?;
         self.start(order, false)?;
         let recv_dev = self.small_counts()?;
+        self.phase("start", PhaseInfo::default())?;
         let recv = self.rdma_dispatch(
             &x,
             &rows,
@@ -1244,12 +1331,20 @@ impl InternodeBuffer {
             let (input, _) = self.forwarder_input(n, c.max(1), &rows, fp8, 0);
             let mut out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
             out.num_recv_tokens = Some(handle.block_rows[n]);
+            let moved = handle.block_rows[n] * rows.row_bytes;
+            self.phase("nvl dispatch", PhaseInfo::node(n, moved as u64))?;
             parts.push(out);
         }
         self.ack_and_wait(Words::DispatchAck, "the internode cached dispatch ack")?;
+        self.phase("ack + host wait", PhaseInfo::default())?;
         let received = handle.num_recv_tokens();
         let outs = self.gather_outputs(&parts, handle.rows, received, &rows, fp8, 0)?;
+        self.phase(
+            "gather",
+            PhaseInfo::bytes((received * rows.row_bytes) as u64),
+        )?;
         let event = self.finish(order, false)?;
+        self.phase("finish", PhaseInfo::default())?;
         Ok(InternodeDispatchOutput {
             x: outs.0,
             topk_idx: None,
@@ -1316,6 +1411,7 @@ impl InternodeBuffer {
             self.not_capturing("combine over a dispatch without num_worst_tokens")?;
         }
         let t = h.num_tokens;
+        self.phase_begin("combine")?;
         // The outputs: pooled with num_worst_tokens (no allocation under capture), else fresh.
         let (out_x, out_w) = match &h.worst {
             Some(_) => self.worst_combine_outputs(t, hidden, kk)?,
@@ -1337,6 +1433,7 @@ impl InternodeBuffer {
                 )
             }
         };
+        self.phase("alloc outputs", PhaseInfo::default())?;
         let r = self.combine_queued(args, out_x, out_w, hidden, kk, capturing);
         self.poison_on_err(r)
     }
@@ -1374,12 +1471,15 @@ impl InternodeBuffer {
             0,
             k::wait_what::COMBINE_ACK,
         )?;
+        self.phase("ack wait (previous op)", PhaseInfo::default())?;
         // NVLink hop, node by node: the rail peer's sums of this node's rows; staged (this rank's
         // own node: straight into its receive slot) for one put per node.
         let sums = match &h.worst {
             Some(wh) => {
                 let sums = self.worst_nvlink_combine(args, wh, hidden, kk)?;
+                self.phase("nvl combine", PhaseInfo::default())?;
                 self.launch_stage(&sums, h, hidden, kk)?;
+                self.phase("stage", PhaseInfo::default())?;
                 sums
             }
             None => {
@@ -1392,7 +1492,9 @@ impl InternodeBuffer {
                     let w = args.topk_weights.map(|w| w.rows(at, r));
                     at += r;
                     sums.push(self.intra_combine_forked(&x, &h.sub[n], w.as_ref(), cfg)?);
+                    self.phase("nvl combine", PhaseInfo::node(n, (r * hidden * 2) as u64))?;
                 }
+                let staged: usize = (0..nodes).map(|n| h.recv_counts[n].min(plan.cap)).sum();
                 for (n, s) in sums.iter().enumerate() {
                     let c = h.recv_counts[n].min(plan.cap);
                     let dst = self.base
@@ -1410,12 +1512,21 @@ impl InternodeBuffer {
                         )?;
                     }
                 }
+                self.phase(
+                    "stage",
+                    PhaseInfo::bytes((staged * (hidden * 2 + 4 * kk)) as u64),
+                )?;
                 sums
             }
         };
         // The put is planned on the device from the rows each node sent at dispatch.
         let shape = plan.combine_shape(me, hidden, kk);
         self.launch_plan_put(&shape, k::PLAN_COMBINE, h.recv_dev.device_address())?;
+        self.phase("plan put", PhaseInfo::default())?;
+        let puts = match self.timing_phases() {
+            true => self.combine_put_counts(&h.recv_counts, hidden, kk),
+            false => Vec::new(),
+        };
         let put = k::PutParams {
             table: self.state.ptr() + STATE_TABLE as u64,
             ..self.put_params(Words::CombineData)
@@ -1427,6 +1538,7 @@ impl InternodeBuffer {
             &put,
             "cuLaunchKernel(ep_internode_put)",
         )?;
+        self.put_phase(puts)?;
         self.launch_wait(
             Words::CombineData,
             Self::seq_at(false),
@@ -1436,6 +1548,7 @@ impl InternodeBuffer {
             0,
             k::wait_what::COMBINE_DATA,
         )?;
+        self.phase("wait data", PhaseInfo::default())?;
         let mut slot = [0u64; k::MAX_NODES];
         let mut rows = [0i32; k::MAX_NODES];
         for n in 0..nodes {
@@ -1471,13 +1584,21 @@ impl InternodeBuffer {
                 "cuLaunchKernel(ep_internode_reduce)",
             )?;
         }
+        let summed: usize = rows.iter().map(|&r| r as usize).sum();
+        self.phase(
+            "reduce",
+            PhaseInfo::bytes((summed * hidden * 2 + t * hidden * 2) as u64),
+        )?;
         if h.worst.is_none() {
             // The per-node sums below are freed.
             self.ack_and_wait(Words::CombineAck, "the internode combine ack")?;
+            self.phase("ack + host wait", PhaseInfo::default())?;
         } else {
             self.ack(Words::CombineAck)?;
+            self.phase("ack", PhaseInfo::default())?;
         }
         let event = self.finish(&args.order, capturing)?;
+        self.phase("finish", PhaseInfo::default())?;
         drop(sums);
         Ok(CombineOutput {
             x: out_x,

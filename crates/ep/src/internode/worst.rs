@@ -27,6 +27,7 @@ use super::ops::{
     bytes_of, intra_order, InternodeCombineArgs, InternodeDispatchArgs, InternodeDispatchOutput,
     InternodeHandle, Rows,
 };
+use super::phases::PhaseInfo;
 use super::staged_plan::Words;
 use crate::dtype::{Bf16, Fp8E4M3};
 use crate::error::{invalid, EpError};
@@ -236,8 +237,10 @@ impl InternodeBuffer {
         capturing: bool,
     ) -> Result<InternodeDispatchOutput, EpError> {
         let layout = args.layout;
+        self.phase_begin("dispatch")?;
         self.start(&args.order, capturing)?;
         self.poison_dispatch(&region, &plan, w, rows, kk)?;
+        self.phase("start", PhaseInfo::default())?;
         let recv = region.ptr() + plan.counts as u64;
         self.queue_rdma_dispatch(
             &args.x,
@@ -245,6 +248,7 @@ impl InternodeBuffer {
             Some(&args.topk),
             &layout.node_pos,
             layout.tokens_per_node.device_address(),
+            &layout.node_counts,
             layout.invalid,
             recv,
             false,
@@ -277,6 +281,7 @@ impl InternodeBuffer {
                 order: intra_order(&ev),
             })?;
             self.join(&out.event)?;
+            self.phase("nvl dispatch", PhaseInfo::node(n, 0))?;
             parts.push(out.handle);
         }
         self.launch_gather(
@@ -289,8 +294,11 @@ impl InternodeBuffer {
             args.expert_alignment,
             block,
         )?;
+        self.phase("gather", PhaseInfo::default())?;
         self.ack(Words::DispatchAck)?;
+        self.phase("ack", PhaseInfo::default())?;
         let event = self.finish(&args.order, capturing)?;
+        self.phase("finish", PhaseInfo::default())?;
         let local = self.num_local_experts();
         let (x, topk_idx, topk_weights) = outputs(&region, &plan, w, rows, fp8, kk);
         Ok(InternodeDispatchOutput {
@@ -346,8 +354,10 @@ impl InternodeBuffer {
     ) -> Result<InternodeDispatchOutput, EpError> {
         let wh = handle.worst.as_ref().expect("a num_worst_tokens handle");
         let w = handle.rows;
+        self.phase_begin("cached dispatch")?;
         self.start(order, capturing)?;
         self.poison_dispatch(&region, &plan, w, rows, 0)?;
+        self.phase("start", PhaseInfo::default())?;
         let recv = region.ptr() + plan.counts as u64;
         self.queue_rdma_dispatch(
             &x,
@@ -355,6 +365,7 @@ impl InternodeBuffer {
             None,
             &handle.node_pos,
             handle.tokens_per_node.device_address(),
+            &handle.node_counts,
             0,
             recv,
             false,
@@ -366,11 +377,15 @@ impl InternodeBuffer {
         for n in 0..self.nodes() {
             let (input, _) = self.forwarder_input(n, cap, rows, fp8, 0);
             let out = self.intra_dispatch_cached_forked(input.as_x(), &handle.sub[n], &cfg)?;
+            self.phase("nvl dispatch", PhaseInfo::node(n, 0))?;
             parts.push(out.handle);
         }
         self.launch_gather(&parts, &region, &plan, w, rows, 0, 1, wh.block)?;
+        self.phase("gather", PhaseInfo::default())?;
         self.ack(Words::DispatchAck)?;
+        self.phase("ack", PhaseInfo::default())?;
         let event = self.finish(order, capturing)?;
+        self.phase("finish", PhaseInfo::default())?;
         let (x, _, _) = outputs(&region, &plan, w, rows, fp8, 0);
         Ok(InternodeDispatchOutput {
             x,

@@ -32,5 +32,5 @@ pub use host::{HostQp, Step, Ticket};
 pub use plan::{ModePlan, NicImpl, Placement, Requirement, SlotPlacement};
 pub use status::{
     check_record, describe_kind, DeviceFailure, Stopped, DEFAULT_TIMEOUT_NS, ERROR_INVALID_DESC,
-    MAX_NWQES, STATUS_ABORTED, STATUS_OK,
+    MAX_NWQES, PUT_CHUNK_BYTES, STATUS_ABORTED, STATUS_OK,
 };

@@ -23,6 +23,9 @@ pub const DEFAULT_TIMEOUT_NS: u64 = 10_000_000_000;
 /// Largest ring the protocol accepts (`IBGDA_MAX_NWQES`): a 16-bit CQE `wqe_counter` must name
 /// one outstanding WQEBB.
 pub const MAX_NWQES: u32 = 32768;
+/// Payload bytes of one RDMA-write WQE that `ibgda_put_warp` posts (`IBGDA_PUT_CHUNK_BYTES`): a
+/// put of `b` bytes is `b.div_ceil(PUT_CHUNK_BYTES)` WQEs.
+pub const PUT_CHUNK_BYTES: u32 = 1 << 20;
 
 /// A protocol call that did not complete: the non-zero status device code returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -165,6 +168,27 @@ pub fn check_record(record: &ErrorRecord, proxy_rung: Option<u64>) -> Result<(),
 mod tests {
     use super::*;
     use bytemuck::Zeroable;
+
+    /// The header's `#define NAME value` as written (the host constants mirror it).
+    fn header_define(name: &str) -> String {
+        let h = include_str!("../../include/ibgda/protocol.cuh");
+        let line = h
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} is not defined in protocol.cuh"));
+        line[format!("#define {name} ").len()..].trim().to_string()
+    }
+
+    #[test]
+    fn constants_match_the_device_header() {
+        assert_eq!(header_define("IBGDA_PUT_CHUNK_BYTES"), "(1u << 20)");
+        assert_eq!(PUT_CHUNK_BYTES, 1 << 20);
+        assert_eq!(header_define("IBGDA_MAX_NWQES"), format!("{MAX_NWQES}u"));
+        assert_eq!(
+            header_define("IBGDA_STATUS_ABORTED"),
+            format!("{STATUS_ABORTED:#x}")
+        );
+    }
 
     #[test]
     fn failure_names_everything() {
