@@ -587,29 +587,71 @@ extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_stage(c
     }
 }
 
+// Adds the 8 BF16 values of a 16-byte vector to acc[0..8).
+__device__ __forceinline__ void inter_add_bf16x8(float* acc, const int4& v) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += bf16_to_f32(static_cast<uint16_t>(w[i] & 0xffffu));
+        acc[2 * i + 1] += bf16_to_f32(static_cast<uint16_t>(w[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ bool inter_aligned16(uint64_t a) { return (a & 15u) == 0u; }
+
 // Reduce: each token's node sums (BF16 as they crossed), added in ascending node order in f32,
-// then the biases; rounded to BF16. Summed weights alike.
+// then the biases; rounded to BF16. Summed weights alike. Rows are read 8 elements per 16-byte
+// load where every row and bias address allows it (hidden a multiple of 8, 16-byte aligned
+// bases; the slots always are), element by element otherwise: the same additions in the same
+// order either way, so the results are identical.
 extern "C" __global__ void __launch_bounds__(kInterThreads) ep_internode_reduce(const InterReduceParams p) {
     const int nodes = min(p.nodes, kInterMaxNodes);
     const int* pos = reinterpret_cast<const int*>(p.node_pos);
+    bool vec = (p.hidden & 7) == 0 && inter_aligned16(p.out_x) && (p.bias0 == 0 || inter_aligned16(p.bias0)) &&
+               (p.bias1 == 0 || inter_aligned16(p.bias1));
+    for (int n = 0; n < nodes; ++n) vec = vec && inter_aligned16(p.slot[n]);
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
         int at[kInterMaxNodes];
         for (int n = 0; n < nodes; ++n) {
             const int v = pos[static_cast<int64_t>(t) * p.nodes + n];
             at[n] = (v >= 0 && v < p.rows[n]) ? v : -1;
         }
-        for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
-            float acc = 0.f;
-            for (int n = 0; n < nodes; ++n) {
-                if (at[n] < 0) continue;
-                const uint16_t* row =
-                    reinterpret_cast<const uint16_t*>(p.slot[n]) + static_cast<int64_t>(at[n]) * p.hidden;
-                acc += bf16_to_f32(row[h]);
+        if (vec) {
+            const int n16 = p.hidden / 8;
+            const int64_t row16 = static_cast<int64_t>(t) * n16;
+            for (int h = threadIdx.x; h < n16; h += blockDim.x) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int n = 0; n < nodes; ++n) {
+                    if (at[n] < 0) continue;
+                    const int4* row = reinterpret_cast<const int4*>(p.slot[n]) + static_cast<int64_t>(at[n]) * n16;
+                    inter_add_bf16x8(acc, ld_stream_v4(row + h));
+                }
+                if (p.bias0 != 0) inter_add_bf16x8(acc, ld_stream_v4(reinterpret_cast<const int4*>(p.bias0) + row16 + h));
+                if (p.bias1 != 0) inter_add_bf16x8(acc, ld_stream_v4(reinterpret_cast<const int4*>(p.bias1) + row16 + h));
+                uint32_t w[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    w[i] = static_cast<uint32_t>(f32_to_bf16_rn(acc[2 * i])) |
+                           (static_cast<uint32_t>(f32_to_bf16_rn(acc[2 * i + 1])) << 16);
+                reinterpret_cast<int4*>(p.out_x)[row16 + h] =
+                    make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                              static_cast<int>(w[3]));
             }
-            const int64_t i = static_cast<int64_t>(t) * p.hidden + h;
-            if (p.bias0 != 0) acc += bf16_to_f32(reinterpret_cast<const uint16_t*>(p.bias0)[i]);
-            if (p.bias1 != 0) acc += bf16_to_f32(reinterpret_cast<const uint16_t*>(p.bias1)[i]);
-            reinterpret_cast<uint16_t*>(p.out_x)[i] = f32_to_bf16_rn(acc);
+        } else {
+            for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
+                float acc = 0.f;
+                for (int n = 0; n < nodes; ++n) {
+                    if (at[n] < 0) continue;
+                    const uint16_t* row =
+                        reinterpret_cast<const uint16_t*>(p.slot[n]) + static_cast<int64_t>(at[n]) * p.hidden;
+                    acc += bf16_to_f32(row[h]);
+                }
+                const int64_t i = static_cast<int64_t>(t) * p.hidden + h;
+                if (p.bias0 != 0) acc += bf16_to_f32(reinterpret_cast<const uint16_t*>(p.bias0)[i]);
+                if (p.bias1 != 0) acc += bf16_to_f32(reinterpret_cast<const uint16_t*>(p.bias1)[i]);
+                reinterpret_cast<uint16_t*>(p.out_x)[i] = f32_to_bf16_rn(acc);
+            }
         }
         if (p.out_w != 0) {
             for (int k = threadIdx.x; k < p.topk; k += blockDim.x) {
