@@ -96,6 +96,90 @@ fn gpu_internode_bf16() {
     });
 }
 
+/// Phase timing (`record_phases`) changes nothing the operations compute (the round is checked
+/// against the reference as every case is), and it names every phase of the eager dispatch,
+/// cached dispatch and combine, with the puts the host planned. 2×1 and 2×2, two rounds.
+#[test]
+fn gpu_internode_phases() {
+    let c = Case {
+        cached: true,
+        biases: 1,
+        ..Case::new("phases")
+    };
+    for (nodes, rpn) in [(2, 1), (2, 2)] {
+        let topo = Topology::virtual_nodes(nodes, rpn).expect("topology");
+        let Some(ctxs) = rank_gpus(topo.world()) else {
+            return;
+        };
+        let mut o = options(&c, Duration::from_secs(8));
+        o.buffer.num_experts = topo.world() * c.experts_per_rank;
+        let mut bufs =
+            InternodeBuffer::create_group(&ctxs, &topo, &o).expect("create internode buffers");
+        let s = seed();
+        let mut rngs = rank_rngs(s, topo.world());
+        for it in 0..c.iterations {
+            let round = Round::generate(&c, &topo, &mut rngs);
+            let results = on_rank_threads(&mut bufs, |r, buf| {
+                let what = format!("phases it {it} rank {r} ({nodes}x{rpn})");
+                buf.record_phases(true);
+                rank_round(&c, r, buf, &ctxs[r], &round, &what)?;
+                let phases = buf.take_phases().map_err(|e| format!("{what}: {e}"))?;
+                buf.record_phases(false);
+                check_phases(&phases, &what)
+            });
+            let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+            assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
+        }
+        drop_all(bufs);
+    }
+}
+
+/// Every operation of an eager round has its phases, each timed, and its put to the other nodes.
+fn check_phases(phases: &[ep::internode::PhaseTiming], what: &str) -> Result<(), String> {
+    for op in ["dispatch", "cached dispatch", "combine"] {
+        let mine: Vec<_> = phases.iter().filter(|p| p.op == op).collect();
+        let names: Vec<String> = mine.iter().map(|p| p.label()).collect();
+        for want in [
+            "ack wait (previous op)",
+            "put + quiet",
+            "wait data",
+            "finish",
+        ] {
+            if !names.iter().any(|n| n == want) {
+                return Err(format!("{what}: {op} has no phase {want:?}: {names:?}"));
+            }
+        }
+        for p in &mine {
+            if !(p.gpu_us.is_finite()
+                && p.gpu_us >= 0.0
+                && p.host_us.is_finite()
+                && p.host_us >= 0.0)
+            {
+                return Err(format!("{what}: {op} phase {p:?} has no time"));
+            }
+        }
+        let put = mine
+            .iter()
+            .find(|p| p.name == "put + quiet")
+            .expect("checked above");
+        // A dispatch's ids and weights go even with no row (a padding row); a combine sends
+        // nothing but its signal to a node that sent it no row.
+        let bad = |c: &ep::internode::PutCount| {
+            c.signal_wqes != 1 || (c.write_wqes == 0 && (op != "combine" || c.bytes != 0))
+        };
+        if put.puts.is_empty() || put.puts.iter().any(bad) {
+            return Err(format!("{what}: {op} put {:?}", put.puts));
+        }
+        if put.bytes != put.puts.iter().map(|c| c.bytes).sum::<u64>() {
+            return Err(format!(
+                "{what}: {op} put bytes {} vs {:?}",
+                put.bytes, put.puts
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn gpu_internode_fp8() {
     run_case(&Case {
