@@ -7,7 +7,8 @@
 //!
 //! [`InternodeBuffer`] is the GPU path (first version: staged, see its docs); with
 //! `num_worst_tokens` its operations make no host wait and can be captured in a CUDA graph
-//! ([`InternodeBuffer::capture`], [`InternodeGraph`]). The rest needs no
+//! ([`InternodeBuffer::capture`], [`InternodeGraph`]); [`InternodeBuffer::record_phases`] times
+//! each phase of its operations ([`PhaseTiming`]) for benchmarks. The rest needs no
 //! GPU: the [`Topology`] the kernels read, the CPU [`reference`](mod@reference) of layout,
 //! dispatch and combine they must reproduce, and the byte budget of a pipelined ring design
 //! ([`plan`]).
