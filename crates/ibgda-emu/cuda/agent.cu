@@ -10,8 +10,9 @@
 // order: round r runs each lane's r-th command of the batch, atomics and CQEs one per thread of
 // warp 0, copies side by side, each by its own group of the block's threads (the whole block for
 // a lone copy: a copy is bound by the bytes in flight; a quarter of a warp each for 32 small
-// ones, which are bound by one memory latency). A round ends with a system fence and a block barrier,
-// so a CQE, always a later command of its lane than the data it reports, lands after that data.
+// ones, which are bound by one memory latency). A round ends with a system fence and a block
+// barrier, so a CQE, always a later command of its lane than the data it reports, lands after
+// that data.
 //
 // Idle exit (the host's side is in crates/ibgda-emu/src/agent.rs): cuMemFree and module loads
 // wait for every kernel of the context, so a kernel that never ends would hang them. Idle for
@@ -366,7 +367,9 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
                 unsigned k = 0;
                 for (unsigned j = 0; j < count; ++j) {
                     if (!(sh_copy[j] && sh_rank[j] == r)) continue;
-                    if (tid / group == k) block_copy(sh_dst[j], sh_src[j], sh_len[j], tid % group, group);
+                    if (tid / group == k) {
+                        block_copy(sh_dst[j], sh_src[j], sh_len[j], tid % group, group);
+                    }
                     ++k;
                 }
             }

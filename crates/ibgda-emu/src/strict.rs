@@ -285,8 +285,9 @@ impl Pipeline {
 
     /// Starts a checked WQE with its effects (all writes, or one atomic, or none): the first
     /// chunks of a write land at once, an atomic may be held back. Takes the effects and
-    /// registrations out of `planned`, leaving it empty for the next WQE. Returns the WQE's completion when it completed at once with nothing in
-    /// flight before it (its CQE is due now), without queueing it.
+    /// registrations out of `planned`, leaving it empty for the next WQE. Returns the WQE's
+    /// completion when it completed at once with nothing in flight before it (its CQE is due
+    /// now), without queueing it.
     pub fn start(
         &mut self,
         owed: Owed,

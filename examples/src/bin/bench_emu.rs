@@ -5,15 +5,16 @@
 //! NICs over host memory, no GPU needed: what the NIC's progress thread itself costs per WQE.
 //!
 //! ```text
-//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--host] [--manual] [--only LIST] [--threads N] [--help]
+//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--host] [--manual] [--only LIST]
+//!           [--threads N] [--help]
 //! ```
 //!
 //! Prints a table; with `--json`, writes one record per measurement, each with `bench`, `qps`,
 //! `bytes`, `ranks` (emulated NICs: 2), `gpus` (0 with `--host`), `memory` (`gpu`, or `host`
 //! with `--host`), `strict` (the NICs' strict mode), `date`, `machine`, `progress_threads` (of
-//! the sending NIC: `--threads`, default 1; 0 with `--manual`), `agent` (whether the NICs' small operations ran on
-//! the GPU agent: the default; with `IBGDA_EMU_AGENT=0` the copy-engine path; always false with
-//! `--host`), and:
+//! the sending NIC: `--threads`, default 1; 0 with `--manual`), `agent` (whether the NICs'
+//! small operations ran on the GPU agent: the default; with `IBGDA_EMU_AGENT=0` the copy-engine
+//! path; always false with `--host`), and:
 //! - `emu_small_ops`: `mops` (million WQEs/s, all QPs together), `inline` (inline WQE or a
 //!   gather from GPU memory);
 //! - `emu_atomics`: `mops` of 8-byte fetch-adds, `shared` (every QP on one word, or each on its
