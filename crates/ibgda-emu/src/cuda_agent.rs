@@ -635,6 +635,21 @@ mod tests {
     }
 
     #[test]
+    fn the_outbox_keeps_each_payload_with_its_command() {
+        let mut o = Outbox::default();
+        o.add(cmd(1), b"abc");
+        o.add(cmd(2), &[]);
+        o.add(cmd(3), b"de");
+        assert_eq!(o.len(), 3);
+        let got: Vec<(u64, &[u8])> = o
+            .cmds
+            .iter()
+            .map(|(c, r)| (c.dst, &o.payload[r.clone()]))
+            .collect();
+        assert_eq!(got, [(1, &b"abc"[..]), (2, &b""[..]), (3, &b"de"[..])]);
+    }
+
+    #[test]
     fn commands_go_at_once_until_copy_engine_work_and_then_wait_for_it() {
         let mut o = LaneOrder::new(0, 0);
         let c = o.submit(cmd(1), &[], 0).expect("nothing to wait for");

@@ -565,6 +565,23 @@ mod tests {
     }
 
     #[test]
+    fn a_small_write_with_nothing_in_flight_completes_at_once() {
+        let mut p = Pipeline::new(Reorder::new(7), 1, false);
+        let mut planned = planned(vec![put(0, 8)]);
+        let mut landed = 0;
+        let done = p
+            .start(owed(5), &mut planned, &mut |_| {
+                landed += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(done.map(|o| o.index), Some(5));
+        assert_eq!(landed, 1);
+        assert!(p.is_empty(), "nothing queued");
+        assert!(planned.effects.is_empty() && planned.held.is_empty());
+    }
+
+    #[test]
     fn a_fence_waits_for_a_held_atomic_and_cqes_stay_in_order() {
         let atomic = Effect::Atomic {
             target: Loc::Host(64),
