@@ -19,6 +19,10 @@
 //!
 //! A mark is a pair (last command number, copy-engine value), landed when both words have them.
 //!
+//! Commands free to go are gathered in the lane's outbox and published together, 32 at a time
+//! or when the round ends, and always before anything waits on them (a stream wait, a mark, a
+//! fence): one producer lock, fence and state-word read per batch instead of per command.
+//!
 //! The agent runs a lane's commands in order. Under strict mode's relaxed ordering
 //! ([`Lane::set_relaxed`]) the lane keeps its atomics back until the next barrier (a fenced
 //! WQE), CQE, mark, fence or the end of the round, so that writes after an unfenced atomic land
