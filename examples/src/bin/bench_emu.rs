@@ -1,17 +1,20 @@
 //! Benchmark of the emulated NIC on one GPU (two emulated NICs on GPU 0: a loopback), or between
 //! two GPUs with `--gpus 2`: small-operation rates by size and QP count, 8-byte atomics/s,
 //! 8-byte write latency (p50/p99), large-write bandwidth, and a NIC shaped to 50 GB/s and 2 µs
-//! (a 400 Gb/s port) at 1 and 8 QPs.
+//! (a 400 Gb/s port) at 1 and 8 QPs. With `--host`, the same measurements of two host-backend
+//! NICs over host memory, no GPU needed: what the NIC's progress thread itself costs per WQE.
 //!
 //! ```text
-//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--threads N] [--help]
+//! bench_emu [--json PATH] [--quick] [--gpus 1|2] [--host] [--manual] [--only LIST]
+//!           [--threads N] [--help]
 //! ```
 //!
 //! Prints a table; with `--json`, writes one record per measurement, each with `bench`, `qps`,
-//! `bytes`, `ranks` (emulated NICs: 2), `gpus`, `strict` (the NICs' strict mode), `date`,
-//! `machine`, `progress_threads` (of the sending NIC: `--threads`, default 1), `agent` (whether
-//! the NICs' small operations ran on the GPU agent: the default; with `IBGDA_EMU_AGENT=0`
-//! the copy-engine path), and:
+//! `bytes`, `ranks` (emulated NICs: 2), `gpus` (0 with `--host`), `memory` (`gpu`, or `host`
+//! with `--host`), `strict` (the NICs' strict mode), `date`, `machine`, `progress_threads` (of
+//! the sending NIC: `--threads`, default 1; 0 with `--manual`), `agent` (whether the NICs'
+//! small operations ran on the GPU agent: the default; with `IBGDA_EMU_AGENT=0` the copy-engine
+//! path; always false with `--host`), and:
 //! - `emu_small_ops`: `mops` (million WQEs/s, all QPs together), `inline` (inline WQE or a
 //!   gather from GPU memory);
 //! - `emu_atomics`: `mops` of 8-byte fetch-adds, `shared` (every QP on one word, or each on its
@@ -40,14 +43,24 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::CudaContext;
 use ibgda_device::cuda::{enable_peer_access, wait_legacy_stream, DeviceBuffer};
 use ibgda_device::wire::{Cqe64, FetchAdd64, InlineWrite, LocalAddr, RdmaWrite, RemoteAddr, Sge};
-use ibgda_emu::{Access, CqMode, Fabric, FaultPlan, HostQp, Mr, Nic, NicConfig, StrictMode};
+use ibgda_emu::{
+    Access, CqMode, Fabric, FaultPlan, HostBuffer, HostQp, Mr, Nic, NicConfig, StrictMode,
+};
 
-const USAGE: &str = "usage: bench_emu [--json PATH] [--quick] [--gpus 1|2] [--threads N] [--help]
+const USAGE: &str =
+    "usage: bench_emu [--json PATH] [--quick] [--gpus 1|2] [--host] [--manual] [--only LIST] [--threads N] [--help]
   --json PATH  write the records as a JSON array to PATH
   --quick      fewer repetitions and samples
   --gpus N     1 (default): both emulated NICs on GPU 0; 2: the second NIC on GPU 1
+  --host       host-backend NICs over host memory (no GPU): the engine's own cost
+  --manual     no progress thread on the sender: the bench runs its rounds while it waits
+               (the engine's cost per WQE without a hand-off between threads)
+  --only LIST  run only these comma-separated parts: small,atomics,latency,bw,shaped
   --threads N  progress threads of the sending NIC (default 1; QPs are spread over them)
   --help       this text";
+
+/// What `--only` may name.
+const PARTS: [&str; 5] = ["small", "atomics", "latency", "bw", "shaped"];
 
 const MAX_QPS: usize = 8;
 const MAX_BYTES: usize = 16 << 20;
@@ -83,9 +96,14 @@ impl Record {
     }
 }
 
-fn wait_cqe(qp: &HostQp, cons: u64) -> Result<Cqe64> {
+/// Waits for CQE `cons` of `qp`; with `drive`, runs that NIC's progress rounds on this thread
+/// meanwhile (`--manual`).
+fn wait_cqe(qp: &HostQp, cons: u64, drive: Option<&Nic>) -> Result<Cqe64> {
     let t0 = Instant::now();
     loop {
+        if let Some(nic) = drive {
+            nic.progress()?;
+        }
         if let Some(c) = qp.poll_cqe(cons) {
             if c.is_error() {
                 bail!("error completion on QP {:#x} (CQE {cons}): {c}", qp.qpn());
@@ -116,6 +134,57 @@ enum Op {
     Inline(usize),
     /// 8-byte fetch-add on the word at `off` of the atomics target.
     FetchAdd(u64),
+}
+
+/// A buffer the bench registers: GPU memory, or host memory with `--host`.
+#[derive(Clone)]
+enum Buf {
+    Device(Arc<DeviceBuffer>),
+    Host(Arc<HostBuffer>),
+}
+
+impl Buf {
+    /// `len` bytes on `ctx`'s GPU, or in host memory when `ctx` is `None`.
+    fn new(ctx: Option<&Arc<CudaContext>>, len: usize) -> Result<Self> {
+        Ok(match ctx {
+            Some(c) => Buf::Device(Arc::new(DeviceBuffer::new(c, len)?)),
+            None => {
+                let b = HostBuffer::new(len);
+                // Touched once now, so that no measurement pays the first touch of its pages.
+                b.fill(0);
+                Buf::Host(Arc::new(b))
+            }
+        })
+    }
+
+    fn register(&self, nic: &Nic, len: usize, access: Access) -> Result<Mr> {
+        Ok(match self {
+            Buf::Device(b) => nic.register_device(b, 0, len, access)?,
+            Buf::Host(b) => nic.register_host(b, 0, len, access)?,
+        })
+    }
+
+    /// Sets every byte to `value` and waits (bounded) until it has landed.
+    fn fill(&self, value: u8) -> Result<()> {
+        match self {
+            Buf::Device(b) => {
+                b.fill_bytes(value)?;
+                settle(b.context())
+            }
+            Buf::Host(b) => {
+                b.fill(value);
+                Ok(())
+            }
+        }
+    }
+
+    /// The first `n` 8-byte words.
+    fn words(&self, n: usize) -> Result<Vec<u64>> {
+        Ok(match self {
+            Buf::Device(b) => b.download(0, n)?,
+            Buf::Host(b) => (0..n).map(|i| b.load_u64(8 * i)).collect(),
+        })
+    }
 }
 
 struct Mem {
@@ -191,6 +260,7 @@ impl Lane {
 /// Seconds of the best of `reps` timed batches (after one untimed warm-up) of `n` WQEs on each
 /// lane; `op(lane index)` says what lane `k` posts.
 fn batches(
+    drive: Option<&Nic>,
     lanes: &mut [Lane],
     n: usize,
     op: &dyn Fn(usize) -> Op,
@@ -207,7 +277,7 @@ fn batches(
             l.qp.ring_dbr(l.pi);
         }
         for l in lanes.iter_mut() {
-            wait_cqe(&l.qp, l.cons)?;
+            wait_cqe(&l.qp, l.cons, drive)?;
             l.cons += 1;
         }
         let t = t0.elapsed().as_secs_f64();
@@ -219,7 +289,13 @@ fn batches(
 }
 
 /// Doorbell-to-CQE times in µs (sorted) of `iters` single WQEs on each of `lanes` at once.
-fn latency(lanes: &mut [Lane], op: Op, m: &Mem, iters: usize) -> Result<Vec<f64>> {
+fn latency(
+    drive: Option<&Nic>,
+    lanes: &mut [Lane],
+    op: Op,
+    m: &Mem,
+    iters: usize,
+) -> Result<Vec<f64>> {
     let warm = 100;
     let mut us = Vec::with_capacity(iters * lanes.len());
     for i in 0..iters + warm {
@@ -231,7 +307,7 @@ fn latency(lanes: &mut [Lane], op: Op, m: &Mem, iters: usize) -> Result<Vec<f64>
             l.qp.ring_dbr(l.pi);
         }
         for l in lanes.iter_mut() {
-            wait_cqe(&l.qp, l.cons)?;
+            wait_cqe(&l.qp, l.cons, drive)?;
             l.cons += 1;
             if i >= warm {
                 us.push(t0.elapsed().as_secs_f64() * 1e6);
@@ -246,7 +322,10 @@ struct Args {
     json: Option<String>,
     quick: bool,
     gpus: usize,
+    host: bool,
+    manual: bool,
     threads: usize,
+    only: Option<Vec<String>>,
 }
 
 fn args() -> Result<Args> {
@@ -254,7 +333,10 @@ fn args() -> Result<Args> {
         json: None,
         quick: false,
         gpus: 1,
+        host: false,
+        manual: false,
         threads: 1,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(s) = it.next() {
@@ -265,12 +347,25 @@ fn args() -> Result<Args> {
             }
             "--json" => a.json = Some(it.next().context(format!("--json needs a path\n{USAGE}"))?),
             "--quick" => a.quick = true,
+            "--host" => a.host = true,
+            "--manual" => a.manual = true,
             "--gpus" => {
                 a.gpus = it
                     .next()
                     .and_then(|v| v.parse().ok())
                     .filter(|n| (1..=2).contains(n))
                     .context(format!("--gpus needs 1 or 2\n{USAGE}"))?
+            }
+            "--only" => {
+                let list = it.next().context(format!("--only needs a list\n{USAGE}"))?;
+                let parts: Vec<String> = list.split(',').map(|p| p.trim().to_string()).collect();
+                if let Some(p) = parts.iter().find(|p| !PARTS.contains(&p.as_str())) {
+                    bail!(
+                        "--only: unknown part {p:?} (parts: {})\n{USAGE}",
+                        PARTS.join(",")
+                    );
+                }
+                a.only = Some(parts);
             }
             "--threads" => {
                 a.threads = it
@@ -295,9 +390,11 @@ fn strict_name(s: &StrictMode) -> String {
 
 struct Bench {
     a: Nic,
+    /// `--manual`: `a` has no progress thread; the bench runs its rounds while it waits.
+    manual: bool,
     lanes: Vec<Lane>,
     mem: Mem,
-    atom_buf: Arc<DeviceBuffer>,
+    atom_buf: Buf,
     reps: usize,
     records: Vec<Record>,
 }
@@ -318,6 +415,7 @@ impl Bench {
                     Op::FetchAdd(_) => unreachable!(),
                 };
                 let t = batches(
+                    self.manual.then_some(&self.a),
                     &mut self.lanes[..qps],
                     SMALL_BATCH,
                     &|_| op,
@@ -333,6 +431,7 @@ impl Bench {
                 self.records.push(
                     Record::new("emu_small_ops", qps, bytes)
                         .num("mops", mops)
+                        .num("ns_per_wqe", 1e3 / mops)
                         .flag("inline", inline),
                 );
             }
@@ -347,18 +446,18 @@ impl Bench {
             (MAX_QPS, false),
             (MAX_QPS, true),
         ] {
-            self.atom_buf.fill_bytes(0)?;
-            settle(self.atom_buf.context())?;
+            self.atom_buf.fill(0)?;
             // Each QP's own word on its own 64-byte line, or all on word 0.
             let off = move |k: usize| Op::FetchAdd(if shared { 0 } else { 64 * k as u64 });
             let t = batches(
+                self.manual.then_some(&self.a),
                 &mut self.lanes[..qps],
                 SMALL_BATCH,
                 &off,
                 &self.mem,
                 self.reps,
             )?;
-            let words: Vec<u64> = self.atom_buf.download(0, 64 * MAX_QPS / 8)?;
+            let words = self.atom_buf.words(64 * MAX_QPS / 8)?;
             let per_qp = (SMALL_BATCH * (self.reps + 1)) as u64;
             let ok = if shared {
                 words[0] == per_qp * qps as u64
@@ -378,6 +477,7 @@ impl Bench {
             self.records.push(
                 Record::new("emu_atomics", qps, 8)
                     .num("mops", mops)
+                    .num("ns_per_wqe", 1e3 / mops)
                     .flag("shared", shared),
             );
         }
@@ -386,7 +486,13 @@ impl Bench {
 
     fn write_latency(&mut self, iters: usize) -> Result<()> {
         for (op, inline) in [(Op::Inline(8), true), (Op::Write(8), false)] {
-            let lat = latency(&mut self.lanes[..1], op, &self.mem, iters)?;
+            let lat = latency(
+                self.manual.then_some(&self.a),
+                &mut self.lanes[..1],
+                op,
+                &self.mem,
+                iters,
+            )?;
             let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
             println!(
                 "{:<18} {:>4} {:>9} {:>7} {p50:>10.2} us p50, {p99:.2} us p99 ({} samples)",
@@ -411,6 +517,7 @@ impl Bench {
             for bytes in [64usize << 10, 1 << 20, 4 << 20, MAX_BYTES] {
                 let n = ((256usize << 20) / bytes).clamp(8, RING as usize);
                 let t = batches(
+                    self.manual.then_some(&self.a),
                     &mut self.lanes[..qps],
                     n,
                     &|_| Op::Write(bytes),
@@ -442,6 +549,7 @@ impl Bench {
             // 256 MiB in all: about 5 ms at the line rate.
             let n = 256 / qps;
             let t = batches(
+                self.manual.then_some(&self.a),
                 &mut self.lanes[..qps],
                 n,
                 &|_| Op::Write(bytes),
@@ -449,7 +557,13 @@ impl Bench {
                 self.reps,
             )?;
             let gbps = (qps * n * bytes) as f64 / t / 1e9;
-            let lat = latency(&mut self.lanes[..qps], Op::Inline(8), &self.mem, iters)?;
+            let lat = latency(
+                self.manual.then_some(&self.a),
+                &mut self.lanes[..qps],
+                Op::Inline(8),
+                &self.mem,
+                iters,
+            )?;
             let p50 = percentile(&lat, 0.5);
             println!(
                 "{:<18} {qps:>4} {bytes:>9} {:>7} {gbps:>10.2} GB/s of {LINE_RATE_GBPS} ({:.1} %); 8-byte write {p50:.2} us p50 of {LINE_LATENCY_US} us",
@@ -500,19 +614,64 @@ fn settle(ctx: &CudaContext) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    let args = args()?;
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// The two NICs (the sender with `threads` progress threads) and, on GPUs, the backend that
+/// holds GPU 0's agent while they live, the contexts and the machine in words.
+struct Setup {
+    /// Kept alive: peers find each other through it.
+    fabric: Fabric,
+    a: Nic,
+    b: Nic,
+    holder: Option<ibgda_emu::CudaMemory>,
+    ctxs: Option<(Arc<CudaContext>, Arc<CudaContext>)>,
+    agent: bool,
+    machine: String,
+}
+
+fn setup(args: &Args, strict: &str) -> Result<Setup> {
+    let cfg = |name: &str| NicConfig::named(name);
+    let sender = |name: &str| {
+        let c = cfg(name).progress_threads(args.threads);
+        if args.manual {
+            c.manual()
+        } else {
+            c
+        }
+    };
+    let fabric = Fabric::new();
+    if args.host {
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        println!(
+            "emulated NICs: 2 on host memory ({cores} cores), {} on the sender; strict mode \
+             {strict} (IBGDA_EMU_STRICT=0 turns it off)",
+            if args.manual {
+                "no progress thread (--manual)".to_string()
+            } else {
+                format!("{} progress thread(s)", args.threads)
+            }
+        );
+        return Ok(Setup {
+            a: fabric.host_nic(sender("nic-a"))?,
+            b: fabric.host_nic(cfg("nic-b"))?,
+            fabric,
+            holder: None,
+            ctxs: None,
+            agent: false,
+            machine: format!("{} / host memory, {cores} cores", hostname()),
+        });
+    }
     let (c0, c1) = contexts(args.gpus)?;
     let machine = format!(
         "{} / {}x {}",
-        std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "?".into()),
+        hostname(),
         args.gpus,
         c0.name().unwrap_or_default()
     );
-    let cfg = |name: &str| NicConfig::named(name);
-    let strict = strict_name(&cfg("x").strict);
     // The NICs below share this GPU's agent, if it runs (it lives while any backend holds it).
     let holder = ibgda_emu::CudaMemory::new(&c0)?;
     let agent = holder.uses_agent();
@@ -527,21 +686,43 @@ fn main() -> Result<()> {
         if agent { "on" } else { "off" },
         ibgda_emu::AGENT_ENV
     );
+    Ok(Setup {
+        a: fabric.cuda_nic(&c0, sender("nic-a"))?,
+        b: fabric.cuda_nic(&c1, cfg("nic-b"))?,
+        fabric,
+        holder: Some(holder),
+        ctxs: Some((c0, c1)),
+        agent,
+        machine,
+    })
+}
 
-    let fabric = Fabric::new();
-    let a = fabric.cuda_nic(&c0, cfg("nic-a").progress_threads(args.threads))?;
-    let b = fabric.cuda_nic(&c1, cfg("nic-b"))?;
-    let src = Arc::new(DeviceBuffer::new(&c0, MAX_BYTES)?);
-    let dst = Arc::new(DeviceBuffer::new(&c1, MAX_QPS * MAX_BYTES)?);
-    let atom_buf = Arc::new(DeviceBuffer::new(&c1, 64 * MAX_QPS)?);
-    let fetch = Arc::new(DeviceBuffer::new(&c0, 8 * 512)?);
-    src.fill_bytes(0x5a)?;
-    settle(&c0)?;
+fn main() -> Result<()> {
+    let args = args()?;
+    let strict = strict_name(&NicConfig::named("x").strict);
+    let Setup {
+        fabric: _fabric,
+        a,
+        b,
+        holder,
+        ctxs,
+        agent,
+        machine,
+    } = setup(&args, &strict)?;
+    let (c0, c1) = match &ctxs {
+        Some((c0, c1)) => (Some(c0), Some(c1)),
+        None => (None, None),
+    };
+    let src = Buf::new(c0, MAX_BYTES)?;
+    let dst = Buf::new(c1, MAX_QPS * MAX_BYTES)?;
+    let atom_buf = Buf::new(c1, 64 * MAX_QPS)?;
+    let fetch = Buf::new(c0, 8 * 512)?;
+    src.fill(0x5a)?;
     let mem = Mem {
-        src: a.register_device(&src, 0, MAX_BYTES, Access::NONE)?,
-        dst: b.register_device(&dst, 0, MAX_QPS * MAX_BYTES, Access::REMOTE_WRITE)?,
-        atom: b.register_device(&atom_buf, 0, 64 * MAX_QPS, Access::REMOTE_ATOMIC)?,
-        fetch: a.register_device(&fetch, 0, 8 * 512, Access::LOCAL_WRITE)?,
+        src: src.register(&a, MAX_BYTES, Access::NONE)?,
+        dst: dst.register(&b, MAX_QPS * MAX_BYTES, Access::REMOTE_WRITE)?,
+        atom: atom_buf.register(&b, 64 * MAX_QPS, Access::REMOTE_ATOMIC)?,
+        fetch: fetch.register(&a, 8 * 512, Access::LOCAL_WRITE)?,
     };
     let mut lanes = Vec::new();
     let mut peers = Vec::new();
@@ -559,6 +740,7 @@ fn main() -> Result<()> {
     }
     let mut bench = Bench {
         a,
+        manual: args.manual,
         lanes,
         mem,
         atom_buf,
@@ -570,11 +752,26 @@ fn main() -> Result<()> {
         "{:<18} {:>4} {:>9} {:>7} {:>10}",
         "bench", "qps", "bytes", "kind", "result"
     );
-    bench.small_ops()?;
-    bench.atomics()?;
-    bench.write_latency(iters)?;
-    bench.bandwidth()?;
-    bench.shaped(iters / 5)?;
+    let runs = |part: &str| {
+        args.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|p| p == part))
+    };
+    if runs("small") {
+        bench.small_ops()?;
+    }
+    if runs("atomics") {
+        bench.atomics()?;
+    }
+    if runs("latency") {
+        bench.write_latency(iters)?;
+    }
+    if runs("bw") {
+        bench.bandwidth()?;
+    }
+    if runs("shaped") {
+        bench.shaped(iters / 5)?;
+    }
     drop(holder);
     for l in &bench.lanes {
         let st = bench.a.qp_status(l.qp.qpn())?;
@@ -590,8 +787,15 @@ fn main() -> Result<()> {
             .iter()
             .map(|r| {
                 let mut f: Vec<String> = r.0.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
-                f.push(format!("\"ranks\": 2, \"gpus\": {}", args.gpus));
-                f.push(format!("\"progress_threads\": {}", args.threads));
+                let (gpus, memory) = if args.host {
+                    (0, "host")
+                } else {
+                    (args.gpus, "gpu")
+                };
+                f.push(format!("\"ranks\": 2, \"gpus\": {gpus}"));
+                f.push(format!("\"memory\": {}", json_str(memory)));
+                let threads = if args.manual { 0 } else { args.threads };
+                f.push(format!("\"progress_threads\": {threads}"));
                 f.push(format!("\"strict\": {}", json_str(&strict)));
                 f.push(format!("\"agent\": {agent}"));
                 f.push(format!("\"date\": {}", json_str(&date)));
