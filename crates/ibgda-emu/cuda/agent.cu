@@ -8,11 +8,9 @@
 // Warp 0 reads the ring 32 slots at a time (one PCIe round trip for a batch). The commands of
 // different QPs (lanes) in a batch run side by side, while the commands of one lane run in ring
 // order: round r runs each lane's r-th command of the batch, atomics and CQEs one per thread of
-// warp 0, copies side by side, each by its own group of the block's threads (the whole block for
-// a lone copy: a copy is bound by the bytes in flight; a quarter of a warp each for 32 small
-// ones, which are bound by one memory latency). A round ends with a system fence and a block
-// barrier, so a CQE, always a later command of its lane than the data it reports, lands after
-// that data.
+// warp 0, copies one after another by the whole block (a copy is bound by the bytes in flight,
+// so every warp of the block takes part). A round ends with a system fence and a block barrier,
+// so a CQE, always a later command of its lane than the data it reports, lands after that data.
 //
 // Idle exit (the host's side is in crates/ibgda-emu/src/agent.rs): cuMemFree and module loads
 // wait for every kernel of the context, so a kernel that never ends would hang them. Idle for
@@ -124,15 +122,6 @@ __device__ void block_copy(uint64_t dst, uint64_t src, uint32_t n, unsigned tid,
             reinterpret_cast<uint8_t*>(dst)[i] = ld_u8(reinterpret_cast<const uint8_t*>(src) + i);
         }
     }
-}
-
-// Threads per copy when `copies` copies (1..32) share a round: the largest power of two with
-// room for every copy in the block (nthreads / 32 = 8 at least with 256 threads), so a lone copy
-// keeps the whole block and 32 copies move side by side, each with a quarter of a warp.
-__device__ __forceinline__ unsigned copy_group_threads(unsigned nthreads, unsigned copies) {
-    unsigned group = nthreads;
-    while (group > 1 && group * copies > nthreads) group /= 2;
-    return group;
 }
 
 // a + b over `bits` bits, the carry out of every bit set in `boundary` dropped.
@@ -358,20 +347,8 @@ extern "C" __global__ void __launch_bounds__(EMU_AGENT_MAX_THREADS, 1) emu_agent
         for (unsigned r = 0; r < rounds; ++r) {
             const bool act = scheduler && mine && rank == r;
             if (act && c.op != EMU_AGENT_OP_COPY) do_scalar(c);
-            // The round's copies have no order among themselves: each gets its own group of
-            // threads, all at once, so the round costs one memory latency, not one per copy.
-            unsigned copies = 0;
-            for (unsigned j = 0; j < count; ++j) copies += sh_copy[j] && sh_rank[j] == r;
-            if (copies > 0) {
-                const unsigned group = copy_group_threads(nthreads, copies);
-                unsigned k = 0;
-                for (unsigned j = 0; j < count; ++j) {
-                    if (!(sh_copy[j] && sh_rank[j] == r)) continue;
-                    if (tid / group == k) {
-                        block_copy(sh_dst[j], sh_src[j], sh_len[j], tid % group, group);
-                    }
-                    ++k;
-                }
+            for (unsigned j = 0; j < count; ++j) {
+                if (sh_copy[j] && sh_rank[j] == r) block_copy(sh_dst[j], sh_src[j], sh_len[j], tid, nthreads);
             }
             // Every thread's writes of the round are visible before any lane's done word moves
             // and before the next round (a CQE) writes.

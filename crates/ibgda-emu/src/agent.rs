@@ -609,58 +609,39 @@ impl Agent {
             .push(i);
     }
 
-    /// Publishes `cmds` in order, each with its payload (at most [`PAYLOAD_BYTES`], copied into
-    /// its slot and named by the command's `src` when not empty), and returns the last one's
-    /// number (0 for none) once an agent is sure to run them (relaunching the kernel after an
-    /// idle exit). Waits, at most `timeout`, for free slots. One take of the producer lock, one
-    /// fence and one read of the state word for them all: a lane publishes what it gathered in
-    /// a progress round at once.
-    pub fn push_all<'p>(
+    /// Publishes `cmd` (with `payload`, at most [`PAYLOAD_BYTES`], copied into its slot and
+    /// named by `cmd.src` when not empty) and returns its number once an agent is sure to run it
+    /// (relaunching the kernel after an idle exit). Waits, at most `timeout`, for a free slot.
+    pub fn push(
         &self,
-        cmds: impl IntoIterator<Item = (AgentCmd, &'p [u8])>,
+        mut cmd: AgentCmd,
+        payload: &[u8],
         timeout: Duration,
     ) -> Result<u64, EmuError> {
+        debug_assert!(payload.len() <= PAYLOAD_BYTES);
         let mut next = self.producer.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = 0;
-        for (mut cmd, payload) in cmds {
-            debug_assert!(payload.len() <= PAYLOAD_BYTES);
-            let seq = *next;
-            if seq - self.done() > RING_SLOTS as u64 {
-                if last != 0 {
-                    // What this call published so far is covered before it waits for room (as
-                    // one command at a time would be), outside the lock: a relaunch is a
-                    // driver call.
-                    drop(next);
-                    self.cover_published()?;
-                    next = self.producer.lock().unwrap_or_else(|p| p.into_inner());
-                }
-                let seq = *next;
-                self.wait_done(
-                    seq - RING_SLOTS as u64,
-                    timeout,
-                    "a free slot in the agent's ring",
-                )?;
-            }
-            // Another producer may have taken numbers while the lock was let go.
-            let seq = *next;
-            let at = slot_of(seq, RING_SLOTS) * SLOT_BYTES;
-            if !payload.is_empty() {
-                self.ring.write(at + 64, payload);
-                cmd.src = self.ring_dev + (at + 64) as u64;
-            }
-            cmd.seq = 0;
-            self.ring.write(at + 8, &cmd.to_bytes()[8..]);
-            // Release: the fields and payload above are visible before the number.
-            self.ring.store_u64(at, seq);
-            *next = seq + 1;
-            last = seq;
+        let seq = *next;
+        if seq - self.done() > RING_SLOTS as u64 {
+            self.wait_done(
+                seq - RING_SLOTS as u64,
+                timeout,
+                "a free slot in the agent's ring",
+            )?;
         }
+        let at = slot_of(seq, RING_SLOTS) * SLOT_BYTES;
+        if !payload.is_empty() {
+            self.ring.write(at + 64, payload);
+            cmd.src = self.ring_dev + (at + 64) as u64;
+        }
+        cmd.seq = 0;
+        self.ring.write(at + 8, &cmd.to_bytes()[8..]);
+        // Release: the fields and payload above are visible before the number.
+        self.ring.store_u64(at, seq);
+        *next = seq + 1;
         // A relaunch is a driver call: not under the producer lock.
         drop(next);
-        if last != 0 {
-            self.cover_published()?;
-        }
-        Ok(last)
+        self.cover_published()?;
+        Ok(seq)
     }
 
     /// Waits, at most `timeout`, until command `seq` has landed.

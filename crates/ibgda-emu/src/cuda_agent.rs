@@ -19,10 +19,6 @@
 //!
 //! A mark is a pair (last command number, copy-engine value), landed when both words have them.
 //!
-//! Commands free to go are gathered in the lane's outbox and published together, 32 at a time
-//! or when the round ends, and always before anything waits on them (a stream wait, a mark, a
-//! fence): one producer lock, fence and state-word read per batch instead of per command.
-//!
 //! The agent runs a lane's commands in order. Under strict mode's relaxed ordering
 //! ([`Lane::set_relaxed`]) the lane keeps its atomics back until the next barrier (a fenced
 //! WQE), CQE, mark, fence or the end of the round, so that writes after an unfenced atomic land
@@ -54,57 +50,6 @@ struct Held {
 
 /// Copies most in one group (the agent reads 32 commands at a time).
 const MAX_JOIN: usize = 32;
-
-/// Commands a lane gathers before it publishes them without waiting for the end of the round:
-/// one agent batch, so the agent starts on them while the engine decodes the next ones.
-const OUTBOX_BATCH: usize = 32;
-
-/// Commands numbered and free to go, gathered to be published together ([`Agent::push_all`]:
-/// one producer lock, one fence and one state-word read for them all, not one per command).
-/// Everything in it precedes every held command of the lane.
-#[derive(Debug, Default)]
-struct Outbox {
-    /// Each command with its payload's range in `payload`.
-    cmds: Vec<(AgentCmd, std::ops::Range<usize>)>,
-    payload: Vec<u8>,
-}
-
-impl Outbox {
-    fn add(&mut self, cmd: AgentCmd, payload: &[u8]) {
-        let at = self.payload.len();
-        self.payload.extend_from_slice(payload);
-        self.cmds.push((cmd, at..at + payload.len()));
-    }
-
-    fn len(&self) -> usize {
-        self.cmds.len()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.cmds.is_empty()
-    }
-
-    /// Publishes everything gathered, then `after` (commands that follow them in the lane).
-    fn publish(
-        &mut self,
-        agent: &Agent,
-        after: Vec<Held>,
-        timeout: Duration,
-    ) -> Result<(), EmuError> {
-        if self.is_empty() && after.is_empty() {
-            return Ok(());
-        }
-        let gathered = self
-            .cmds
-            .iter()
-            .map(|(c, r)| (*c, &self.payload[r.clone()]));
-        let ready = after.iter().map(|h| (h.cmd, h.payload.as_slice()));
-        let r = agent.push_all(gathered.chain(ready), timeout);
-        self.cmds.clear();
-        self.payload.clear();
-        r.map(|_| ())
-    }
-}
 
 /// The lane's copies since its last order point (the engine's [`Lane::order_point`], a barrier,
 /// the end of a round, or any command that is not a copy): they may land in any order among
@@ -255,7 +200,6 @@ pub(crate) struct AgentLane {
     /// Pinned bytes the agent writes a synchronous atomic's old value into.
     scratch: HostBuffer,
     order: LaneOrder,
-    outbox: Outbox,
     group: JoinGroup,
     /// Strict mode's relaxed ordering: atomics wait in `relaxed_atomics` until a barrier.
     relaxed: bool,
@@ -289,7 +233,6 @@ impl AgentLane {
             // The words keep the last values a previous owner of the index left; go on from
             // there (its work has landed: lanes fence when dropped).
             order: LaneOrder::new(agent.lane_done(index), agent.ce_word(index)),
-            outbox: Outbox::default(),
             group: JoinGroup::default(),
             relaxed: false,
             relaxed_atomics: Vec::new(),
@@ -297,19 +240,15 @@ impl AgentLane {
         }))
     }
 
-    /// Numbers `cmd` and gathers it for publishing (at the latest when the round ends, see
-    /// [`publish_ready`](Self::publish_ready)), or holds it while earlier copy-engine work (or
-    /// an earlier held command) has not landed.
+    /// Numbers `cmd` and publishes it, or holds it while earlier copy-engine work (or an earlier
+    /// held command) has not landed.
     fn submit(&mut self, mut cmd: AgentCmd, payload: &[u8]) -> Result<(), EmuError> {
         cmd.lane = self.index;
         if let Some(cmd) = self
             .order
             .submit(cmd, payload, self.agent.ce_word(self.index))
         {
-            self.outbox.add(cmd, payload);
-            if self.outbox.len() >= OUTBOX_BATCH {
-                self.outbox.publish(&self.agent, Vec::new(), self.timeout)?;
-            }
+            self.agent.push(cmd, payload, self.timeout)?;
         }
         Ok(())
     }
@@ -335,15 +274,15 @@ impl AgentLane {
         self.submit(cmd, payload)
     }
 
-    /// Publishes the gathered commands, then the held ones whose copy-engine work has landed.
-    /// Returns whether some are still held.
+    /// Publishes the held commands whose copy-engine work has landed. Returns whether some are
+    /// still held.
     fn publish_ready(&mut self) -> Result<bool, EmuError> {
-        let ready = if self.order.held.is_empty() {
-            Vec::new()
-        } else {
-            self.order.ready(self.agent.ce_word(self.index))
-        };
-        self.outbox.publish(&self.agent, ready, self.timeout)?;
+        if self.order.held.is_empty() {
+            return Ok(false);
+        }
+        for h in self.order.ready(self.agent.ce_word(self.index)) {
+            self.agent.push(h.cmd, &h.payload, self.timeout)?;
+        }
         Ok(!self.order.held.is_empty())
     }
 
@@ -493,7 +432,7 @@ impl Lane for AgentLane {
             Loc::Device(d) => {
                 for (k, chunk) in bytes.chunks(PAYLOAD_BYTES).enumerate() {
                     let at = d + (k * PAYLOAD_BYTES) as u64;
-                    // The source is the slot's payload (`Agent::push_all` fills it in).
+                    // The source is the slot's payload (`Agent::push` fills it in).
                     self.submit_copy(at, 0, chunk.len() as u32, chunk)?;
                 }
                 Ok(())
@@ -626,7 +565,7 @@ impl Lane for AgentLane {
     }
 
     fn busy(&self) -> bool {
-        !self.order.held.is_empty() || !self.outbox.is_empty()
+        !self.order.held.is_empty()
     }
 }
 
@@ -636,21 +575,6 @@ mod tests {
 
     fn cmd(dst: u64) -> AgentCmd {
         AgentCmd::copy(0, dst, 0x9000, 8)
-    }
-
-    #[test]
-    fn the_outbox_keeps_each_payload_with_its_command() {
-        let mut o = Outbox::default();
-        o.add(cmd(1), b"abc");
-        o.add(cmd(2), &[]);
-        o.add(cmd(3), b"de");
-        assert_eq!(o.len(), 3);
-        let got: Vec<(u64, &[u8])> = o
-            .cmds
-            .iter()
-            .map(|(c, r)| (c.dst, &o.payload[r.clone()]))
-            .collect();
-        assert_eq!(got, [(1, &b"abc"[..]), (2, &b""[..]), (3, &b"de"[..])]);
     }
 
     #[test]

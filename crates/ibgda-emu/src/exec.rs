@@ -248,27 +248,21 @@ pub(crate) unsafe fn apply(
     }
 }
 
-/// Executes one decoded WQE at once: [`plan`] into `scratch` (empty, and left empty: its
-/// vectors are reused from WQE to WQE), then [`apply`] of every effect in order. Returns `Err`
-/// only when the backend itself failed.
+/// Executes one decoded WQE at once: [`plan`], then [`apply`] of every effect in order. Returns
+/// `Err` only when the backend itself failed.
 pub(crate) fn execute(
     op: &WqeOp<'_>,
     cx: &ExecCtx<'_>,
     lane: &mut dyn Lane,
-    scratch: &mut Planned,
 ) -> Result<Outcome, EmuError> {
-    let outcome = plan(op, cx, scratch);
-    let mut r = Ok(());
-    for e in &scratch.effects {
-        // SAFETY: `plan` checked every range against the registrations, which `scratch` holds.
-        r = unsafe { apply(e, lane, cx.fetch_order, cx.timeout) };
-        if r.is_err() {
-            break;
-        }
+    let mut planned = Planned::default();
+    let outcome = plan(op, cx, &mut planned);
+    for e in &planned.effects {
+        // SAFETY: `plan` checked every range against the registrations, which live while the
+        // round that called this runs.
+        unsafe { apply(e, lane, cx.fetch_order, cx.timeout)? };
     }
-    scratch.effects.clear();
-    scratch.held.clear();
-    r.map(|()| outcome)
+    Ok(outcome)
 }
 
 /// Checks one decoded WQE against the registrations and, when every check passes, pushes the

@@ -192,9 +192,6 @@ struct PendingCqe {
     bytes: [u8; 64],
 }
 
-/// Longest WQE: DS is 6 bits, so at most 63 16-byte units, within 16 WQEBBs.
-const MAX_WQE_BYTES: usize = 16 * WQEBB_BYTES;
-
 /// WQEBBs read from the ring in one go (a copy per batch, not per WQE, when the ring is in GPU
 /// memory).
 const RING_READ_AHEAD: u64 = 256;
@@ -226,8 +223,6 @@ pub(crate) struct QpEngine {
     check_ctrl: bool,
     /// Strict mode: WQEs started but not completed (reordering on).
     pipeline: Option<Pipeline>,
-    /// The effects of the WQE being executed; empty between WQEs, its vectors reused.
-    planned: Planned,
 }
 
 /// What one engine step reads besides its QP.
@@ -275,7 +270,6 @@ impl QpEngine {
             ring_cache: (0, Vec::new()),
             check_ctrl: strict.check_ctrl,
             pipeline: strict.reorder.map(|r| Pipeline::new(r, qpn, device)),
-            planned: Planned::default(),
         }
     }
 
@@ -407,23 +401,19 @@ impl QpEngine {
             .unwrap_or_else(Instant::now)
     }
 
-    /// Copies the WQEBBs `[index, index + count)` into `out` (`count` WQEBBs long), read
-    /// through the cache.
+    /// The WQEBBs `[index, index + count)`, read through the cache.
     fn ring_bytes(
         &mut self,
         backend: &dyn MemoryBackend,
         index: u64,
         count: u64,
-        out: &mut [u8],
-    ) -> Result<(), EmuError> {
+    ) -> Result<Vec<u8>, EmuError> {
         let bb = WQEBB_BYTES as u64;
         let (start, cached) = &self.ring_cache;
         let have = cached.len() as u64 / bb;
         if index < *start || index + count > start + have {
             let want = (self.announced - index).clamp(count, RING_READ_AHEAD.max(count));
-            // The buffer is reused from refill to refill: no allocation once it has grown.
-            let mut buf = std::mem::take(&mut self.ring_cache.1);
-            buf.resize((want * bb) as usize, 0);
+            let mut buf = vec![0u8; (want * bb) as usize];
             let n = self.cfg.nwqebbs as u64;
             let mut done = 0;
             while done < want {
@@ -439,8 +429,7 @@ impl QpEngine {
         }
         let (start, cached) = &self.ring_cache;
         let from = ((index - start) * bb) as usize;
-        out.copy_from_slice(&cached[from..from + (count * bb) as usize]);
-        Ok(())
+        Ok(cached[from..from + (count * bb) as usize].to_vec())
     }
 
     fn run_wqes(&mut self, cx: &StepCtx<'_>) -> Result<bool, EmuError> {
@@ -459,9 +448,7 @@ impl QpEngine {
             budget -= 1;
             let index = self.fetched;
             let avail = self.announced - index;
-            let mut wqe = [0u8; MAX_WQE_BYTES];
-            self.ring_bytes(cx.backend, index, 1, &mut wqe[..WQEBB_BYTES])?;
-            let first = &wqe[..WQEBB_BYTES];
+            let first = self.ring_bytes(cx.backend, index, 1)?;
             let opcode = first[3];
             let ds = first[7] & 0x3f;
             let nbb = ((ds as u64 * 16).div_ceil(WQEBB_BYTES as u64)).max(1);
@@ -488,18 +475,19 @@ impl QpEngine {
                 continue;
             }
             if self.check_ctrl {
-                if let Some((vendor, reason)) = ctrl_mismatch(first, self.qpn, index) {
+                if let Some((vendor, reason)) = ctrl_mismatch(&first, self.qpn, index) {
                     self.fail(cx, index, opcode, syndrome::LOCAL_QP_OP_ERR, vendor, reason)?;
                     self.fetched += nbb;
                     did = true;
                     continue;
                 }
             }
-            let len = nbb as usize * WQEBB_BYTES;
-            if nbb > 1 {
-                self.ring_bytes(cx.backend, index, nbb, &mut wqe[..len])?;
-            }
-            let parsed = parse_wqe(&wqe[..len]);
+            let bytes = if nbb == 1 {
+                first
+            } else {
+                self.ring_bytes(cx.backend, index, nbb)?
+            };
+            let parsed = parse_wqe(&bytes);
             if self.pipeline.is_some() {
                 let (kind, fenced) = match &parsed {
                     Ok(p) => (kind_of(&p.op), !matches!(p.fence(), Some(FenceMode::None))),
@@ -544,6 +532,7 @@ impl QpEngine {
             self.wqes_executed += 1;
             cx.executed.fetch_add(1, Ordering::Relaxed);
             let mut reason = String::new();
+            let mut planned = Planned::default();
             let outcome = if let Some(s) = cx.plan.wqe_fault(self.qpn, self.wqes_executed) {
                 reason = format!("fault plan: WQE {} of this QP fails", self.wqes_executed);
                 Outcome::Failed {
@@ -571,9 +560,9 @@ impl QpEngine {
                             timeout: cx.cfg.op_timeout,
                         };
                         let run = if self.pipeline.is_some() {
-                            Ok(plan(&p.op, &ecx, &mut self.planned))
+                            Ok(plan(&p.op, &ecx, &mut planned))
                         } else {
-                            execute(&p.op, &ecx, self.lane.as_mut(), &mut self.planned)
+                            execute(&p.op, &ecx, self.lane.as_mut())
                         };
                         match run {
                             Ok(o) => o,
@@ -598,7 +587,7 @@ impl QpEngine {
                             opcode,
                             cqe: wants_cqe.then_some((byte_count, due)),
                         };
-                        if let Err(e) = self.start_in_pipeline(cx, owed) {
+                        if let Err(e) = self.start_in_pipeline(cx, owed, planned) {
                             tracing::error!(qpn = self.qpn, index, "backend failure: {e}");
                             self.fail(
                                 cx,
@@ -641,20 +630,21 @@ impl QpEngine {
             .is_none_or(|p| p.admits(kind, fenced))
     }
 
-    /// Starts a checked WQE (its effects in `self.planned`) in the strict pipeline and writes
-    /// the CQEs that became due.
-    fn start_in_pipeline(&mut self, cx: &StepCtx<'_>, owed: Owed) -> Result<(), EmuError> {
+    /// Starts a checked WQE in the strict pipeline and writes the CQEs that became due.
+    fn start_in_pipeline(
+        &mut self,
+        cx: &StepCtx<'_>,
+        owed: Owed,
+        planned: Planned,
+    ) -> Result<(), EmuError> {
         let (order, timeout) = (cx.cfg.fetch_order, cx.cfg.op_timeout);
         let lane = &mut self.lane;
         let p = self.pipeline.as_mut().expect("strict pipeline");
-        let now = p.start(owed, &mut self.planned, &mut |e| {
+        p.start(owed, planned, &mut |e| {
             // SAFETY: the effect was planned against live registrations, which the pipeline
-            // (or `planned`, for one applied at once) holds until it completes.
+            // holds until it completes.
             unsafe { apply(e, lane.as_mut(), order, timeout) }
         })?;
-        if let Some(o) = now {
-            self.emit_owed(o)?;
-        }
         self.emit_completed()
     }
 
@@ -718,22 +708,21 @@ impl QpEngine {
 
     /// Writes the CQEs of the WQEs the pipeline has completed, in WQE order.
     fn emit_completed(&mut self) -> Result<(), EmuError> {
-        while let Some(o) = self.pipeline.as_mut().and_then(|p| p.completed().next()) {
-            self.emit_owed(o)?;
-        }
-        Ok(())
-    }
-
-    /// Writes the CQE a completed WQE owes, if it asked for one.
-    fn emit_owed(&mut self, o: Owed) -> Result<(), EmuError> {
-        let Some((byte_count, due)) = o.cqe else {
+        let Some(p) = self.pipeline.as_mut() else {
             return Ok(());
         };
-        let (qpn, index, opcode) = (self.qpn, o.index, o.opcode);
-        self.emit(
-            |owner| Cqe64::requester(owner, index as u16, qpn, opcode, byte_count),
-            due,
-        )
+        let done: Vec<Owed> = p.completed().collect();
+        let qpn = self.qpn;
+        for o in done {
+            if let Some((byte_count, due)) = o.cqe {
+                let (index, opcode) = (o.index, o.opcode);
+                self.emit(
+                    |owner| Cqe64::requester(owner, index as u16, qpn, opcode, byte_count),
+                    due,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// An error CQE (always written, whatever the WQE asked) and the move to the error state.

@@ -284,18 +284,14 @@ impl Pipeline {
     }
 
     /// Starts a checked WQE with its effects (all writes, or one atomic, or none): the first
-    /// chunks of a write land at once, an atomic may be held back. Takes the effects and
-    /// registrations out of `planned`, leaving it empty for the next WQE. Returns the WQE's
-    /// completion when it completed at once with nothing in flight before it (its CQE is due
-    /// now), without queueing it.
+    /// chunks of a write land at once, an atomic may be held back.
     pub fn start(
         &mut self,
         owed: Owed,
-        planned: &mut Planned,
+        planned: Planned,
         apply: &mut dyn FnMut(&Effect) -> Result<(), crate::EmuError>,
-    ) -> Result<Option<Owed>, crate::EmuError> {
-        let effects = std::mem::take(&mut planned.effects);
-        let held = std::mem::take(&mut planned.held);
+    ) -> Result<(), crate::EmuError> {
+        let Planned { effects, held } = planned;
         let work = match effects.first() {
             None => Work::Done,
             Some(Effect::Atomic { .. }) => {
@@ -310,16 +306,7 @@ impl Pipeline {
         });
         let last = self.q.len() - 1;
         self.advance(last, apply)?;
-        if last == 0 && matches!(self.q[0].work, Work::Done) {
-            // Completed at once, first in line: its registrations are released now, and the
-            // vector that held them goes back to `planned` for the next WQE.
-            let e = self.q.pop_front().expect("the entry just started");
-            let mut held = e._held;
-            held.clear();
-            planned.held = held;
-            return Ok(Some(e.owed));
-        }
-        Ok(None)
+        Ok(())
     }
 
     /// Cuts a write's effects into chunks and shuffles them.
@@ -329,23 +316,16 @@ impl Pipeline {
             .div_ceil(self.min_chunk)
             .clamp(1, self.max_chunks as u64);
         let size = total.div_ceil(n).max(1);
-        let mut chunks = if effects.iter().all(|e| e.len() <= size) {
-            // Nothing to cut (a small write): each effect is its own chunk, as its one piece
-            // would be, without copying it.
-            effects
-        } else {
-            let mut chunks = Vec::with_capacity(n as usize + effects.len());
-            for e in &effects {
-                let len = e.len();
-                let mut from = 0;
-                while from < len {
-                    let l = size.min(len - from);
-                    chunks.extend(e.piece(from, l));
-                    from += l;
-                }
+        let mut chunks = Vec::with_capacity(n as usize + effects.len());
+        for e in &effects {
+            let len = e.len();
+            let mut from = 0;
+            while from < len {
+                let l = size.min(len - from);
+                chunks.extend(e.piece(from, l));
+                from += l;
             }
-            chunks
-        };
+        }
         for i in (1..chunks.len()).rev() {
             let j = self.rng.below(i as u64 + 1) as usize;
             chunks.swap(i, j);
@@ -526,7 +506,7 @@ mod tests {
         let mut landed = Vec::new();
         p.start(
             owed(0),
-            &mut planned(vec![put(0, 1000), put(1000, 24)]),
+            planned(vec![put(0, 1000), put(1000, 24)]),
             &mut |e| {
                 landed.push(e.clone());
                 Ok(())
@@ -565,23 +545,6 @@ mod tests {
     }
 
     #[test]
-    fn a_small_write_with_nothing_in_flight_completes_at_once() {
-        let mut p = Pipeline::new(Reorder::new(7), 1, false);
-        let mut planned = planned(vec![put(0, 8)]);
-        let mut landed = 0;
-        let done = p
-            .start(owed(5), &mut planned, &mut |_| {
-                landed += 1;
-                Ok(())
-            })
-            .unwrap();
-        assert_eq!(done.map(|o| o.index), Some(5));
-        assert_eq!(landed, 1);
-        assert!(p.is_empty(), "nothing queued");
-        assert!(planned.effects.is_empty() && planned.held.is_empty());
-    }
-
-    #[test]
     fn a_fence_waits_for_a_held_atomic_and_cqes_stay_in_order() {
         let atomic = Effect::Atomic {
             target: Loc::Host(64),
@@ -593,7 +556,7 @@ mod tests {
             .map(|s| {
                 let mut p = Pipeline::new(Reorder::new(s), 1, false);
                 let mut ran = false;
-                p.start(owed(0), &mut planned(vec![atomic.clone()]), &mut |_| {
+                p.start(owed(0), planned(vec![atomic.clone()]), &mut |_| {
                     ran = true;
                     Ok(())
                 })
@@ -605,7 +568,7 @@ mod tests {
             .0;
         assert!(p.admits(Kind::Write, false), "an unfenced write may pass");
         assert!(!p.admits(Kind::Write, true), "a fenced one may not");
-        p.start(owed(1), &mut planned(vec![put(0, 8)]), &mut |_| Ok(()))
+        p.start(owed(1), planned(vec![put(0, 8)]), &mut |_| Ok(()))
             .unwrap();
         assert_eq!(p.completed().count(), 0, "CQE 1 waits for WQE 0");
         for _ in 0..=MAX_HOLD_STEPS {
