@@ -193,61 +193,6 @@ pub mod ranks {
         })
     }
 
-    /// A host meeting point of the rank threads, bounded: a rank that never comes (it failed or
-    /// panicked) makes the others fail after the bound instead of hanging. Benchmarks meet here
-    /// before each timed operation, so a rank's time does not include another rank's
-    /// preparation (the operation's first exchange would wait for it).
-    #[derive(Debug)]
-    pub struct RankBarrier {
-        ranks: usize,
-        /// (arrived in this generation, generation)
-        state: std::sync::Mutex<(usize, u64)>,
-        cv: std::sync::Condvar,
-    }
-
-    impl RankBarrier {
-        /// A barrier of `ranks` threads.
-        pub fn new(ranks: usize) -> Self {
-            Self {
-                ranks,
-                state: std::sync::Mutex::new((0, 0)),
-                cv: std::sync::Condvar::new(),
-            }
-        }
-
-        /// Waits until every rank has arrived, at most `bound`.
-        pub fn wait(&self, bound: std::time::Duration) -> anyhow::Result<()> {
-            let deadline = std::time::Instant::now() + bound;
-            let mut g = self
-                .state
-                .lock()
-                .map_err(|_| anyhow::anyhow!("a rank panicked at the barrier"))?;
-            let gen = g.1;
-            g.0 += 1;
-            if g.0 == self.ranks {
-                *g = (0, gen.wrapping_add(1));
-                self.cv.notify_all();
-                return Ok(());
-            }
-            while g.1 == gen {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                if left.is_zero() {
-                    anyhow::bail!(
-                        "{} of {} ranks at the barrier after {bound:?}",
-                        g.0,
-                        self.ranks
-                    );
-                }
-                g = self
-                    .cv
-                    .wait_timeout(g, left)
-                    .map_err(|_| anyhow::anyhow!("a rank panicked at the barrier"))?
-                    .0;
-            }
-            Ok(())
-        }
-    }
-
     /// A rank's thread panicked.
     #[derive(Debug)]
     pub struct RankPanicked;
@@ -298,30 +243,6 @@ pub mod ranks {
                 s.spawn(move || drop(b));
             }
         });
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-        use std::time::Duration;
-
-        #[test]
-        fn the_barrier_meets_every_rank_again_and_again_and_bounds_a_missing_one() {
-            let b = RankBarrier::new(3);
-            let mut ranks = vec![0u32; 3];
-            let r: Vec<anyhow::Result<()>> = on_rank_threads(&mut ranks, |_, n| {
-                for _ in 0..50 {
-                    b.wait(Duration::from_secs(10))?;
-                    *n += 1;
-                }
-                Ok::<(), anyhow::Error>(())
-            });
-            assert!(r.iter().all(|r| r.is_ok()));
-            assert_eq!(ranks, vec![50; 3]);
-            let lonely = RankBarrier::new(2);
-            let e = lonely.wait(Duration::from_millis(20)).unwrap_err();
-            assert!(e.to_string().contains("1 of 2 ranks"), "{e}");
-        }
     }
 }
 

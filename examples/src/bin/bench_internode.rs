@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
+use ep::bootstrap::{Communicator, ThreadCommunicator, ThreadGroup};
 use ep::internode::reference;
 use ep::internode::{
     InternodeBuffer, InternodeCombineArgs, InternodeDispatchArgs, InternodeOptions, PhaseTiming,
@@ -31,9 +32,7 @@ use ep::internode::{
 use ep::transport::NicChoice;
 use ep::{Bf16, BufferOptions, DispatchX, Fp8E4M3, StreamOrder, Tensor, TopK};
 use ep_examples::bench::{json_num, json_str, utc_date};
-use ep_examples::ranks::{
-    drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids, RankBarrier,
-};
+use ep_examples::ranks::{drop_on_rank_threads, on_rank_threads, random_bf16, random_topk_ids};
 use ep_examples::{visible_gpus_or_exit, Flags, InternodeSize};
 use ep_kernels::testing::Rng;
 use ibgda_device::cuda::CudaContext;
@@ -167,7 +166,7 @@ fn run_rank(
     fp8: bool,
     want_rows: usize,
     rdma_tokens: usize,
-    meet: &RankBarrier,
+    meet: &ThreadCommunicator,
 ) -> Result<Timing> {
     let r = buf.rank();
     let t = a.size.tokens;
@@ -206,7 +205,7 @@ fn run_rank(
     for round in 0..=rounds {
         let timing_phases = a.phases && round == rounds;
         buf.record_phases(timing_phases);
-        meet.wait(MEET_BOUND)?;
+        meet.barrier()?;
         let t0 = Instant::now();
         let out = buf.dispatch(&args)?;
         let d_ret = t0.elapsed();
@@ -217,7 +216,7 @@ fn run_rank(
             "rank {r}: received {} rows, reference {want_rows}",
             out.num_recv_tokens
         );
-        meet.wait(MEET_BOUND)?;
+        meet.barrier()?;
         let t1 = Instant::now();
         let comb = buf.combine(&InternodeCombineArgs {
             x: &cx,
@@ -403,7 +402,7 @@ fn main() -> Result<()> {
             .sum();
     }
     let date = utc_date();
-    let meet = RankBarrier::new(world);
+    let meet = ThreadGroup::with_timeout(world, MEET_BOUND)?;
     let mut records = Vec::new();
     println!(
         "{:<20} {:<5} {:>4} {:>10} {:>10} {:>10}",
@@ -419,7 +418,7 @@ fn main() -> Result<()> {
                 fp8,
                 want_rows[r],
                 rdma_tokens[r],
-                &meet,
+                &meet[r],
             )
         });
         let timings: Vec<Timing> = timings.into_iter().collect::<Result<_>>()?;

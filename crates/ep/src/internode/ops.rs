@@ -825,9 +825,10 @@ impl InternodeBuffer {
             "cuLaunchKernel(ep_internode_pack)",
         )?;
         let timing = self.timing_phases();
-        let puts = match timing {
-            true => self.dispatch_put_counts(host_counts, rows, kk),
-            false => Vec::new(),
+        let puts = if timing {
+            self.dispatch_put_counts(host_counts, rows, kk)
+        } else {
+            Vec::new()
         };
         if timing {
             let per_row = rows.row_bytes + 4 * rows.scale_words + 8 * kk;
@@ -883,29 +884,39 @@ impl InternodeBuffer {
     /// (`counts`, as the host read them; empty: unknown), as [`StagedPlan::dispatch_segments`]
     /// plans them.
     fn dispatch_put_counts(&self, counts: &[usize], rows: &Rows, kk: usize) -> Vec<PutCount> {
-        let me = self.my_node();
-        (0..self.nodes())
-            .filter(|&n| n != me && n < counts.len())
-            .filter_map(|n| {
-                let c = counts[n].min(self.plan.cap);
-                let segs =
-                    self.plan
-                        .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)?;
-                Some(put_count(n, &segs.map(|s| s.2), 1))
-            })
-            .collect()
+        self.put_counts(counts, |n, me, c| {
+            let segs =
+                self.plan
+                    .dispatch_segments(n, me, c, rows.row_bytes, rows.scale_words, kk)?;
+            Some(segs.map(|s| s.2).to_vec())
+        })
     }
 
     /// The writes of a combine's put to every other node, `counts[n]` rows back to node `n`
     /// (the rows its rail peer sent at dispatch).
     fn combine_put_counts(&self, counts: &[usize], hidden: usize, kk: usize) -> Vec<PutCount> {
+        self.put_counts(counts, |n, me, c| {
+            let segs = self.plan.combine_segments(n, me, c, hidden, kk)?;
+            Some(segs.map(|s| s.2).to_vec())
+        })
+    }
+
+    /// One [`PutCount`] per other node `n` with a count, its segment sizes from
+    /// `segments(n, this node, rows clamped to the slot)`.
+    fn put_counts(
+        &self,
+        counts: &[usize],
+        segments: impl Fn(usize, usize, usize) -> Option<Vec<usize>>,
+    ) -> Vec<PutCount> {
         let me = self.my_node();
-        (0..self.nodes())
-            .filter(|&n| n != me && n < counts.len())
+        (0..self.nodes().min(counts.len()))
+            .filter(|&n| n != me)
             .filter_map(|n| {
-                let c = counts[n].min(self.plan.cap);
-                let segs = self.plan.combine_segments(n, me, c, hidden, kk)?;
-                Some(put_count(n, &segs.map(|s| s.2), 1))
+                Some(put_count(
+                    n,
+                    &segments(n, me, counts[n].min(self.plan.cap))?,
+                    1,
+                ))
             })
             .collect()
     }
@@ -1523,9 +1534,10 @@ impl InternodeBuffer {
         let shape = plan.combine_shape(me, hidden, kk);
         self.launch_plan_put(&shape, k::PLAN_COMBINE, h.recv_dev.device_address())?;
         self.phase("plan put", PhaseInfo::default())?;
-        let puts = match self.timing_phases() {
-            true => self.combine_put_counts(&h.recv_counts, hidden, kk),
-            false => Vec::new(),
+        let puts = if self.timing_phases() {
+            self.combine_put_counts(&h.recv_counts, hidden, kk)
+        } else {
+            Vec::new()
         };
         let put = k::PutParams {
             table: self.state.ptr() + STATE_TABLE as u64,
