@@ -309,7 +309,9 @@ def _rust_figure(rust, op, dtype, ranks, gpus):
 def _records(world, gpus, per_rank, args, rust):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     common = {"ranks": world, "gpus": gpus, "mode": "procs", "date": date,
-              "machine": f"{gpus}x {per_rank[0]['device']}"}
+              "machine": f"{gpus}x {per_rank[0]['device']}",
+              # What ran: bundle/python/run.sh --bench starts this script with these arguments.
+              "command": " ".join(["python3", os.path.basename(sys.argv[0])] + sys.argv[1:])}
     recs = []
 
     def host(op, dtype, key, section, sizes):
