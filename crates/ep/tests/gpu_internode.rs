@@ -20,7 +20,9 @@ use cudarc::driver::CudaContext;
 use ep::internode::{InternodeBuffer, Topology};
 use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
 use gpu_internode_common::gpu_shared::poison_host;
-use gpu_internode_common::{options, rank_rngs, rank_round, topologies, Case, Round};
+use gpu_internode_common::{
+    options, rank_rngs, rank_round, release_kept, topologies, Case, Round,
+};
 use ibgda_device::protocol::HandlerChoice;
 
 fn run_case(c: &Case) {
@@ -65,6 +67,8 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
             );
             rank_round(c, r, buf, &ctxs[r], &round, &what)
         });
+        // Every rank's round has returned: what the rounds allocated may go now.
+        release_kept();
         let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
         assert!(failures.is_empty(), "seed {s}: {}", failures.join("\n"));
     }
@@ -80,6 +84,7 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
 
 /// Drops every rank's buffer at once (the teardown is a collective).
 fn drop_all(bufs: Vec<InternodeBuffer>) {
+    release_kept();
     std::thread::scope(|sc| {
         for b in bufs {
             sc.spawn(move || drop(b));

@@ -265,6 +265,12 @@ pub trait Lane: Send + fmt::Debug {
         false
     }
 
+    /// The lane's ordering state in one line, for a stuck QP's status (empty when it has none
+    /// worth telling).
+    fn describe(&self) -> String {
+        String::new()
+    }
+
     /// Enqueues writing a 64-byte CQE at `dst` (a device CQ), ordered after everything enqueued
     /// before, with its last 8 bytes (the owner byte) landing last.
     ///

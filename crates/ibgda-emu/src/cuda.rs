@@ -705,4 +705,16 @@ impl Lane for CudaLane {
     fn busy(&self) -> bool {
         self.deferred.as_ref().is_some_and(Deferred::busy)
     }
+
+    fn describe(&self) -> String {
+        format!(
+            "copy-engine lane: marks {} (recorded up to {}, landed up to {}), events {}, \
+             deferred atomics owed {}",
+            self.next_mark,
+            self.recorded_upto,
+            self.landed_upto,
+            self.events.len(),
+            self.deferred.as_ref().is_some_and(Deferred::busy),
+        )
+    }
 }

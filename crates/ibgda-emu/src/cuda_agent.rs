@@ -567,6 +567,26 @@ impl Lane for AgentLane {
     fn busy(&self) -> bool {
         !self.order.held.is_empty()
     }
+
+    fn describe(&self) -> String {
+        let st = self.agent.state();
+        format!(
+            "agent lane {}: issued {}, done word {}, copy-engine value {} (word {}), held {}, \
+             marks {} (landed up to {} of {}), agent generation {} phase {}, commands done {}",
+            self.index,
+            self.order.issued,
+            self.agent.lane_done(self.index),
+            self.order.ce_seq,
+            self.agent.ce_word(self.index),
+            self.order.held.len(),
+            self.order.marks.len(),
+            self.order.landed_upto,
+            self.order.next_mark,
+            st.generation,
+            st.phase,
+            self.agent.done(),
+        )
+    }
 }
 
 #[cfg(test)]

@@ -147,6 +147,9 @@ pub struct QpStatus {
     pub first_error: Option<QpError>,
     /// The peer's node and QP number, once connected.
     pub peer: Option<(NodeId, u32)>,
+    /// The lane's ordering state (empty when it has none worth telling), shown while CQEs
+    /// are pending.
+    pub lane: String,
 }
 
 impl std::fmt::Display for QpStatus {
@@ -169,6 +172,9 @@ impl std::fmt::Display for QpStatus {
         )?;
         if let Some(e) = &self.first_error {
             write!(f, ", first error at WQE {}: {}", e.wqe_index, e.reason)?;
+        }
+        if self.pending_cqes > 0 && !self.lane.is_empty() {
+            write!(f, " [{}]", self.lane)?;
         }
         Ok(())
     }
@@ -287,6 +293,18 @@ impl QpEngine {
             doorbells: self.db.events,
             first_error: self.first_error.clone(),
             peer: self.peer.as_ref().map(|p| (p.node, p.qpn)),
+            lane: match self.pending.front() {
+                Some(p) => format!(
+                    "first pending CQE: mark {}, {}; {}",
+                    p.mark.0,
+                    match p.due {
+                        Some(d) => format!("due in {:?}", d.saturating_duration_since(Instant::now())),
+                        None => "no delay".to_string(),
+                    },
+                    self.lane.describe()
+                ),
+                None => String::new(),
+            },
         }
     }
 

@@ -29,6 +29,30 @@ use ibgda_device::protocol::HandlerChoice;
 pub mod gpu_shared;
 pub use gpu_shared::{random_bf16, random_rank_input, upload};
 
+/// Device memory a rank's round allocated (its inputs, outputs and layouts), kept until every
+/// rank of the round has finished ([`release_kept`]).
+///
+/// Freeing device memory (`cuMemFree`) waits until every kernel of the context has ended and
+/// holds a driver lock meanwhile: a rank that finishes first and frees its inputs while another
+/// rank's kernel still waits for the emulated NIC would block the NIC thread's next driver call
+/// (a copy-engine copy, an agent relaunch) until that kernel times out. Seen on an H200 on
+/// 2026-12-02 in `cpu_host_memory` at 2×2 (rank 3's quiet timed out with every CQE written
+/// afterwards). The emulator's documented rule ("free memory when no kernel waits for the NIC",
+/// `ibgda_emu::agent`) applies to tests as to users; a hardware NIC needs no such care.
+static KEPT: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Keeps `x` alive until [`release_kept`].
+pub fn keep<T: std::any::Any + Send>(x: T) {
+    KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(x));
+}
+
+/// Frees what the rounds kept: call it once every rank's round has returned.
+pub fn release_kept() {
+    let kept = std::mem::take(&mut *KEPT.lock().unwrap_or_else(|p| p.into_inner()));
+    drop(kept);
+}
+
 pub const TOPOLOGIES: [(usize, usize); 4] = [(2, 1), (2, 2), (2, 4), (4, 2)];
 
 #[derive(Debug, Clone)]
@@ -611,12 +635,14 @@ pub fn rank_round(
         .ok_or("no combined weights")?
         .to_host()
         .map_err(e)?;
-    check_combine(
+    let checked = check_combine(
         (&gx, Some(&gw)),
         &round.want_combine[r],
         &round.abs_combine[r].0,
         &format!("{what} combine"),
-    )
+    );
+    keep((ids, weights, layout, up, out, cached, cx, cw, bias, comb));
+    checked
 }
 
 /// One generator per rank, all from `seed`: every process of a group draws every rank's inputs
