@@ -49,24 +49,38 @@ __device__ __forceinline__ int ld_volatile_i32(const int* p) {
     return static_cast<int>(ld_volatile_u32(reinterpret_cast<const uint32_t*>(p)));
 }
 
+// A strong (relaxed, system-scope) 64-bit store: after a system fence of the same thread it is a
+// release (the PTX memory model's release pattern: a fence followed by a strong write).
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // This kernel's barrier epoch: one past the last one this rank used, kept in its own signal
 // region and advanced here, on the GPU. Kernel parameters carry no epoch the barriers rely on, so
 // a replayed CUDA graph takes fresh epochs; every rank runs the same epoch-taking kernels in the
 // same order (notify, dispatch; barrier, combine or pull), so the ranks' counters agree. Only this
-// rank's kernels, ordered on its one stream, write the counter. Every thread of the block calls
-// this; thread 0 advances it, with release: what the block wrote before (its link set among it)
-// is visible to a peer that reads the new epoch (OneSidedMask).
-__device__ __forceinline__ uint64_t next_epoch(const uint64_t* signals, int rank) {
+// rank's kernels, ordered on its one stream, write the counter.
+//
+// Every thread of the block calls this; it also releases the epoch to the linked peers (as
+// release_to_peers in device.cuh: thread r < ranks in `links` fences and stores rank r's flag
+// slot for this rank). Thread 0 advances the counter after the same system fence, so the
+// counter's store is a release as well: what the block wrote before (its link set among it,
+// ordered by the __syncthreads here) is visible to a peer that reads the new epoch with acquire
+// (OneSidedMask). One system fence per releasing thread, as the release alone takes: a fence of
+// the counter's own would put a second one on thread 0's path, ahead of every peer's release.
+__device__ __forceinline__ uint64_t next_epoch_released(const uint64_t* signals, int rank, int ranks,
+                                                        uint32_t links) {
     __shared__ uint64_t epoch;
+    SignalHead* mine = signal_of(signals, rank);
+    if (threadIdx.x == 0) epoch = mine->epoch + 1;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        SignalHead* mine = signal_of(signals, rank);
-        epoch = mine->epoch + 1;
-        __threadfence_system();
-        st_release_sys(&mine->epoch, epoch);
-    }
-    __syncthreads();
-    return epoch;
+    const uint64_t e = epoch;
+    const int r = threadIdx.x;
+    const bool to_peer = r < ranks && linked(links, r);
+    if (to_peer || r == 0) __threadfence_system();
+    if (r == 0) st_relaxed_sys(&mine->epoch, e);
+    if (to_peer) st_release_sys(&signal_of(signals, r)->flag[rank], e);
+    return e;
 }
 
 // `v`, a count read from a layout tensor, clamped to [0, limit]; one out of range is reported
@@ -81,15 +95,16 @@ __device__ __forceinline__ int checked_count(int v, int limit, bool report, uint
 }
 
 // After a barrier: every linked peer published the link set this rank has (thread r checks peer r,
-// whose release it acquired). Returns false on every thread of the block after recording
-// kErrMaskMismatch for the first that differs.
+// whose release it acquired). This rank's own entry is not read back: this block wrote it, with
+// `links`, before its release (a rank alone on its GPU has no other to check). Returns false on
+// every thread of the block after recording kErrMaskMismatch for the first that differs.
 __device__ __forceinline__ bool links_agree(const uint64_t* signals, int rank, int ranks, uint32_t links,
                                             uint64_t epoch, uint64_t error) {
     __shared__ int differ;
     if (threadIdx.x == 0) differ = 0;
     __syncthreads();
     const int r = threadIdx.x;
-    if (r < ranks && linked(links, r)) {
+    if (r < ranks && r != rank && linked(links, r)) {
         const uint32_t theirs = ld_volatile_u32(&signal_of(signals, rank)->links[r]);
         if (theirs != links) {
             record_error(error, kErrMaskMismatch, rank, r, kMaskPeerLinks, epoch,
@@ -162,8 +177,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
                     : 0;
         }
     }
-    const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
-    release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
+    const uint64_t epoch = next_epoch_released(p.signal, p.rank, p.ranks, links);  // synchronizes the block
     const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
     if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, kWaitDispatchCounts, links, one_sided))
         return;
@@ -235,8 +249,8 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
 }
 
 // The last block of a push kernel to finish: every block fences its peer stores and counts
-// itself done; the last one then takes the kernel's epoch (as next_epoch does, inline here: a
-// separate barrier for it costs the pull kernel registers), releases it to every peer
+// itself done; the last one then takes the kernel's epoch (as next_epoch_released does, inline
+// here: a separate barrier for it costs the pull kernel registers), releases it to every peer
 // (cumulatively covering all blocks' stores) and waits for every peer's release. Returns true on
 // that block only, after a successful wait.
 __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, int ranks, uint64_t timeout_ns,
@@ -251,7 +265,7 @@ __device__ __forceinline__ bool finish_push(const uint64_t* signals, int rank, i
         last = prev == gridDim.x - 1;
         if (last) {
             mine->blocks_done = 0;  // every block has counted itself: nobody else touches it now
-            epoch = mine->epoch + 1;  // this kernel's epoch (see next_epoch)
+            epoch = mine->epoch + 1;  // this kernel's epoch (see next_epoch_released)
             mine->epoch = epoch;
             __threadfence();
         }
@@ -290,10 +304,18 @@ extern "C" __global__ void __launch_bounds__(kPushThreads, 1) ep_intranode_dispa
     const int n16 = p.row_bytes / 16;
     const int L = p.num_local_experts;
     const int* send_pos = reinterpret_cast<const int*>(p.send_pos);
+    // Lane d < ranks reads destination d's send positions. An unlinked (masked) destination gets
+    // none of this rank's tokens; a position is sent only below `pos_limit`: under the count
+    // published to d and inside d's receive region (send_offset + pos < cap). Read once here:
+    // the loop's stores would make the compiler read the shared copies again every token.
+    const bool lane_sends = lane < p.ranks && linked(links, lane);
+    const int pos_limit =
+        lane_sends ? static_cast<int>(min(static_cast<int64_t>(send_count[lane]),
+                                          static_cast<int64_t>(p.cap) - static_cast<int64_t>(send_offset[lane])))
+                   : 0;
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < p.num_tokens; t += gridDim.x * warps) {
-        // An unlinked (masked) destination gets none of this rank's tokens.
-        int pos = lane < p.ranks && linked(links, lane) ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
-        if (pos >= 0 && (pos >= send_count[lane] || static_cast<int64_t>(send_offset[lane]) + pos >= p.cap)) {
+        int pos = lane_sends ? send_pos[static_cast<int64_t>(t) * p.ranks + lane] : -1;
+        if (pos >= 0 && pos >= pos_limit) {
             // Out of agreement with the published count (tokens_per_rank edited): not sent.
             record_error(p.error, kErrBadRouting, p.rank, send_count[lane] > 0 ? send_count[lane] - 1 : 0,
                          kRoutingSendPosition, static_cast<uint64_t>(t) * p.ranks + lane,
@@ -379,8 +401,7 @@ extern "C" __global__ void __launch_bounds__(kNotifyThreads) ep_intranode_notify
         }
         peer->links[p.rank] = links;
     }
-    const uint64_t epoch = next_epoch(p.signal, p.rank);  // synchronizes the block
-    release_to_peers(p.signal, p.rank, p.ranks, epoch, links);
+    const uint64_t epoch = next_epoch_released(p.signal, p.rank, p.ranks, links);  // synchronizes the block
     const OneSidedMask one_sided{p.signal, p.rank, links, epoch, p.error};
     if (!wait_for_peers(p.signal, p.rank, p.ranks, epoch, p.timeout_ns, p.error, static_cast<uint32_t>(p.what), links,
                         one_sided))

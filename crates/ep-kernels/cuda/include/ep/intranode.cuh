@@ -109,7 +109,7 @@ struct SignalHead {
     uint32_t blocks_done;
     uint32_t pad0;
     // The last barrier epoch the owner used. Only the owner's kernels write it, each advancing it
-    // by one (see next_epoch in intranode.cu): epochs come from the GPU, not from kernel
+    // by one (see next_epoch_released in intranode.cu): epochs come from the GPU, not from kernel
     // parameters, so a replayed CUDA graph takes fresh epochs, and replays and eager calls
     // interleave as long as every rank runs the same operations in the same order. Peers read
     // it (acquire) only to tell a one-sided mask (OneSidedMask in intranode.cu).
