@@ -22,7 +22,9 @@ milliseconds, so graph figures at more ranks than GPUs are not NVLink figures; t
 overhead does not depend on it.
 
 Rank 0 also writes a cProfile of 20 low-latency dispatch + combine pairs
-(``--profile PREFIX``, ``PREFIX_<R>ranks.txt``): where the Python layer's time goes.
+(``--profile PREFIX``, ``PREFIX_<R>ranks.txt``) and of 20 intranode layout + dispatch + combine
+rounds (``PREFIX_<R>ranks_normal.txt``): where the Python layer's time goes, per torch call
+(sorted by own time; torch's C methods appear as ``{method 'copy_' ...}`` rows).
 
 Writes a JSON array of records (each with ``ranks`` and ``gpus``)::
 
@@ -142,6 +144,37 @@ def _profile_ll(torch, buf, inputs, iters, path):
             f.write(text.getvalue())
 
 
+def _profile_normal(torch, buf, inputs, experts, iters, path):
+    """As ``_profile_ll``, over ``iters`` rounds of intranode ``get_dispatch_layout``, dispatch
+    (host-synchronous) and combine (every rank runs them; ``path`` on rank 0 only)."""
+    import cProfile
+    import io
+    import pstats
+
+    x, idx, w = inputs
+    prof = cProfile.Profile() if path else None
+    for i in range(iters):
+        if prof:
+            prof.enable()
+        ntpr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        rx, ri, rw, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntpr,
+                                                 is_token_in_rank=in_rank, num_tokens_per_expert=ntpe)
+        c = buf.combine(rx, handle, topk_weights=rw)
+        if prof:
+            prof.disable()
+        del rx, ri, rw, handle, c
+        if i % SYNC_EVERY == SYNC_EVERY - 1:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    if prof:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        with open(path, "w") as f:
+            f.write(f"cProfile of {iters} get_dispatch_layout + dispatch (host-synchronous) + combine rounds "
+                    "(intranode) on rank 0 (cProfile's own cost inflates every figure; read the proportions)\n")
+            f.write(text.getvalue())
+
+
 class _Zero:
     """Stands in for the native buffer before the first call builds it (its time is set-up)."""
 
@@ -232,7 +265,7 @@ def _intranode_host(torch, dist, deep_ep, rank, world, iters, gen, dev):
         if i % SYNC_EVERY == SYNC_EVERY - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return buf, samples
+    return buf, (x, idx, w), experts, samples
 
 
 def _rank(rank, world, port, iters, ops, replays, profile, results):
@@ -258,8 +291,11 @@ def _rank(rank, world, port, iters, ops, replays, profile, results):
         dist.barrier()
         buf.destroy()
         del buf, inputs
-        nbuf, nt = _intranode_host(torch, dist, deep_ep, rank, world, iters, gen, dev)
+        nbuf, ninputs, nexperts, nt = _intranode_host(torch, dist, deep_ep, rank, world, iters, gen, dev)
         mine["intranode"] = {k: _summary(v) for k, v in nt.items()}
+        if profile:
+            _profile_normal(torch, nbuf, ninputs, nexperts, 20,
+                            f"{profile}_{world}ranks_normal.txt" if rank == 0 else None)
         dist.barrier()
         nbuf.destroy()
         mine["device"] = torch.cuda.get_device_name(dev)

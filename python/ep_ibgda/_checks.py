@@ -23,6 +23,21 @@ def is_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+# dtype object -> its name, for the dtypes seen (torch's are a few singletons; the bound keeps
+# stand-ins made per tensor, as the tests' are, from growing it).
+_DTYPE_NAMES: dict = {}
+_DTYPE_NAMES_MAX = 64
+
+
+def _fast_dtype_name(d: Any) -> str:
+    n = _DTYPE_NAMES.get(d)
+    if n is None:
+        n = str(d).replace("torch.", "")
+        if len(_DTYPE_NAMES) < _DTYPE_NAMES_MAX:
+            _DTYPE_NAMES[d] = n
+    return n
+
+
 def tensor(
     name: str,
     t: Any,
@@ -32,7 +47,44 @@ def tensor(
     shape: Optional[Sequence[Optional[int]]] = None,
 ) -> Tuple[int, ...]:
     """Checks ``t`` is a contiguous CUDA tensor of one of ``dtypes`` with ``ndim`` dims on GPU
-    ``device`` (None: any), matching ``shape`` where it gives a size; returns its shape."""
+    ``device`` (None: any), matching ``shape`` where it gives a size; returns its shape.
+
+    Every operation checks several tensors, so the common case (all good) takes one pass of
+    attribute reads and comparisons, no message built; anything off goes to the full check,
+    which says what is wrong."""
+    try:
+        s = tuple(t.shape)
+        dev = t.device
+        if (
+            len(s) == ndim
+            and _fast_dtype_name(t.dtype) in dtypes
+            and dev.type == "cuda"
+            and (device is None or dev.index is None or dev.index == device)
+            and (shape is None or all(w is None or w == h for h, w in zip(s, shape)))
+            and _contiguous(t, s)
+        ):
+            return s
+    except (AttributeError, TypeError):
+        pass
+    return _tensor_slow(name, t, dtypes, ndim, device, shape)
+
+
+def _contiguous(t: Any, s: Tuple[int, ...]) -> bool:
+    f = getattr(t, "is_contiguous", None)
+    if f is not None:
+        return bool(f())
+    return is_contiguous(s, t.stride())
+
+
+def _tensor_slow(
+    name: str,
+    t: Any,
+    dtypes: Tuple[str, ...],
+    ndim: int,
+    device: Optional[int],
+    shape: Optional[Sequence[Optional[int]]],
+) -> Tuple[int, ...]:
+    """[`tensor`]'s full check: raises naming ``name`` and what is wrong."""
     if not is_tensor(t):
         raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
     got = dtype_name(t)
@@ -54,7 +106,7 @@ def tensor(
         raise ValueError(f"{name} must be on a CUDA device, got {dev}")
     if device is not None and dev.index is not None and int(dev.index) != device:
         raise ValueError(f"{name} is on cuda:{dev.index}, this buffer uses cuda:{device}")
-    if not is_contiguous(s, t.stride()):
+    if not _contiguous(t, s):
         raise ValueError(
             f"{name} must be contiguous (row-major), got shape {list(s)} with strides "
             f"{list(t.stride())}: call .contiguous()"
@@ -63,12 +115,14 @@ def tensor(
 
 
 def positive_int(name: str, v: Any, minimum: int = 1) -> int:
+    """``v`` when it is an int (not a bool) >= ``minimum``, else ``ValueError`` naming ``name``."""
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
     return v
 
 
 def flag(name: str, v: Any) -> bool:
+    """``v`` when it is a bool, else ``TypeError`` naming ``name``."""
     if not isinstance(v, bool):
         raise TypeError(f"{name} must be a bool, got {v!r}")
     return v

@@ -50,7 +50,10 @@ How it maps onto the Rust core (what differs from DeepEP is said here, once):
   what), so a failure surfaces at the next call instead of as incomplete sums.
 - **Streams.** Each operation runs on the buffer's communication stream (``get_comm_stream``)
   after the caller's current stream (or after ``previous_event``), and the current stream waits
-  for it unless ``async_finish``; the returned ``EventOverlap`` marks its end either way.
+  for it unless ``async_finish``. As in DeepEP, outputs are allocated on the current stream
+  (on the communication stream with ``allocate_on_comm_stream``), and the returned
+  ``EventOverlap`` holds an event only with ``async_finish`` (``EventOverlap(None)``
+  otherwise: the current stream already waits).
 - **Rank masks** (``enable_shrink``, DeepEP's ``low_latency_*_mask_buffer`` methods): each
   rank's mask lives in the native buffers, which are built at their first call; masks set (or
   cleaned) before that are kept on the host and applied when they are built. They apply to
@@ -248,6 +251,39 @@ def _not_implemented(feature: str) -> NotImplementedError:
     return NotImplementedError(f"ep_ibgda does not implement {feature} yet")
 
 
+class _StreamSwitch:
+    """Makes ``stream`` torch's current stream for a ``with`` block and ``back`` current after
+    it (``Buffer._on``)."""
+
+    __slots__ = ("stream", "back")
+
+    def __init__(self, stream: Any, back: Any) -> None:
+        self.stream, self.back = stream, back
+
+    def __enter__(self) -> None:
+        import torch
+
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        torch.cuda.set_stream(self.back)
+
+
+class _NoSwitch:
+    """A ``with`` block that changes no stream."""
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_NO_SWITCH = _NoSwitch()
+
+
 class Buffer:
     """One rank's communication buffer (DeepEP's ``deep_ep.Buffer``, legacy V1 API).
 
@@ -310,6 +346,14 @@ class Buffer:
         self._internode_native = None
         self._ll = None
         self._torch_streams = {}
+        # Per native buffer: its communication stream as a torch stream (see `_comm_of`).
+        self._comm_streams = {}
+        # The two re-recorded ordering events (`_handoff_events`) and torch's device (`_torch_device`).
+        self._events = None
+        self._tdev = None
+        self._rank_ids_t = None
+        # The low-latency buffer's limits, read once when it is built.
+        self._ll_limits = None
         # The caller's masks (enable_shrink), applied to each native buffer when it is built.
         self._pending_mask = [0] * self.group_size
         self._destroyed = False
@@ -482,7 +526,9 @@ class Buffer:
                 for r, m in enumerate(self._pending_mask):
                     if m:
                         self._ll.update_mask(r, True)
-        lim = self._ll.limits
+        lim = self._ll_limits
+        if lim is None:
+            lim = self._ll_limits = tuple(self._ll.limits)
         if n != lim[0] or hidden > lim[1] or topk > lim[2] or num_experts != lim[3]:
             raise ValueError(
                 f"low_latency: num_max_dispatch_tokens_per_rank {n}, hidden {hidden}, top-{topk}, "
@@ -538,19 +584,50 @@ class Buffer:
 
     # ----- helpers ---------------------------------------------------------------------------
 
-    def _streams(self, comm_ptr: int, previous_event: Optional[EventOverlap]):
-        """(torch current stream, the comm stream as a torch stream), comm ordered after the
-        current stream or ``previous_event``."""
+    # The hot paths (dispatch, combine, their low-latency kinds) keep to a few torch calls each:
+    # the caller's current stream read once; two events per Buffer, re-recorded for every
+    # hand-off between that stream and the communication stream (a wait takes the event's state
+    # when it is queued, so re-recording later never moves an earlier wait); outputs allocated
+    # on the current stream, as DeepEP's, so that without ``async_finish`` no ``record_stream``
+    # is needed (the current stream waits for the communication stream before anything later
+    # on it can reuse their memory); a new event only for ``async_finish``, as DeepEP.
+
+    def _comm_of(self, native: Any):
+        """The communication stream of ``native`` (a native buffer) as a torch stream, made
+        once per native buffer."""
+        s = self._comm_streams.get(id(native))
+        if s is None:
+            s = self._external_stream(native.stream if native is self._ll else native.comm_stream)
+            self._comm_streams[id(native)] = s
+        return s
+
+    def _handoff_events(self):
+        """(into comm, out of comm): this Buffer's two re-recorded ordering events."""
+        ev = self._events
+        if ev is None:
+            import torch
+
+            ev = self._events = (torch.cuda.Event(), torch.cuda.Event())
+        return ev
+
+    def _comm_after(self, compute, comm, previous_event: Optional[EventOverlap]) -> None:
+        """Orders ``comm`` after ``compute``'s work so far, or after ``previous_event``
+        (checked by ``_check_previous``)."""
+        if previous_event is not None:
+            comm.wait_event(previous_event.event.event)
+        else:
+            ev = self._handoff_events()[0]
+            ev.record(compute)
+            comm.wait_event(ev)
+
+    def _streams(self, native: Any, previous_event: Optional[EventOverlap]):
+        """(torch current stream, ``native``'s communication stream as a torch stream), comm
+        ordered after the current stream or ``previous_event``."""
         import torch
 
         compute = torch.cuda.current_stream()
-        comm = self._external_stream(comm_ptr)
-        if previous_event is not None:
-            if not isinstance(previous_event, EventOverlap) or previous_event.event is None:
-                raise TypeError(f"previous_event must be an EventOverlap with an event, got {previous_event!r}")
-            comm.wait_event(previous_event.event.event)
-        else:
-            comm.wait_stream(compute)
+        comm = self._comm_of(native)
+        self._comm_after(compute, comm, previous_event)
         return compute, comm
 
     def _external_stream(self, ptr: int):
@@ -564,32 +641,56 @@ class Buffer:
             self._torch_streams[ptr] = s
         return s
 
+    def _torch_device(self):
+        """``torch.device("cuda", <this Buffer's GPU>)``, made once."""
+        d = self._tdev
+        if d is None:
+            import torch
+
+            d = self._tdev = torch.device("cuda", self._device)
+        return d
+
     def _view(self, view: Any, dtype: Any):
         """A torch tensor over a native view (no copy), re-typed to ``dtype``."""
         import torch
 
-        t = torch.as_tensor(view, device=torch.device("cuda", self._device))
+        t = torch.as_tensor(view, device=self._torch_device())
         return t.view(dtype) if t.dtype != dtype else t
 
-    def _finish(self, compute, comm, async_finish: bool, keep: Tuple[Any, ...], outputs: Tuple[Any, ...]) -> EventOverlap:
-        for t in outputs:
-            if t is not None:
-                t.record_stream(compute)
+    def _finish(self, compute, comm, async_finish: bool, keep: Tuple[Any, ...], outputs: Tuple[Any, ...],
+                on_comm: bool = False) -> EventOverlap:
+        """Ends an operation queued on ``comm``: with ``async_finish`` an event there (keeping
+        ``keep`` and ``outputs`` alive, and their memory from reuse before it, as DeepEP), else
+        the current stream waits for ``comm`` and no event is made (DeepEP's
+        ``EventOverlap(None)``). ``on_comm``: the outputs were allocated on ``comm``
+        (``allocate_on_comm_stream``), so the current stream, which frees them, is recorded."""
+        if on_comm:
+            for t in outputs:
+                if t is not None:
+                    t.record_stream(compute)
         if async_finish:
-            for t in keep:
-                if t is not None and chk.is_tensor(t):
+            for t in keep + outputs:
+                if t is not None and hasattr(t, "record_stream"):
                     t.record_stream(comm)
             return EventOverlap(EventHandle._recorded_on(comm), extra_tensors=tuple(keep) + tuple(outputs))
-        compute.wait_stream(comm)
-        return EventOverlap(EventHandle._recorded_on(comm))
+        ev = self._handoff_events()[1]
+        ev.record(comm)
+        compute.wait_event(ev)
+        return EventOverlap(None)
 
     def _check_previous(self, previous_event, allocate_on_comm_stream, async_finish) -> None:
-        chk.flag("async_finish", async_finish)
-        chk.flag("allocate_on_comm_stream", allocate_on_comm_stream)
-        if allocate_on_comm_stream and previous_event is None:
-            raise ValueError("allocate_on_comm_stream=True needs previous_event (as in DeepEP)")
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        if async_finish.__class__ is not bool:
+            chk.flag("async_finish", async_finish)
+        if allocate_on_comm_stream.__class__ is not bool:
+            chk.flag("allocate_on_comm_stream", allocate_on_comm_stream)
+        if previous_event is None:
+            if allocate_on_comm_stream:
+                raise ValueError("allocate_on_comm_stream=True needs previous_event (as in DeepEP)")
+            return
+        if not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if previous_event.event is None:
+            raise TypeError(f"previous_event must be an EventOverlap with an event, got {previous_event!r}")
 
     def _normal_mode(self, what: str) -> bool:
         """Whether normal mode runs internode here (the group spans several nodes); raises for
@@ -638,23 +739,35 @@ class Buffer:
             previous_event.current_stream_wait()
         ranks = self.group_size
         local = num_experts // ranks
-        idx = topk_idx.long()
+        idx = topk_idx
         valid = (idx >= 0) & (idx < num_experts)
-        rank_of = torch.where(valid, idx // local, torch.full_like(idx, -1))
-        is_token_in_rank = (rank_of.unsqueeze(-1) == torch.arange(ranks, device=idx.device)).any(dim=1)
+        rank_of = torch.where(valid, idx // local, -1)
+        is_token_in_rank = (rank_of.unsqueeze(-1) == self._rank_ids(ranks)).any(dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
         # scatter_add, not bincount or boolean indexing: no host synchronisation.
-        slot = torch.where(valid, idx, torch.full_like(idx, num_experts)).flatten()
+        slot = torch.where(valid, idx, num_experts).flatten()
+        if slot.dtype != torch.int64:
+            slot = slot.long()
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
         counts.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-        num_tokens_per_expert = counts[:num_experts].contiguous()
+        num_tokens_per_expert = counts[:num_experts]
         num_tokens_per_rdma_rank = None
         if self._nodes > 1:
             # Tokens per node: a token counts once for a node however many of its ranks it goes to.
             per_node = is_token_in_rank.view(idx.shape[0], self._nodes, self._ranks_per_node).any(dim=2)
             num_tokens_per_rdma_rank = per_node.sum(dim=0, dtype=torch.int32)
-        event = EventOverlap(EventHandle._recorded_on(torch.cuda.current_stream()))
+        # As DeepEP: an event only for async_finish (the work is on the current stream already).
+        event = EventOverlap(EventHandle._recorded_on(torch.cuda.current_stream()) if async_finish else None)
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
+
+    def _rank_ids(self, ranks: int):
+        """``torch.arange(ranks)`` on this Buffer's GPU, made once."""
+        ids = self._rank_ids_t
+        if ids is None:
+            import torch
+
+            ids = self._rank_ids_t = torch.arange(ranks, device=self._torch_device())
+        return ids
 
     def _check_x(self, x: Any) -> Tuple[bool, int, int, Any, Any]:
         """(fp8, tokens, hidden, values, scales) of a dispatch ``x``."""
@@ -706,8 +819,8 @@ class Buffer:
         chk.positive_int("num_worst_tokens", num_worst_tokens, 0)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a Config, got {type(config).__name__}")
-        if config is None:
-            config = Buffer.get_dispatch_config(self.group_size) if self.group_size in _DISPATCH else Config(Buffer.num_sms)
+        # Only the SMs are ours to use; DeepEP's table configs all take Buffer.num_sms.
+        num_sms = config.num_sms if config is not None else Buffer.num_sms
         ranks = self.group_size
         if handle is not None:
             self._check_handle(handle, internode)
@@ -715,31 +828,33 @@ class Buffer:
                 raise ValueError("a cached dispatch (handle=) takes no topk_idx / topk_weights")
             if t != handle.num_tokens:
                 raise ValueError(f"x has {t} tokens, the handle's dispatch sent {handle.num_tokens}")
-            return self._dispatch_cached(handle, fp8, t, h, values, scales, config, previous_event, async_finish)
+            return self._dispatch_cached(handle, fp8, t, h, values, scales, num_sms, previous_event, async_finish,
+                                         allocate_on_comm_stream)
         if is_token_in_rank is None:
             raise ValueError("dispatch without handle= needs is_token_in_rank (from get_dispatch_layout)")
-        chk.tensor("is_token_in_rank", is_token_in_rank, ("bool",), 2, self._device, (t, ranks))
+        dev = self._device
+        chk.tensor("is_token_in_rank", is_token_in_rank, ("bool",), 2, dev, (t, ranks))
         if num_tokens_per_rank is None:
             raise ValueError("dispatch without handle= needs num_tokens_per_rank (from get_dispatch_layout)")
-        chk.tensor("num_tokens_per_rank", num_tokens_per_rank, ("int32",), 1, self._device, (ranks,))
+        chk.tensor("num_tokens_per_rank", num_tokens_per_rank, ("int32",), 1, dev, (ranks,))
         if num_tokens_per_rdma_rank is not None:
             if not internode:
                 raise ValueError(
                     f"num_tokens_per_rdma_rank is for a group that spans several nodes; this one is one "
                     f"node of {ranks} ranks (get_dispatch_layout returned None for it): pass None"
                 )
-            chk.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, ("int32",), 1, self._device, (self._nodes,))
+            chk.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, ("int32",), 1, dev, (self._nodes,))
         if num_tokens_per_expert is None:
             raise ValueError("dispatch without handle= needs num_tokens_per_expert (from get_dispatch_layout)")
-        (num_experts,) = chk.tensor("num_tokens_per_expert", num_tokens_per_expert, ("int32",), 1, self._device)
+        (num_experts,) = chk.tensor("num_tokens_per_expert", num_tokens_per_expert, ("int32",), 1, dev)
         if num_experts == 0 or num_experts % ranks != 0:
             raise ValueError(f"num_tokens_per_expert has {num_experts} experts, not a positive multiple of {ranks} ranks")
         k = 0
         if (topk_idx is None) != (topk_weights is None):
             raise ValueError("topk_idx and topk_weights go together: give both or neither")
         if topk_idx is not None:
-            _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
-            chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
+            _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, dev, (t, None))
+            chk.tensor("topk_weights", topk_weights, ("float32",), 2, dev, (t, k))
         if num_worst_tokens > 0 and topk_idx is None:
             raise ValueError("num_worst_tokens > 0 needs topk_idx and topk_weights (as in DeepEP)")
         # Without top-k the route stands in for it: one expert of each destination rank.
@@ -748,35 +863,44 @@ class Buffer:
         buf.check_errors()
         import torch
 
-        compute, comm = self._streams(buf.comm_stream, previous_event)
-        with torch.cuda.stream(comm):
-            if topk_idx is not None:
-                idx32 = topk_idx.to(torch.int32)
-                route_w = topk_weights
-            else:
-                local = num_experts // ranks
-                first = (torch.arange(ranks, device=is_token_in_rank.device, dtype=torch.int32) * local).expand(t, ranks)
-                idx32 = torch.where(is_token_in_rank, first, torch.full_like(first, -1)).contiguous()
-                route_w = None
-                if internode:
-                    route_w = torch.zeros((t, ranks), dtype=torch.float32, device=is_token_in_rank.device)
-            layout = buf.layout(idx32.data_ptr(), t, route_k)
-            scales_ptr = scales.data_ptr() if fp8 else 0
+        compute = torch.cuda.current_stream()
+        comm = self._comm_of(buf)
+        # The routing in the kernels' i32, made on the current stream before the hand-off.
+        if topk_idx is not None:
+            idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+            route_w = topk_weights
+        else:
+            local = num_experts // ranks
+            first = (torch.arange(ranks, device=is_token_in_rank.device, dtype=torch.int32) * local).expand(t, ranks)
+            idx32 = torch.where(is_token_in_rank, first, torch.full_like(first, -1)).contiguous()
+            route_w = None
             if internode:
-                # The internode core always routes by top-k: the stand-in when none was given.
-                out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr, idx32.data_ptr(),
-                                   route_w.data_ptr(), route_k, num_worst_tokens, expert_alignment)
-            else:
-                out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr,
-                                   idx32.data_ptr() if topk_idx is not None else 0,
-                                   topk_weights.data_ptr() if topk_idx is not None else 0,
-                                   k, num_worst_tokens, expert_alignment, config.num_sms)
-            recv_x, recv_scales = self._copy_x(out, fp8, h)
-            recv_topk_idx = recv_topk_weights = None
+                route_w = torch.zeros((t, ranks), dtype=torch.float32, device=is_token_in_rank.device)
+        self._comm_after(compute, comm, previous_event)
+        layout = buf.layout(idx32.data_ptr(), t, route_k)
+        scales_ptr = scales.data_ptr() if fp8 else 0
+        if internode:
+            # The internode core always routes by top-k: the stand-in when none was given.
+            out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr, idx32.data_ptr(),
+                               route_w.data_ptr(), route_k, num_worst_tokens, expert_alignment)
+        else:
+            out = buf.dispatch(layout, values.data_ptr(), fp8, t, h, scales_ptr,
+                               idx32.data_ptr() if topk_idx is not None else 0,
+                               topk_weights.data_ptr() if topk_idx is not None else 0,
+                               k, num_worst_tokens, expert_alignment, num_sms)
+        recv_topk_idx = recv_topk_weights = None
+        with self._allocating(compute, comm, allocate_on_comm_stream):
+            recv_x, recv_scales = self._empty_x(out, fp8, h)
             if topk_idx is not None:
-                recv_topk_idx = torch.empty(tuple(out.topk_idx.shape), dtype=topk_idx.dtype, device=values.device)
+                tdev = self._torch_device()
+                recv_topk_idx = torch.empty(tuple(out.topk_idx.shape), dtype=topk_idx.dtype, device=tdev)
+                recv_topk_weights = torch.empty(tuple(out.topk_weights.shape), dtype=torch.float32, device=tdev)
+        # The copies out of the native buffer's pooled memory run on its stream: its next
+        # operation may reuse that memory after them, whatever the caller's stream does.
+        with self._on(comm, compute):
+            self._copy_x(out, fp8, recv_x, recv_scales)
+            if topk_idx is not None:
                 recv_topk_idx.copy_(self._view(out.topk_idx, torch.int32))
-                recv_topk_weights = torch.empty(tuple(out.topk_weights.shape), dtype=torch.float32, device=values.device)
                 recv_topk_weights.copy_(self._view(out.topk_weights, torch.float32))
         if num_worst_tokens > 0 or (internode and topk_idx is None):
             counts = []
@@ -787,7 +911,8 @@ class Buffer:
         else:
             new_handle = _IntranodeHandle(out.handle, t, h, self._id)
         keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32, route_w) + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights))
+        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights),
+                             allocate_on_comm_stream)
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, recv_topk_idx, recv_topk_weights, counts, new_handle, event
 
@@ -809,22 +934,35 @@ class Buffer:
                 f"{'internode' if internode else 'intranode'} one here), got {type(handle).__name__}"
             )
 
-    def _copy_x(self, out: Any, fp8: bool, h: int):
-        """torch copies of a dispatch's received rows (and scales), on the current stream."""
+    def _empty_x(self, out: Any, fp8: bool, h: int):
+        """Tensors for a dispatch's received rows (and scales), on the current stream."""
         import torch
 
-        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        rows = out.x.shape[0]
-        dev = torch.device("cuda", self._device)
-        recv_x = torch.empty((rows, h), dtype=dtype, device=dev)
-        recv_x.copy_(self._view(out.x, dtype))
-        recv_scales = None
-        if fp8:
-            recv_scales = torch.empty(tuple(out.scales.shape), dtype=torch.float32, device=dev)
-            recv_scales.copy_(self._view(out.scales, torch.float32))
+        dev = self._torch_device()
+        recv_x = torch.empty((out.x.shape[0], h), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
+        recv_scales = torch.empty(tuple(out.scales.shape), dtype=torch.float32, device=dev) if fp8 else None
         return recv_x, recv_scales
 
-    def _dispatch_cached(self, handle, fp8, t, h, values, scales, config, previous_event, async_finish):
+    def _copy_x(self, out: Any, fp8: bool, recv_x: Any, recv_scales: Any) -> None:
+        """Copies a dispatch's received rows (and scales) into ``recv_x`` (and ``recv_scales``),
+        on the current stream."""
+        recv_x.copy_(self._view(out.x, recv_x.dtype))
+        if fp8:
+            recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
+
+    def _on(self, stream, back):
+        """``with self._on(stream, back):`` makes ``stream`` current and ``back`` current again
+        after (``torch.cuda.set_stream``: two calls, where ``torch.cuda.stream(...)`` makes
+        several; ``back`` is the stream current before)."""
+        return _StreamSwitch(stream, back)
+
+    def _allocating(self, compute, comm, on_comm: bool):
+        """Where outputs are allocated: the current stream, or ``comm`` with
+        ``allocate_on_comm_stream`` (as DeepEP)."""
+        return _StreamSwitch(comm, compute) if on_comm else _NO_SWITCH
+
+    def _dispatch_cached(self, handle, fp8, t, h, values, scales, num_sms, previous_event, async_finish,
+                         allocate_on_comm_stream=False):
         import torch
 
         internode = isinstance(handle, _InternodeHandle)
@@ -832,16 +970,18 @@ class Buffer:
         if h > buf.limits[1]:
             raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
         buf.check_errors()
-        compute, comm = self._streams(buf.comm_stream, previous_event)
-        with torch.cuda.stream(comm):
-            scales_ptr = scales.data_ptr() if fp8 else 0
-            if internode:
-                out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr)
-            else:
-                out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr, config.num_sms)
-            recv_x, recv_scales = self._copy_x(out, fp8, h)
+        compute, comm = self._streams(buf, previous_event)
+        scales_ptr = scales.data_ptr() if fp8 else 0
+        if internode:
+            out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr)
+        else:
+            out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr, num_sms)
+        with self._allocating(compute, comm, allocate_on_comm_stream):
+            recv_x, recv_scales = self._empty_x(out, fp8, h)
+        with self._on(comm, compute):
+            self._copy_x(out, fp8, recv_x, recv_scales)
         keep = (values, scales) + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales))
+        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales), allocate_on_comm_stream)
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, None, None, None, None, event
 
@@ -882,36 +1022,38 @@ class Buffer:
                 if b is not None:
                     chk.tensor(f"bias[{i}]", b, ("bfloat16",), 2, self._device, (handle.num_tokens, h))
         biases = tuple(biases) + (None,) * (2 - len(biases))
-        if config is None:
-            config = Buffer.get_combine_config(self.group_size) if self.group_size in _COMBINE else Config(Buffer.num_sms)
+        num_sms = config.num_sms if config is not None else Buffer.num_sms
         import torch
 
         buf = self._internode_native if internode else self._intranode
         # The combine's kernels run on whatever arrived: a device error an earlier operation
         # recorded (none of them waited for it on the host) raises here, not as wrong sums.
         buf.check_errors()
-        compute, comm = self._streams(buf.comm_stream, previous_event)
-        with torch.cuda.stream(comm):
-            ptrs = (
-                handle.native,
-                x.data_ptr(),
-                rows,
-                h,
-                topk_weights.data_ptr() if topk_weights is not None else 0,
-                k,
-                biases[0].data_ptr() if biases[0] is not None else 0,
-                biases[1].data_ptr() if biases[1] is not None else 0,
-            )
-            # The internode core picks the NVLink hop's SMs itself.
-            out = buf.combine(*ptrs) if internode else buf.combine(*ptrs, config.num_sms)
-            combined_x = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=x.device)
-            combined_x.copy_(self._view(out.x, torch.bfloat16))
-            combined_w = None
+        compute, comm = self._streams(buf, previous_event)
+        ptrs = (
+            handle.native,
+            x.data_ptr(),
+            rows,
+            h,
+            topk_weights.data_ptr() if topk_weights is not None else 0,
+            k,
+            biases[0].data_ptr() if biases[0] is not None else 0,
+            biases[1].data_ptr() if biases[1] is not None else 0,
+        )
+        # The internode core picks the NVLink hop's SMs itself.
+        out = buf.combine(*ptrs) if internode else buf.combine(*ptrs, num_sms)
+        dev = self._torch_device()
+        combined_w = None
+        with self._allocating(compute, comm, allocate_on_comm_stream):
+            combined_x = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=dev)
             if topk_weights is not None:
-                combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=x.device)
+                combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=dev)
+        with self._on(comm, compute):
+            combined_x.copy_(self._view(out.x, torch.bfloat16))
+            if topk_weights is not None:
                 combined_w.copy_(self._view(out.topk_weights, torch.float32))
         keep = (x, topk_weights) + biases + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (combined_x, combined_w))
+        event = self._finish(compute, comm, async_finish, keep, (combined_x, combined_w), allocate_on_comm_stream)
         return combined_x, combined_w, event
 
     # ----- low-latency mode ------------------------------------------------------------------
@@ -936,21 +1078,28 @@ class Buffer:
         EventOverlap, hook)`` (``hook`` is None without ``return_recv_hook``, as in DeepEP); ``recv_x`` is ``[L, R*N, H]``, FP8 scales ``[L, R*N, H/128]``
         float32 (or ``[L, R*N, H/512]`` int32 packed UE8M0), a column-major view as DeepEP's.
         """
-        self._live()
+        if self._destroyed:
+            self._live()
         if not self.low_latency_mode:
             raise RuntimeError("low_latency_dispatch needs a Buffer created with low_latency_mode=True")
-        for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            chk.flag(name, v)
-        n = chk.positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
-        chk.positive_int("num_experts", num_experts)
+        if not (use_fp8.__class__ is bool and round_scale.__class__ is bool and use_ue8m0.__class__ is bool
+                and async_finish.__class__ is bool and return_recv_hook.__class__ is bool):
+            for name, v in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                chk.flag(name, v)
+        n = num_max_dispatch_tokens_per_rank
+        if n.__class__ is not int or n < 1:
+            n = chk.positive_int("num_max_dispatch_tokens_per_rank", n)
+        if num_experts.__class__ is not int or num_experts < 1:
+            chk.positive_int("num_experts", num_experts)
         ranks = self.group_size
         if num_experts % ranks != 0:
             raise ValueError(f"num_experts {num_experts} is not a multiple of the {ranks} ranks")
-        t, h = chk.tensor("x", x, ("bfloat16",), 2, self._device)
+        dev = self._device
+        t, h = chk.tensor("x", x, ("bfloat16",), 2, dev)
         if t > n:
             raise ValueError(f"x has {t} tokens, more than num_max_dispatch_tokens_per_rank {n}")
-        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
+        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, dev, (t, None))
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True needs round_scale=True (as in DeepEP)")
         if use_ue8m0 and not use_fp8:
@@ -958,39 +1107,48 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook exclude each other (as in DeepEP)")
         local = num_experts // ranks
-        if cumulative_local_expert_recv_stats is not None:
-            chk.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, ("int32",), 1, self._device, (local,))
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            chk.tensor("cumulative_local_expert_recv_stats", stats, ("int32",), 1, dev, (local,))
         wait_stats = dispatch_wait_recv_cost_stats
         if wait_stats is not None:
-            chk.tensor("dispatch_wait_recv_cost_stats", wait_stats, ("int64",), 1, self._device, (ranks,))
+            chk.tensor("dispatch_wait_recv_cost_stats", wait_stats, ("int64",), 1, dev, (ranks,))
         import torch
 
-        buf = self._ll_buffer(n, h, k, num_experts)
+        lim = self._ll_limits
+        if lim is None or n != lim[0] or h > lim[1] or k > lim[2] or num_experts != lim[3]:
+            buf = self._ll_buffer(n, h, k, num_experts)  # built here, or ValueError
+        else:
+            buf = self._ll
         # An error an earlier operation's kernels recorded raises here, before anything is queued.
         buf.check_errors()
-        compute, stream = self._streams(buf.stream, None)
-        with torch.cuda.stream(stream):
-            idx32 = topk_idx.to(torch.int32)
-            dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
-            # The kernel writes the rows and counts straight into these (no copy); only the FP8
-            # scales are copied, to DeepEP's column-major layout.
-            recv_x = torch.empty((local, ranks * n, h), dtype=dtype, device=x.device)
-            recv_count = torch.empty((local,), dtype=torch.int32, device=x.device)
-            out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
-                               wait_stats.data_ptr() if wait_stats is not None else 0, recv_x.data_ptr(),
-                               recv_count.data_ptr())
-            recv_scales = None
-            if use_fp8:
-                sl, rows, words = out.scales.shape
-                sdtype = torch.int32 if use_ue8m0 else torch.float32
-                # Column-major per expert, as DeepEP returns them.
-                recv_scales = torch.empty((sl, words, rows), dtype=sdtype, device=x.device).transpose(1, 2)
-        stats = cumulative_local_expert_recv_stats
+        compute = torch.cuda.current_stream()
+        stream = self._comm_of(buf)
+        # On the current stream, before the hand-off: the kernels' i32 routing, and the tensors
+        # the kernel writes the rows and counts straight into (no copy; only the FP8 scales are
+        # copied, to DeepEP's column-major layout).
+        idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+        tdev = self._torch_device()
+        recv_x = torch.empty((local, ranks * n, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                             device=tdev)
+        recv_count = torch.empty((local,), dtype=torch.int32, device=tdev)
+        self._comm_after(compute, stream, None)
+        out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
+                           wait_stats.data_ptr() if wait_stats is not None else 0, recv_x.data_ptr(),
+                           recv_count.data_ptr())
+        recv_scales = None
+        if use_fp8:
+            sl, rows, words = out.scales.shape
+            # Column-major per expert, as DeepEP returns them.
+            recv_scales = torch.empty((sl, words, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
+                                      device=tdev).transpose(1, 2)
 
-        def copy_out():
+        def copy_out(back):
+            # On the buffer's stream, after the receive: the next dispatches there may reuse the
+            # scales' memory after this, whatever the caller's stream does.
             if recv_scales is None and stats is None:
                 return
-            with torch.cuda.stream(stream):
+            with self._on(stream, back):
                 if recv_scales is not None:
                     recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
                 if stats is not None:
@@ -1007,16 +1165,20 @@ class Buffer:
             def hook():
                 _ = keep  # the inputs stay alive until the receive is queued
                 cur = torch.cuda.current_stream()
-                stream.wait_stream(cur)
+                self._comm_after(cur, stream, None)
                 native_hook.call()
-                copy_out()
-                cur.wait_stream(stream)
+                copy_out(cur)
+                ev = self._handoff_events()[1]
+                ev.record(stream)
+                cur.wait_event(ev)
 
+            # The receive writes them on the buffer's stream when the hook runs, which the
+            # stream current then (not necessarily this one) waits for.
             for tt in outputs:
                 if tt is not None:
-                    tt.record_stream(compute)
+                    tt.record_stream(stream)
             return rx, recv_count, handle, EventOverlap(None), hook
-        copy_out()
+        copy_out(compute)
         event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats, wait_stats), outputs)
         return rx, recv_count, handle, event, None
 
@@ -1038,53 +1200,59 @@ class Buffer:
         Returns ``(combined_x [T, H] bf16, EventOverlap, hook)`` (``hook`` None without
         ``return_recv_hook``).
         """
-        self._live()
+        if self._destroyed:
+            self._live()
         if not self.low_latency_mode:
             raise RuntimeError("low_latency_combine needs a Buffer created with low_latency_mode=True")
-        for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
-                        ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            chk.flag(name, v)
+        if not (use_logfmt.__class__ is bool and zero_copy.__class__ is bool and async_finish.__class__ is bool
+                and return_recv_hook.__class__ is bool):
+            for name, v in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                chk.flag(name, v)
         if use_logfmt and zero_copy:
             raise ValueError("use_logfmt and zero_copy exclude each other (as in DeepEP: the rows are encoded on the way)")
-        if not isinstance(handle, _LowLatencyHandle) or handle.buffer_id != self._id:
+        if handle.__class__ is not _LowLatencyHandle or handle.buffer_id != self._id:
             raise TypeError("handle must be the handle a low_latency_dispatch of this Buffer returned")
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook exclude each other (as in DeepEP)")
         ranks = self.group_size
         local = handle.num_experts // ranks
         n, h, t = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_tokens
-        xs = chk.tensor("x", x, ("bfloat16",), 3, self._device, (local, ranks * n, h))
-        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, self._device, (t, None))
-        chk.tensor("topk_weights", topk_weights, ("float32",), 2, self._device, (t, k))
+        dev = self._device
+        xs = chk.tensor("x", x, ("bfloat16",), 3, dev, (local, ranks * n, h))
+        _, k = chk.tensor("topk_idx", topk_idx, _TOPK_DTYPES, 2, dev, (t, None))
+        chk.tensor("topk_weights", topk_weights, ("float32",), 2, dev, (t, k))
         if out is not None:
-            chk.tensor("out", out, ("bfloat16",), 2, self._device, (t, h))
+            chk.tensor("out", out, ("bfloat16",), 2, dev, (t, h))
         if use_logfmt and h % 128 != 0:
             raise ValueError(f"use_logfmt needs hidden a multiple of 128, got {h}")
         wait_stats = combine_wait_recv_cost_stats
         if wait_stats is not None:
-            chk.tensor("combine_wait_recv_cost_stats", wait_stats, ("int64",), 1, self._device, (ranks,))
+            chk.tensor("combine_wait_recv_cost_stats", wait_stats, ("int64",), 1, dev, (ranks,))
         import torch
 
         buf = self._ll
         buf.check_errors()
-        compute, stream = self._streams(buf.stream, None)
-        with torch.cuda.stream(stream):
-            idx32 = topk_idx.to(torch.int32)
-            # The kernel writes the combined rows straight into this (no copy).
-            combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=x.device)
-            res = buf.combine(
-                handle.native,
-                0 if zero_copy else x.data_ptr(),
-                list(xs),
-                idx32.data_ptr(),
-                topk_weights.data_ptr(),
-                t,
-                k,
-                return_recv_hook,
-                use_logfmt,
-                wait_stats.data_ptr() if wait_stats is not None else 0,
-                combined.data_ptr(),
-            )
+        compute = torch.cuda.current_stream()
+        stream = self._comm_of(buf)
+        # On the current stream, before the hand-off: the kernels' i32 routing, and the tensor
+        # the kernel writes the combined rows straight into (no copy).
+        idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+        combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=self._torch_device())
+        self._comm_after(compute, stream, None)
+        res = buf.combine(
+            handle.native,
+            0 if zero_copy else x.data_ptr(),
+            list(xs),
+            idx32.data_ptr(),
+            topk_weights.data_ptr(),
+            t,
+            k,
+            return_recv_hook,
+            use_logfmt,
+            wait_stats.data_ptr() if wait_stats is not None else 0,
+            combined.data_ptr(),
+        )
 
         if return_recv_hook:
             native_hook = res.hook
@@ -1094,12 +1262,15 @@ class Buffer:
             def hook():
                 _ = keep
                 cur = torch.cuda.current_stream()
-                stream.wait_stream(cur)
+                self._comm_after(cur, stream, None)
                 native_hook.call()
-                cur.wait_stream(stream)
+                ev = self._handoff_events()[1]
+                ev.record(stream)
+                cur.wait_event(ev)
 
+            # The receive writes it on the buffer's stream when the hook runs (see dispatch).
             if out is None:
-                combined.record_stream(compute)
+                combined.record_stream(stream)
             return combined, EventOverlap(None), hook
         event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
                              (combined,) if out is None else ())

@@ -99,6 +99,14 @@ class Tensor:
             raise RuntimeError(f"view of {self.shape} as {shape}")
         return t
 
+    def transpose(self, a, b):
+        s = list(self.shape)
+        s[a], s[b] = s[b], s[a]
+        return self._like(s)
+
+    def add_(self, other):
+        return self
+
     def unsqueeze(self, d):
         s = list(self.shape)
         s.insert(d if d >= 0 else len(s) + 1 + d, 1)
@@ -147,15 +155,24 @@ class Tensor:
     __mul__ = __sub__ = __add__ = __floordiv__
 
 
+# What the streams did, in order, for tests of the ordering: ("record", event, stream),
+# ("wait", stream, event), ("set", stream). Cleared by `install`.
+LOG = []
+
+
 class Stream:
     def __init__(self, ptr=0):
         self.ptr = ptr
+
+    def __repr__(self):
+        return f"Stream({self.ptr})"
 
     def wait_stream(self, s):
         assert isinstance(s, Stream)
 
     def wait_event(self, e):
         assert isinstance(e, Event)
+        LOG.append(("wait", self, e))
 
     def synchronize(self):
         pass
@@ -164,6 +181,13 @@ class Stream:
 class Event:
     def record(self, s=None):
         assert s is None or isinstance(s, Stream)
+        LOG.append(("record", self, s if s is not None else MODULE.cuda.current_stream()))
+
+
+def _set_stream(s):
+    assert isinstance(s, Stream), f"torch.cuda.set_stream({s!r})"
+    LOG.append(("set", s))
+    MODULE.cuda._current = s
 
 
 class _StreamContext:
@@ -186,7 +210,8 @@ def _build():
         setattr(m, name, dtype(name))
     m.device = device
     m.Tensor = Tensor
-    m.where = lambda c, a, b: Tensor(_broadcast(_broadcast(c.shape, a.shape), b.shape), a.dtype, a.device)
+    m.where = lambda c, a, b: Tensor(_broadcast(_broadcast(c.shape, a.shape), getattr(b, "shape", ())), a.dtype,
+                                     a.device)
     m.full_like = lambda x, v: x._like()
     m.zeros_like = lambda x: x._like()
     m.ones_like = lambda x, dtype=None: x._like(dt=dtype)
@@ -194,12 +219,13 @@ def _build():
     m.zeros = lambda shape, dtype=None, device=None: Tensor(shape if isinstance(shape, tuple) else (shape,), dtype, device)
     m.empty = lambda shape, dtype=None, device=None: Tensor(shape, dtype, device)
     m.as_tensor = lambda view, device=None: Tensor(view.shape, getattr(m, _TYPESTR[view.typestr]), device)
-    current = Stream(7)
     cuda = types.ModuleType("torch.cuda")
     cuda.Stream = Stream
     cuda.ExternalStream = lambda ptr, device=None: Stream(ptr)
-    cuda.current_stream = lambda: current
+    cuda._current = Stream(7)
+    cuda.current_stream = lambda: cuda._current
     cuda.stream = _StreamContext
+    cuda.set_stream = _set_stream
     cuda.Event = Event
     cuda.current_device = lambda: 0
     cuda.is_available = lambda: True
@@ -212,6 +238,8 @@ MODULE = _build()
 
 def install(monkeypatch):
     """``torch`` is this fake for the calling test; returns the module."""
+    LOG.clear()
+    monkeypatch.setattr(MODULE.cuda, "_current", Stream(7))
     monkeypatch.setitem(sys.modules, "torch", MODULE)
     monkeypatch.setitem(sys.modules, "torch.cuda", MODULE.cuda)
     return MODULE
