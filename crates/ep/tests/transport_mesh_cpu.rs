@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ep::bootstrap::{Communicator, ThreadGroup};
 use ep::transport::{
-    connect_mesh, EmulatedTransport, LinkKind, LocalAddress, QpGroupConfig, RankTransport,
+    connect_mesh, connect_mesh_among, EmulatedTransport, LinkKind, LocalAddress, QpGroupConfig, RankTransport,
     VerbsConnInfo, VerbsDriver, VerbsTransport,
 };
 use ep::Exchange;
@@ -517,5 +517,77 @@ fn a_verbs_quiet_timeout_reports_how_far_the_nic_read() {
                 });
             }
         });
+    }
+}
+
+/// Runs `connect_mesh_among` on 4 ranks as threads with `peers(me, r)`; returns per rank the
+/// connection result: `Ok(the ranks it has QPs to)` or the error text.
+fn mesh_among(peers: fn(usize, usize) -> bool) -> Vec<Result<Vec<usize>, String>> {
+    const N: usize = 4;
+    let fabric = Fabric::new();
+    let comms = ThreadGroup::with_timeout(N, T).expect("thread group");
+    let fabric = &fabric;
+    std::thread::scope(|s| {
+        let joins: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let nic = EmulatedTransport::host(fabric, rank as u32).expect("host NIC");
+                    let (handler, _) = nic.select(HandlerChoice::Gpu).expect("handler mode");
+                    let reg = nic.register(BYTES).expect("registering memory");
+                    let cfg = |r: usize| QpGroupConfig {
+                        handler,
+                        nqps: NQPS,
+                        nwqes: 64,
+                        timeout: T,
+                        peer_rank: r as u32,
+                        ..Default::default()
+                    };
+                    let mesh = connect_mesh_among(
+                        &nic,
+                        &comm,
+                        &*reg,
+                        NQPS,
+                        &|r| peers(rank, r),
+                        cfg,
+                        |doing, e| ep::EpError::Rendezvous {
+                            rank,
+                            what: format!("{doing}: {e}"),
+                        },
+                    )
+                    .map_err(|e| e.to_string())?;
+                    let with: Vec<usize> = (0..N).filter(|&r| mesh.sets[r].is_some()).collect();
+                    mesh.close().map_err(|(r, e)| format!("closing the QPs to rank {r}: {e}"))?;
+                    Ok(with)
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// Internode connects each rank to its rail peers only: a symmetric choice of peers gets QPs to
+/// exactly those, and one that is not symmetric fails every rank (never a hang), the ranks
+/// whose counts disagree saying so.
+#[test]
+fn a_mesh_among_chosen_peers_connects_only_those() {
+    // Two virtual nodes of two ranks: rank r's rail peer is r ^ 2.
+    let got = mesh_among(|me, r| r == me ^ 2);
+    for (rank, with) in got.iter().enumerate() {
+        assert_eq!(with.as_deref(), Ok(&[rank ^ 2][..]), "rank {rank}");
+    }
+    // Rank 0 names rank 1, which does not name it back.
+    // Ranks 0 and 1 see the counts disagree; the others see the group end.
+    let got = mesh_among(|me, r| r == me ^ 2 || (me == 0 && r == 1));
+    let errs: Vec<&String> = got
+        .iter()
+        .map(|r| r.as_ref().expect_err("an asymmetric choice of peers fails"))
+        .collect();
+    for rank in [0, 1] {
+        assert!(errs[rank].contains("QP infos"), "rank {rank}: {}", errs[rank]);
     }
 }

@@ -20,7 +20,7 @@ use crate::mapped::{ErrorReport, MappedHost};
 use crate::rendezvous::Exchange;
 use crate::residency::{GpuShare, LaunchGate, EMULATED_NIC_SMS};
 use crate::transport::{
-    connect_mesh, decide_nic, open_transport, Mesh, NicChoice, NicKind, QpGroupConfig,
+    connect_mesh_among, decide_nic, open_transport, Mesh, NicChoice, NicKind, QpGroupConfig,
     RankTransport, Registration, TransportError,
 };
 use crate::transport::{handler_for, HandlerRefusal};
@@ -535,11 +535,18 @@ impl InternodeBuffer {
             peer_rank: r as u32,
             ..Default::default()
         };
-        let mesh = connect_mesh(
+        // QPs to the rail peers only (the same local index on every other node): the ranks of
+        // this node are reached over NVLink, and a QP group to them would cost a proxy thread
+        // (CPU modes) and a GDR mirror (mode `cpu` without GDRCopy) for nothing.
+        let rail_peer = |r: usize| {
+            (0..topo.nodes()).any(|n| n != my_node && topo.rdma_peer(rank, n).ok() == Some(r))
+        };
+        let mesh = connect_mesh_among(
             &*nic,
             &*group,
             &*registration,
             QPS_PER_PEER,
+            &rail_peer,
             cfg,
             |doing, e| transport_err(rank, doing, e),
         )?;
@@ -640,7 +647,8 @@ impl InternodeBuffer {
         &self.intra
     }
 
-    /// QP numbers of this rank's QPs to each rank (empty for itself), for fault plans that name
+    /// QP numbers of this rank's QPs to each rank (empty for itself and for the ranks of its own
+    /// node: QPs go to rail peers only), for fault plans that name
     /// QPs ([`ibgda_emu::FaultPlan::fail_wqe`]).
     pub fn transport_qps(&self) -> Vec<Vec<u32>> {
         self.net

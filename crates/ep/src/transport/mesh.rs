@@ -184,6 +184,7 @@ fn exchange(
     step: &str,
     posted: Result<Posted, EpError>,
     nqps: u32,
+    peers: &dyn Fn(usize) -> bool,
 ) -> Result<Vec<Vec<ConnInfo>>, EpError> {
     let (rank, ranks) = (group.rank(), group.ranks());
     let sent: Result<Posted, String> = posted.as_ref().cloned().map_err(ToString::to_string);
@@ -208,7 +209,11 @@ fn exchange(
             Ok(Ok(d)) => d,
         };
         let mine = &dests[rank];
-        let want = if r == rank { 0 } else { nqps as usize };
+        let want = if r == rank || !peers(r) {
+            0
+        } else {
+            nqps as usize
+        };
         if mine.len() != want {
             return Err(bad(format!(
                 "{step}: rank {r} sent {} QP infos to this rank, expected {want}",
@@ -235,11 +240,30 @@ pub fn connect_mesh(
     cfg: impl Fn(usize) -> QpGroupConfig,
     err: impl Fn(&str, TransportError) -> EpError,
 ) -> Result<Mesh, EpError> {
+    connect_mesh_among(nic, group, local, nqps, &|_| true, cfg, err)
+}
+
+/// As [`connect_mesh`], with QPs only to the peers `peers(r)` names (`None` in
+/// [`Mesh::sets`] for the others). `peers` must be symmetric (rank r names s exactly when s
+/// names r; a mismatch fails every rank with the counts that disagree): internode connects
+/// each rank to its rail peers only, so that no QP, proxy thread or GDR mirror exists for a
+/// peer it reaches over NVLink. With 8 ranks on one GPU in mode `cpu`, the full mesh ran 56
+/// proxy threads and 56 mirror pumps for the 8 rail QP groups used (an H200 run on
+/// 2026-12-02 hung on the CUDA driver's lock).
+pub fn connect_mesh_among(
+    nic: &dyn RankTransport,
+    group: &dyn Exchange,
+    local: &dyn Registration,
+    nqps: u32,
+    peers: &dyn Fn(usize) -> bool,
+    cfg: impl Fn(usize) -> QpGroupConfig,
+    err: impl Fn(&str, TransportError) -> EpError,
+) -> Result<Mesh, EpError> {
     let (rank, ranks) = (group.rank(), group.ranks());
     // 1. Responder QPs for every peer; their infos to that peer.
     let mut responders: Vec<Option<Box<dyn Responder>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
-    let made = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
+    let made = (0..ranks).filter(|&r| r != rank && peers(r)).try_for_each(|r| {
         let (infos, p) = nic
             .respond(r as u32, nqps)
             .map_err(|e| err(&format!("responder QPs for rank {r}"), e))?;
@@ -247,12 +271,12 @@ pub fn connect_mesh(
         responders[r] = Some(p);
         Ok(())
     });
-    let remote = exchange(group, "responder QP infos", made.map(|()| posted), nqps)?;
+    let remote = exchange(group, "responder QP infos", made.map(|()| posted), nqps, peers)?;
 
     // 2. This rank's QPs, connected to the peers' responders; their infos back.
     let mut sets: Vec<Option<Box<dyn QpSet>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
-    let built = (0..ranks).filter(|&r| r != rank).try_for_each(|r| {
+    let built = (0..ranks).filter(|&r| r != rank && peers(r)).try_for_each(|r| {
         let doing = format!("connecting QPs to rank {r}");
         let g = nic
             .connect(&remote[r], local, &cfg(r))
@@ -262,7 +286,7 @@ pub fn connect_mesh(
         sets[r] = Some(g);
         Ok(())
     });
-    let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps)?;
+    let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps, peers)?;
 
     // 3. The responders accept the peers' QPs; then every rank says whether it could, so no
     // rank posts to a responder that is not ready yet (a real NIC would drop the packets and

@@ -50,7 +50,7 @@ pub use emulated::{
 pub use emulated_transport::EmulatedTransport;
 pub use error::TransportError;
 pub use ibgda_emu::QpInfo;
-pub use mesh::{connect_mesh, Mesh};
+pub use mesh::{connect_mesh, connect_mesh_among, Mesh};
 pub use nic::{
     choose_nic, decide_nic, find_real_nic, open_transport, NicChoice, NicDecision, NicKind,
     RealNic, NIC_ENV,
