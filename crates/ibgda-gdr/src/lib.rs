@@ -45,6 +45,7 @@ mod error;
 mod gdr;
 mod host;
 mod mirror;
+mod mirror_hub;
 mod view;
 
 pub use error::{GdrError, Result};
