@@ -20,9 +20,7 @@ use cudarc::driver::CudaContext;
 use ep::internode::{InternodeBuffer, Topology};
 use ep_kernels::testing::{on_rank_threads, rank_gpus, seed, Rng};
 use gpu_internode_common::gpu_shared::poison_host;
-use gpu_internode_common::{
-    options, rank_rngs, rank_round, release_kept, topologies, Case, Round,
-};
+use gpu_internode_common::{options, rank_rngs, rank_round, release_kept, topologies, Case, Round};
 use ibgda_device::protocol::HandlerChoice;
 
 fn run_case(c: &Case) {

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use ep::bootstrap::{Communicator, ThreadGroup};
 use ep::transport::{
-    connect_mesh, connect_mesh_among, EmulatedTransport, LinkKind, LocalAddress, QpGroupConfig, RankTransport,
-    VerbsConnInfo, VerbsDriver, VerbsTransport,
+    connect_mesh, connect_mesh_among, EmulatedTransport, LinkKind, LocalAddress, QpGroupConfig,
+    RankTransport, VerbsConnInfo, VerbsDriver, VerbsTransport,
 };
 use ep::Exchange;
 use ibgda_device::protocol::HandlerChoice;
@@ -558,7 +558,8 @@ fn mesh_among(peers: fn(usize, usize) -> bool) -> Vec<Result<Vec<usize>, String>
                     )
                     .map_err(|e| e.to_string())?;
                     let with: Vec<usize> = (0..N).filter(|&r| mesh.sets[r].is_some()).collect();
-                    mesh.close().map_err(|(r, e)| format!("closing the QPs to rank {r}: {e}"))?;
+                    mesh.close()
+                        .map_err(|(r, e)| format!("closing the QPs to rank {r}: {e}"))?;
                     Ok(with)
                 })
             })
@@ -588,6 +589,10 @@ fn a_mesh_among_chosen_peers_connects_only_those() {
         .map(|r| r.as_ref().expect_err("an asymmetric choice of peers fails"))
         .collect();
     for rank in [0, 1] {
-        assert!(errs[rank].contains("QP infos"), "rank {rank}: {}", errs[rank]);
+        assert!(
+            errs[rank].contains("QP infos"),
+            "rank {rank}: {}",
+            errs[rank]
+        );
     }
 }

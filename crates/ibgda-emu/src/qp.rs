@@ -298,7 +298,8 @@ impl QpEngine {
                     "first pending CQE: mark {}, {}; {}",
                     p.mark.0,
                     match p.due {
-                        Some(d) => format!("due in {:?}", d.saturating_duration_since(Instant::now())),
+                        Some(d) =>
+                            format!("due in {:?}", d.saturating_duration_since(Instant::now())),
                         None => "no delay".to_string(),
                     },
                     self.lane.describe()

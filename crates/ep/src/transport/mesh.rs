@@ -263,29 +263,39 @@ pub fn connect_mesh_among(
     // 1. Responder QPs for every peer; their infos to that peer.
     let mut responders: Vec<Option<Box<dyn Responder>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
-    let made = (0..ranks).filter(|&r| r != rank && peers(r)).try_for_each(|r| {
-        let (infos, p) = nic
-            .respond(r as u32, nqps)
-            .map_err(|e| err(&format!("responder QPs for rank {r}"), e))?;
-        posted[r] = infos.into_iter().map(|c| c.0).collect();
-        responders[r] = Some(p);
-        Ok(())
-    });
-    let remote = exchange(group, "responder QP infos", made.map(|()| posted), nqps, peers)?;
+    let made = (0..ranks)
+        .filter(|&r| r != rank && peers(r))
+        .try_for_each(|r| {
+            let (infos, p) = nic
+                .respond(r as u32, nqps)
+                .map_err(|e| err(&format!("responder QPs for rank {r}"), e))?;
+            posted[r] = infos.into_iter().map(|c| c.0).collect();
+            responders[r] = Some(p);
+            Ok(())
+        });
+    let remote = exchange(
+        group,
+        "responder QP infos",
+        made.map(|()| posted),
+        nqps,
+        peers,
+    )?;
 
     // 2. This rank's QPs, connected to the peers' responders; their infos back.
     let mut sets: Vec<Option<Box<dyn QpSet>>> = (0..ranks).map(|_| None).collect();
     let mut posted: Posted = vec![Vec::new(); ranks];
-    let built = (0..ranks).filter(|&r| r != rank && peers(r)).try_for_each(|r| {
-        let doing = format!("connecting QPs to rank {r}");
-        let g = nic
-            .connect(&remote[r], local, &cfg(r))
-            .map_err(|e| err(&doing, e))?;
-        let infos = g.conn_infos().map_err(|e| err(&doing, e))?;
-        posted[r] = infos.into_iter().map(|c| c.0).collect();
-        sets[r] = Some(g);
-        Ok(())
-    });
+    let built = (0..ranks)
+        .filter(|&r| r != rank && peers(r))
+        .try_for_each(|r| {
+            let doing = format!("connecting QPs to rank {r}");
+            let g = nic
+                .connect(&remote[r], local, &cfg(r))
+                .map_err(|e| err(&doing, e))?;
+            let infos = g.conn_infos().map_err(|e| err(&doing, e))?;
+            posted[r] = infos.into_iter().map(|c| c.0).collect();
+            sets[r] = Some(g);
+            Ok(())
+        });
     let initiators = exchange(group, "QP infos", built.map(|()| posted), nqps, peers)?;
 
     // 3. The responders accept the peers' QPs; then every rank says whether it could, so no

@@ -44,7 +44,9 @@ static KEPT: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
 
 /// Keeps `x` alive until [`release_kept`].
 pub fn keep<T: std::any::Any + Send>(x: T) {
-    KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(x));
+    KEPT.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(Box::new(x));
 }
 
 /// Frees what the rounds kept: call it once every rank's round has returned.
