@@ -119,8 +119,6 @@ def _profile_ll(torch, buf, inputs, iters, path):
     """Where the Python layer's host time goes: cProfile over ``iters`` BF16 dispatch + combine
     pairs (every rank runs them; the caller passes ``path`` on rank 0 only)."""
     import cProfile
-    import io
-    import pstats
 
     x, idx, w = inputs
     prof = cProfile.Profile() if path else None
@@ -135,21 +133,28 @@ def _profile_ll(torch, buf, inputs, iters, path):
         if i % SYNC_EVERY == SYNC_EVERY - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    if prof:
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        with open(path, "w") as f:
-            f.write(f"cProfile of {iters} low_latency_dispatch (BF16) + low_latency_combine pairs on rank 0 "
-                    "(cProfile's own cost inflates every figure; read the proportions)\n")
-            f.write(text.getvalue())
+    _write_profile(prof, path, f"{iters} low_latency_dispatch (BF16) + low_latency_combine pairs on rank 0")
+
+
+def _write_profile(prof, path, what):
+    """Writes ``prof``'s 30 costliest functions by own time to ``path`` under a header naming
+    ``what`` was profiled (nothing when profiling is off)."""
+    import io
+    import pstats
+
+    if not prof:
+        return
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with open(path, "w") as f:
+        f.write(f"cProfile of {what} (cProfile's own cost inflates every figure; read the proportions)\n")
+        f.write(text.getvalue())
 
 
 def _profile_normal(torch, buf, inputs, experts, iters, path):
     """As ``_profile_ll``, over ``iters`` rounds of intranode ``get_dispatch_layout``, dispatch
     (host-synchronous) and combine (every rank runs them; ``path`` on rank 0 only)."""
     import cProfile
-    import io
-    import pstats
 
     x, idx, w = inputs
     prof = cProfile.Profile() if path else None
@@ -166,13 +171,8 @@ def _profile_normal(torch, buf, inputs, experts, iters, path):
         if i % SYNC_EVERY == SYNC_EVERY - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    if prof:
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        with open(path, "w") as f:
-            f.write(f"cProfile of {iters} get_dispatch_layout + dispatch (host-synchronous) + combine rounds "
-                    "(intranode) on rank 0 (cProfile's own cost inflates every figure; read the proportions)\n")
-            f.write(text.getvalue())
+    _write_profile(prof, path, f"{iters} get_dispatch_layout + dispatch (host-synchronous) + combine rounds "
+                   "(intranode) on rank 0")
 
 
 class _Zero:
