@@ -49,24 +49,32 @@ def tensor(
     """Checks ``t`` is a contiguous CUDA tensor of one of ``dtypes`` with ``ndim`` dims on GPU
     ``device`` (None: any), matching ``shape`` where it gives a size; returns its shape.
 
-    Every operation checks several tensors, so the common case (all good) takes one pass of
-    attribute reads and comparisons, no message built; anything off goes to the full check,
-    which says what is wrong."""
+    Every operation checks several tensors, so the common case (all good) is one expression of
+    torch's cheapest reads (``is_cuda`` and ``get_device()``, not a ``device`` object; the
+    shape as torch's own tuple), no message built; anything off, or an object without those
+    reads, goes to the full check, which says what is wrong."""
     try:
-        s = tuple(t.shape)
-        dev = t.device
+        s = t.shape
         if (
-            len(s) == ndim
+            t.is_cuda
+            and len(s) == ndim
             and _fast_dtype_name(t.dtype) in dtypes
-            and dev.type == "cuda"
-            and (device is None or dev.index is None or dev.index == device)
-            and (shape is None or all(w is None or w == h for h, w in zip(s, shape)))
-            and _contiguous(t, s)
+            and (device is None or t.get_device() == device)
+            and (shape is None or _dims_match(s, shape))
+            and t.is_contiguous()
         ):
-            return s
+            return s if isinstance(s, tuple) else tuple(s)
     except (AttributeError, TypeError):
         pass
     return _tensor_slow(name, t, dtypes, ndim, device, shape)
+
+
+def _dims_match(s: Sequence[int], want: Sequence[Optional[int]]) -> bool:
+    """Whether shape ``s`` has every size ``want`` gives (None: any)."""
+    for have, w in zip(s, want):
+        if w is not None and w != have:
+            return False
+    return True
 
 
 def _contiguous(t: Any, s: Tuple[int, ...]) -> bool:

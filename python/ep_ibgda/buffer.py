@@ -236,7 +236,8 @@ def _most_tokens(fits: Callable[[int], bool]) -> int:
 class _LowLatencyHandle:
     """What ``low_latency_dispatch`` returns as ``handle``."""
 
-    __slots__ = ("native", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_tokens", "buffer_id")
+    __slots__ = ("native", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_tokens", "buffer_id",
+                 "routing")
 
     def __init__(self, native, n, hidden, num_experts, buffer_id) -> None:
         self.native = native
@@ -245,30 +246,35 @@ class _LowLatencyHandle:
         self.num_experts = num_experts
         self.num_tokens = native.num_tokens
         self.buffer_id = buffer_id
+        # (the dispatch's int64 topk_idx, its int32 cast, the caller's raw stream it was made
+        # on): what a combine given the same tensor on the same stream reuses, not casting again.
+        self.routing = None
 
 
 def _not_implemented(feature: str) -> NotImplementedError:
     return NotImplementedError(f"ep_ibgda does not implement {feature} yet")
 
 
-class _StreamSwitch:
-    """Makes ``stream`` torch's current stream for a ``with`` block and ``back`` current after
-    it (``Buffer._on``)."""
+class _OnStream:
+    """Makes ``stream`` (a torch stream) torch's current stream for a ``with`` block, and the
+    stream current before it current again after (``Buffer._on``). Through torch's own
+    setter and getter by stream id, which ``torch.cuda.set_stream`` / ``current_stream`` wrap:
+    no ``Stream`` object is made for the stream it goes back to."""
 
-    __slots__ = ("stream", "back")
+    __slots__ = ("torch", "to", "back")
 
-    def __init__(self, stream: Any, back: Any) -> None:
-        self.stream, self.back = stream, back
+    def __init__(self, torch: Any, stream: Any) -> None:
+        self.torch = torch
+        self.to = (stream.stream_id, stream.device_index, stream.device_type)
+        self.back = None
 
     def __enter__(self) -> None:
-        import torch
-
-        torch.cuda.set_stream(self.stream)
+        c = self.torch._C
+        self.back = c._cuda_getCurrentStream(self.to[1])
+        c._cuda_setStream(*self.to)
 
     def __exit__(self, *exc: Any) -> None:
-        import torch
-
-        torch.cuda.set_stream(self.back)
+        self.torch._C._cuda_setStream(*self.back)
 
 
 class _NoSwitch:
@@ -348,8 +354,8 @@ class Buffer:
         self._torch_streams = {}
         # Per native buffer: its communication stream as a torch stream (see `_comm_of`).
         self._comm_streams = {}
-        # The two re-recorded ordering events (`_handoff_events`) and torch's device (`_torch_device`).
-        self._events = None
+        # torch's raw current-stream getter (`_caller`) and torch's device (`_torch_device`).
+        self._raw_stream = None
         self._tdev = None
         self._rank_ids_t = None
         # The low-latency buffer's limits, read once when it is built.
@@ -585,12 +591,26 @@ class Buffer:
     # ----- helpers ---------------------------------------------------------------------------
 
     # The hot paths (dispatch, combine, their low-latency kinds) keep to a few torch calls each:
-    # the caller's current stream read once; two events per Buffer, re-recorded for every
-    # hand-off between that stream and the communication stream (a wait takes the event's state
-    # when it is queued, so re-recording later never moves an earlier wait); outputs allocated
-    # on the current stream, as DeepEP's, so that without ``async_finish`` no ``record_stream``
-    # is needed (the current stream waits for the communication stream before anything later
-    # on it can reuse their memory); a new event only for ``async_finish``, as DeepEP.
+    # the caller's current stream read once, as a raw handle (``_caller``); the hand-off
+    # between it and the communication stream done by the native buffer (``comm_after``,
+    # ``caller_after``: two events per native buffer, re-recorded with driver calls, where torch
+    # events cost microseconds of Python each); outputs allocated on the current stream, as
+    # DeepEP's, so that without ``async_finish`` no ``record_stream`` is needed (the current
+    # stream waits for the communication stream before anything later on it can reuse their
+    # memory); a torch event only for ``async_finish`` (and a torch stream only for it,
+    # ``previous_event``, and the copies made on the communication stream), as DeepEP.
+
+    def _caller(self) -> int:
+        """The caller's current stream on this Buffer's GPU, as a raw ``CUstream`` handle."""
+        get = self._raw_stream
+        if get is None:
+            import torch
+
+            get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if get is None:  # older torch: the slower public way
+                get = lambda d: torch.cuda.current_stream(d).cuda_stream  # noqa: E731
+            self._raw_stream = get
+        return get(self._device)
 
     def _comm_of(self, native: Any):
         """The communication stream of ``native`` (a native buffer) as a torch stream, made
@@ -601,34 +621,15 @@ class Buffer:
             self._comm_streams[id(native)] = s
         return s
 
-    def _handoff_events(self):
-        """(into comm, out of comm): this Buffer's two re-recorded ordering events."""
-        ev = self._events
-        if ev is None:
-            import torch
-
-            ev = self._events = (torch.cuda.Event(), torch.cuda.Event())
-        return ev
-
-    def _comm_after(self, compute, comm, previous_event: Optional[EventOverlap]) -> None:
-        """Orders ``comm`` after ``compute``'s work so far, or after ``previous_event``
-        (checked by ``_check_previous``)."""
+    def _begin(self, native: Any, previous_event: Optional[EventOverlap]) -> int:
+        """The caller's current stream (raw), with ``native``'s communication stream ordered
+        after its work so far, or after ``previous_event`` (checked by ``_check_previous``)."""
+        caller = self._caller()
         if previous_event is not None:
-            comm.wait_event(previous_event.event.event)
+            self._comm_of(native).wait_event(previous_event.event.event)
         else:
-            ev = self._handoff_events()[0]
-            ev.record(compute)
-            comm.wait_event(ev)
-
-    def _streams(self, native: Any, previous_event: Optional[EventOverlap]):
-        """(torch current stream, ``native``'s communication stream as a torch stream), comm
-        ordered after the current stream or ``previous_event``."""
-        import torch
-
-        compute = torch.cuda.current_stream()
-        comm = self._comm_of(native)
-        self._comm_after(compute, comm, previous_event)
-        return compute, comm
+            native.comm_after(caller)
+        return caller
 
     def _external_stream(self, ptr: int):
         """The native stream ``ptr`` as a ``torch.cuda.ExternalStream``, made once per stream
@@ -657,25 +658,28 @@ class Buffer:
         t = torch.as_tensor(view, device=self._torch_device())
         return t.view(dtype) if t.dtype != dtype else t
 
-    def _finish(self, compute, comm, async_finish: bool, keep: Tuple[Any, ...], outputs: Tuple[Any, ...],
-                on_comm: bool = False) -> EventOverlap:
-        """Ends an operation queued on ``comm``: with ``async_finish`` an event there (keeping
-        ``keep`` and ``outputs`` alive, and their memory from reuse before it, as DeepEP), else
-        the current stream waits for ``comm`` and no event is made (DeepEP's
-        ``EventOverlap(None)``). ``on_comm``: the outputs were allocated on ``comm``
-        (``allocate_on_comm_stream``), so the current stream, which frees them, is recorded."""
+    def _finish(self, native: Any, caller: int, async_finish: bool, keep: Tuple[Any, ...],
+                outputs: Tuple[Any, ...], on_comm: bool = False) -> EventOverlap:
+        """Ends an operation queued on ``native``'s communication stream: with ``async_finish``
+        an event there (keeping ``keep`` and ``outputs`` alive, and their memory from reuse
+        before it, as DeepEP), else the caller's stream ``caller`` waits for it and no event is
+        made (DeepEP's ``EventOverlap(None)``). ``on_comm``: the outputs were allocated on the
+        communication stream (``allocate_on_comm_stream``), so the current stream, which frees
+        them, is recorded."""
         if on_comm:
+            import torch
+
+            compute = torch.cuda.current_stream(self._device)
             for t in outputs:
                 if t is not None:
                     t.record_stream(compute)
         if async_finish:
+            comm = self._comm_of(native)
             for t in keep + outputs:
                 if t is not None and hasattr(t, "record_stream"):
                     t.record_stream(comm)
             return EventOverlap(EventHandle._recorded_on(comm), extra_tensors=tuple(keep) + tuple(outputs))
-        ev = self._handoff_events()[1]
-        ev.record(comm)
-        compute.wait_event(ev)
+        native.caller_after(caller)
         return EventOverlap(None)
 
     def _check_previous(self, previous_event, allocate_on_comm_stream, async_finish) -> None:
@@ -863,8 +867,6 @@ class Buffer:
         buf.check_errors()
         import torch
 
-        compute = torch.cuda.current_stream()
-        comm = self._comm_of(buf)
         # The routing in the kernels' i32, made on the current stream before the hand-off.
         if topk_idx is not None:
             idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
@@ -876,7 +878,7 @@ class Buffer:
             route_w = None
             if internode:
                 route_w = torch.zeros((t, ranks), dtype=torch.float32, device=is_token_in_rank.device)
-        self._comm_after(compute, comm, previous_event)
+        caller = self._begin(buf, previous_event)
         layout = buf.layout(idx32.data_ptr(), t, route_k)
         scales_ptr = scales.data_ptr() if fp8 else 0
         if internode:
@@ -889,7 +891,7 @@ class Buffer:
                                topk_weights.data_ptr() if topk_idx is not None else 0,
                                k, num_worst_tokens, expert_alignment, num_sms)
         recv_topk_idx = recv_topk_weights = None
-        with self._allocating(compute, comm, allocate_on_comm_stream):
+        with self._allocating(buf, allocate_on_comm_stream):
             recv_x, recv_scales = self._empty_x(out, fp8, h)
             if topk_idx is not None:
                 tdev = self._torch_device()
@@ -897,7 +899,7 @@ class Buffer:
                 recv_topk_weights = torch.empty(tuple(out.topk_weights.shape), dtype=torch.float32, device=tdev)
         # The copies out of the native buffer's pooled memory run on its stream: its next
         # operation may reuse that memory after them, whatever the caller's stream does.
-        with self._on(comm, compute):
+        with self._on(buf):
             self._copy_x(out, fp8, recv_x, recv_scales)
             if topk_idx is not None:
                 recv_topk_idx.copy_(self._view(out.topk_idx, torch.int32))
@@ -911,7 +913,7 @@ class Buffer:
         else:
             new_handle = _IntranodeHandle(out.handle, t, h, self._id)
         keep = (values, scales, topk_idx, topk_weights, is_token_in_rank, idx32, route_w) + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights),
+        event = self._finish(buf, caller, async_finish, keep, (recv_x, recv_scales, recv_topk_idx, recv_topk_weights),
                              allocate_on_comm_stream)
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, recv_topk_idx, recv_topk_weights, counts, new_handle, event
@@ -950,16 +952,17 @@ class Buffer:
         if fp8:
             recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
 
-    def _on(self, stream, back):
-        """``with self._on(stream, back):`` makes ``stream`` current and ``back`` current again
-        after (``torch.cuda.set_stream``: two calls, where ``torch.cuda.stream(...)`` makes
-        several; ``back`` is the stream current before)."""
-        return _StreamSwitch(stream, back)
+    def _on(self, native: Any) -> _OnStream:
+        """``with self._on(native):`` makes ``native``'s communication stream torch's current
+        stream, and the one current before current again after."""
+        import torch
 
-    def _allocating(self, compute, comm, on_comm: bool):
-        """Where outputs are allocated: the current stream, or ``comm`` with
-        ``allocate_on_comm_stream`` (as DeepEP)."""
-        return _StreamSwitch(comm, compute) if on_comm else _NO_SWITCH
+        return _OnStream(torch, self._comm_of(native))
+
+    def _allocating(self, native: Any, on_comm: bool):
+        """Where outputs are allocated: the current stream, or ``native``'s communication
+        stream with ``allocate_on_comm_stream`` (as DeepEP)."""
+        return self._on(native) if on_comm else _NO_SWITCH
 
     def _dispatch_cached(self, handle, fp8, t, h, values, scales, num_sms, previous_event, async_finish,
                          allocate_on_comm_stream=False):
@@ -970,18 +973,18 @@ class Buffer:
         if h > buf.limits[1]:
             raise ValueError(f"cached dispatch: hidden {h} above this Buffer's {buf.limits[1]}")
         buf.check_errors()
-        compute, comm = self._streams(buf, previous_event)
+        caller = self._begin(buf, previous_event)
         scales_ptr = scales.data_ptr() if fp8 else 0
         if internode:
             out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr)
         else:
             out = buf.dispatch_cached(handle.native, values.data_ptr(), fp8, t, h, scales_ptr, num_sms)
-        with self._allocating(compute, comm, allocate_on_comm_stream):
+        with self._allocating(buf, allocate_on_comm_stream):
             recv_x, recv_scales = self._empty_x(out, fp8, h)
-        with self._on(comm, compute):
+        with self._on(buf):
             self._copy_x(out, fp8, recv_x, recv_scales)
         keep = (values, scales) + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (recv_x, recv_scales), allocate_on_comm_stream)
+        event = self._finish(buf, caller, async_finish, keep, (recv_x, recv_scales), allocate_on_comm_stream)
         rx = (recv_x, recv_scales) if fp8 else recv_x
         return rx, None, None, None, None, event
 
@@ -1029,7 +1032,7 @@ class Buffer:
         # The combine's kernels run on whatever arrived: a device error an earlier operation
         # recorded (none of them waited for it on the host) raises here, not as wrong sums.
         buf.check_errors()
-        compute, comm = self._streams(buf, previous_event)
+        caller = self._begin(buf, previous_event)
         ptrs = (
             handle.native,
             x.data_ptr(),
@@ -1044,16 +1047,16 @@ class Buffer:
         out = buf.combine(*ptrs) if internode else buf.combine(*ptrs, num_sms)
         dev = self._torch_device()
         combined_w = None
-        with self._allocating(compute, comm, allocate_on_comm_stream):
+        with self._allocating(buf, allocate_on_comm_stream):
             combined_x = torch.empty((handle.num_tokens, h), dtype=torch.bfloat16, device=dev)
             if topk_weights is not None:
                 combined_w = torch.empty((handle.num_tokens, k), dtype=torch.float32, device=dev)
-        with self._on(comm, compute):
+        with self._on(buf):
             combined_x.copy_(self._view(out.x, torch.bfloat16))
             if topk_weights is not None:
                 combined_w.copy_(self._view(out.topk_weights, torch.float32))
         keep = (x, topk_weights) + biases + self._native_outputs(internode, out)
-        event = self._finish(compute, comm, async_finish, keep, (combined_x, combined_w), allocate_on_comm_stream)
+        event = self._finish(buf, caller, async_finish, keep, (combined_x, combined_w), allocate_on_comm_stream)
         return combined_x, combined_w, event
 
     # ----- low-latency mode ------------------------------------------------------------------
@@ -1122,17 +1125,16 @@ class Buffer:
             buf = self._ll
         # An error an earlier operation's kernels recorded raises here, before anything is queued.
         buf.check_errors()
-        compute = torch.cuda.current_stream()
-        stream = self._comm_of(buf)
+        caller = self._caller()
         # On the current stream, before the hand-off: the kernels' i32 routing, and the tensors
         # the kernel writes the rows and counts straight into (no copy; only the FP8 scales are
         # copied, to DeepEP's column-major layout).
-        idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+        idx32 = topk_idx if topk_idx.dtype is torch.int32 else topk_idx.to(torch.int32)
         tdev = self._torch_device()
         recv_x = torch.empty((local, ranks * n, h), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                              device=tdev)
         recv_count = torch.empty((local,), dtype=torch.int32, device=tdev)
-        self._comm_after(compute, stream, None)
+        buf.comm_after(caller)
         out = buf.dispatch(x.data_ptr(), t, h, idx32.data_ptr(), k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
                            wait_stats.data_ptr() if wait_stats is not None else 0, recv_x.data_ptr(),
                            recv_count.data_ptr())
@@ -1143,18 +1145,20 @@ class Buffer:
             recv_scales = torch.empty((sl, words, rows), dtype=torch.int32 if use_ue8m0 else torch.float32,
                                       device=tdev).transpose(1, 2)
 
-        def copy_out(back):
+        def copy_out():
             # On the buffer's stream, after the receive: the next dispatches there may reuse the
             # scales' memory after this, whatever the caller's stream does.
             if recv_scales is None and stats is None:
                 return
-            with self._on(stream, back):
+            with self._on(buf):
                 if recv_scales is not None:
                     recv_scales.copy_(self._view(out.scales, recv_scales.dtype))
                 if stats is not None:
                     stats.add_(recv_count)
 
         handle = _LowLatencyHandle(out.handle, n, h, num_experts, self._id)
+        if idx32 is not topk_idx:
+            handle.routing = (topk_idx, idx32, caller)
         outputs = (recv_x, recv_scales, recv_count)
         rx = (recv_x, recv_scales) if use_fp8 else recv_x
         if return_recv_hook:
@@ -1164,22 +1168,21 @@ class Buffer:
 
             def hook():
                 _ = keep  # the inputs stay alive until the receive is queued
-                cur = torch.cuda.current_stream()
-                self._comm_after(cur, stream, None)
+                cur = self._caller()
+                buf.comm_after(cur)
                 native_hook.call()
-                copy_out(cur)
-                ev = self._handoff_events()[1]
-                ev.record(stream)
-                cur.wait_event(ev)
+                copy_out()
+                buf.caller_after(cur)
 
             # The receive writes them on the buffer's stream when the hook runs, which the
             # stream current then (not necessarily this one) waits for.
+            stream = self._comm_of(buf)
             for tt in outputs:
                 if tt is not None:
                     tt.record_stream(stream)
             return rx, recv_count, handle, EventOverlap(None), hook
-        copy_out(compute)
-        event = self._finish(compute, stream, async_finish, (x, topk_idx, idx32, stats, wait_stats), outputs)
+        copy_out()
+        event = self._finish(buf, caller, async_finish, (x, topk_idx, idx32, stats, wait_stats), outputs)
         return rx, recv_count, handle, event, None
 
     def low_latency_combine(
@@ -1233,13 +1236,20 @@ class Buffer:
 
         buf = self._ll
         buf.check_errors()
-        compute = torch.cuda.current_stream()
-        stream = self._comm_of(buf)
-        # On the current stream, before the hand-off: the kernels' i32 routing, and the tensor
-        # the kernel writes the combined rows straight into (no copy).
-        idx32 = topk_idx if topk_idx.dtype == torch.int32 else topk_idx.to(torch.int32)
+        caller = self._caller()
+        # On the current stream, before the hand-off: the kernels' i32 routing (the dispatch's
+        # cast, when this is the tensor it cast and the caller's stream is the one it was made
+        # on, which alone may reuse its memory), and the tensor the kernel writes the combined
+        # rows straight into (no copy).
+        idx32 = topk_idx
+        if topk_idx.dtype is not torch.int32:
+            r = handle.routing
+            if r is not None and r[0] is topk_idx and r[2] == caller:
+                idx32 = r[1]
+            else:
+                idx32 = topk_idx.to(torch.int32)
         combined = out if out is not None else torch.empty((t, h), dtype=torch.bfloat16, device=self._torch_device())
-        self._comm_after(compute, stream, None)
+        buf.comm_after(caller)
         res = buf.combine(
             handle.native,
             0 if zero_copy else x.data_ptr(),
@@ -1261,18 +1271,16 @@ class Buffer:
 
             def hook():
                 _ = keep
-                cur = torch.cuda.current_stream()
-                self._comm_after(cur, stream, None)
+                cur = self._caller()
+                buf.comm_after(cur)
                 native_hook.call()
-                ev = self._handoff_events()[1]
-                ev.record(stream)
-                cur.wait_event(ev)
+                buf.caller_after(cur)
 
             # The receive writes it on the buffer's stream when the hook runs (see dispatch).
             if out is None:
-                combined.record_stream(stream)
+                combined.record_stream(self._comm_of(buf))
             return combined, EventOverlap(None), hook
-        event = self._finish(compute, stream, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
+        event = self._finish(buf, caller, async_finish, (x, topk_idx, topk_weights, idx32, out, wait_stats),
                              (combined,) if out is None else ())
         return combined, event, None
 

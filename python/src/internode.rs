@@ -31,6 +31,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::group::PyGroup;
+use crate::handoff::Handoff;
 use crate::intranode::released;
 use crate::normal::{CombineIn, CombineShape, Combined, Dispatched, RecvParts, XIn};
 use crate::to_py;
@@ -43,6 +44,10 @@ pub struct Internode {
     ctx: Arc<CudaContext>,
     /// Host time spent inside the `ep` core's operations (see [`core_ns`](Self::core_ns)).
     core_ns: u64,
+    /// The events of the hand-off between the caller's stream and the communication stream.
+    handoff: Handoff,
+    /// This rank (for errors).
+    rank: usize,
 }
 
 /// An internode dispatch layout computed by the native side (internal).
@@ -169,11 +174,15 @@ impl Internode {
         buffer.max_live_outputs = max_live_outputs;
         buffer.timeout = Duration::from_secs_f64(timeout_s.max(0.001));
         let opts = InternodeOptions::new(buffer);
+        // Before the buffer: a failure here drops no built buffer (whose teardown is a collective).
+        let handoff = Handoff::new(&ctx, rank)?;
         let inner = InternodeBuffer::new(&ctx, group, &topo, &opts).map_err(to_py)?;
         Ok(Self {
             inner: Some(inner),
             ctx,
             core_ns: 0,
+            handoff,
+            rank,
         })
     }
 
@@ -181,6 +190,20 @@ impl Internode {
     #[getter]
     fn comm_stream(&mut self) -> PyResult<u64> {
         Ok(crate::kept_streams::keep(self.buf()?.comm_stream()))
+    }
+
+    /// Makes the communication stream wait (on the GPU) for the work queued so far on
+    /// `caller`, the caller's current stream (a raw `CUstream` of this buffer's GPU).
+    fn comm_after(&mut self, caller: u64) -> PyResult<()> {
+        let comm = self.inner.as_ref().ok_or_else(released)?.comm_stream();
+        self.handoff.comm_after(comm, caller, self.rank)
+    }
+
+    /// Makes `caller` (a raw `CUstream` of this buffer's GPU) wait (on the GPU) for the work
+    /// queued so far on the communication stream.
+    fn caller_after(&mut self, caller: u64) -> PyResult<()> {
+        let comm = self.inner.as_ref().ok_or_else(released)?.comm_stream();
+        self.handoff.caller_after(comm, caller, self.rank)
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs, nodes,

@@ -13,6 +13,7 @@
 use pyo3::prelude::*;
 
 mod group;
+mod handoff;
 mod internode;
 mod intranode;
 mod kept_streams;

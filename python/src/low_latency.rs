@@ -19,6 +19,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use crate::group::PyGroup;
+use crate::handoff::Handoff;
 use crate::to_py;
 use crate::view::{input, DeviceView};
 
@@ -29,6 +30,10 @@ pub struct LowLatency {
     ctx: Arc<CudaContext>,
     /// Host time spent inside the `ep` core's operations (see [`core_ns`](Self::core_ns)).
     core_ns: u64,
+    /// The events of the hand-off between the caller's stream and the communication stream.
+    handoff: Handoff,
+    /// This rank (for errors).
+    rank: usize,
 }
 
 /// What a low-latency combine needs about its dispatch (opaque to callers).
@@ -151,11 +156,15 @@ impl LowLatency {
         opts.allow_nvlink = allow_nvlink;
         opts.enable_shrink = enable_shrink;
         opts.timeout = Duration::from_secs_f64(timeout_s.max(0.001));
+        // Before the buffer: a failure here drops no built buffer (whose teardown is a collective).
+        let handoff = Handoff::new(&ctx, rank)?;
         let inner = LowLatencyBuffer::new(&ctx, group, &opts).map_err(to_py)?;
         Ok(Self {
             inner: Some(inner),
             ctx,
             core_ns: 0,
+            handoff,
+            rank,
         })
     }
 
@@ -164,6 +173,20 @@ impl LowLatency {
     #[getter]
     fn stream(&mut self) -> PyResult<u64> {
         Ok(crate::kept_streams::keep(self.buf()?.stream()))
+    }
+
+    /// Makes the communication stream wait (on the GPU) for the work queued so far on
+    /// `caller`, the caller's current stream (a raw `CUstream` of this buffer's GPU).
+    fn comm_after(&mut self, caller: u64) -> PyResult<()> {
+        let comm = self.inner.as_ref().ok_or_else(released)?.stream();
+        self.handoff.comm_after(comm, caller, self.rank)
+    }
+
+    /// Makes `caller` (a raw `CUstream` of this buffer's GPU) wait (on the GPU) for the work
+    /// queued so far on the communication stream.
+    fn caller_after(&mut self, caller: u64) -> PyResult<()> {
+        let comm = self.inner.as_ref().ok_or_else(released)?.stream();
+        self.handoff.caller_after(comm, caller, self.rank)
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts]`.

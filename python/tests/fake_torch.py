@@ -64,6 +64,16 @@ class Tensor:
     def dim(self):
         return len(self.shape)
 
+    @property
+    def is_cuda(self):
+        return self.device.type == "cuda"
+
+    def get_device(self):
+        return self.device.index if self.is_cuda else -1
+
+    def is_contiguous(self):
+        return True
+
     def numel(self):
         n = 1
         for d in self.shape:
@@ -163,6 +173,9 @@ LOG = []
 class Stream:
     def __init__(self, ptr=0):
         self.ptr = ptr
+        # torch's stream triple (the raw setter and getter take and return it): the id is the
+        # handle here.
+        self.stream_id, self.device_index, self.device_type = ptr, 0, 1
 
     def __repr__(self):
         return f"Stream({self.ptr})"
@@ -176,6 +189,21 @@ class Stream:
 
     def synchronize(self):
         pass
+
+
+def handoff(from_ptr, to_ptr):
+    """What a fake native buffer's ``comm_after`` / ``caller_after`` log: ``to`` waits for
+    ``from`` (raw stream handles), as a recorded event and a wait would."""
+    LOG.append(("handoff", from_ptr, to_ptr))
+
+
+def _get_current_stream(device_index):
+    s = MODULE.cuda._current
+    return (s.stream_id, s.device_index, s.device_type)
+
+
+def _set_stream_by_id(stream_id, device_index, device_type):
+    _set_stream(Stream(stream_id))
 
 
 class Event:
@@ -223,13 +251,19 @@ def _build():
     cuda.Stream = Stream
     cuda.ExternalStream = lambda ptr, device=None: Stream(ptr)
     cuda._current = Stream(7)
-    cuda.current_stream = lambda: cuda._current
+    cuda.current_stream = lambda device=None: cuda._current
     cuda.stream = _StreamContext
     cuda.set_stream = _set_stream
     cuda.Event = Event
     cuda.current_device = lambda: 0
     cuda.is_available = lambda: True
     m.cuda = cuda
+    # The raw stream calls of torch 2.x that ep_ibgda's hot paths use.
+    c = types.ModuleType("torch._C")
+    c._cuda_getCurrentRawStream = lambda device_index: cuda._current.ptr
+    c._cuda_getCurrentStream = _get_current_stream
+    c._cuda_setStream = _set_stream_by_id
+    m._C = c
     return m
 
 

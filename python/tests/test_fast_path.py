@@ -41,6 +41,12 @@ class FakeLowLatency:
     def check_errors(self):
         pass
 
+    def comm_after(self, caller):
+        fake_torch.handoff(caller, self.stream)
+
+    def caller_after(self, caller):
+        fake_torch.handoff(self.stream, caller)
+
     def dispatch(self, x_ptr, tokens, hidden, topk_idx_ptr, k, use_fp8, round_scale, use_ue8m0, return_recv_hook,
                  wait_stats_ptr=0, recv_x_ptr=0, recv_count_ptr=0):
         self.calls.append(("dispatch", topk_idx_ptr, use_fp8))
@@ -71,11 +77,14 @@ def ll(monkeypatch):
 
 
 def _handoffs(log):
-    """(stream an event was recorded on, stream that waited for it) for each hand-off."""
+    """(stream waited for, stream that waits) for each hand-off: the native buffer's, or a torch
+    event recorded on one stream and waited for by another."""
     recorded = {}
     out = []
     for e in log:
-        if e[0] == "record":
+        if e[0] == "handoff":
+            out.append((e[1], e[2]))
+        elif e[0] == "record":
             recorded[id(e[1])] = e[2]
         elif e[0] == "wait":
             out.append((recorded.get(id(e[2])).ptr, e[1].ptr))
@@ -164,3 +173,18 @@ def test_fast_tensor_check_falls_back_to_the_full_one():
         chk.tensor("x", good, ("bfloat16",), 3, 0)
     with pytest.raises(TypeError, match="x must be a torch tensor, got list"):
         chk.tensor("x", [1, 2], ("bfloat16",), 2, 0)
+
+
+def test_combine_reuses_the_dispatch_cast_only_on_its_stream(ll):
+    torch, buf, calls = ll
+    x, idx = torch.Tensor((T, H), torch.bfloat16), torch.Tensor((T, K), torch.int64)
+    w = torch.Tensor((T, K), torch.float32)
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, N, E, use_fp8=False)
+    cast = calls[-1][1]
+    buf.low_latency_combine(rx, idx, w, handle)
+    assert calls[-1] == ("combine", cast), "the same int64 topk_idx on the same stream: no second cast"
+    buf.low_latency_combine(rx, torch.Tensor((T, K), torch.int64), w, handle)
+    assert calls[-1][1] != cast, "another tensor is cast"
+    torch.cuda.set_stream(torch.cuda.Stream(8))
+    buf.low_latency_combine(rx, idx, w, handle)
+    assert calls[-1][1] != cast, "on another stream the cast is made again (its memory is the first stream's)"

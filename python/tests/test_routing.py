@@ -80,6 +80,12 @@ class FakeInternode:
         self.calls.append(("combine", rows, hidden, k, bool(bias0_ptr), bool(bias1_ptr)))
         return _combined(handle, hidden, k, topk_weights_ptr != 0)
 
+    def comm_after(self, caller):
+        fake_torch.handoff(caller, self.comm_stream)
+
+    def caller_after(self, caller):
+        fake_torch.handoff(self.comm_stream, caller)
+
     def local_buffer(self):
         return View((4096,), "|u1")
 
