@@ -1731,7 +1731,7 @@ fn main() -> Result<()> {
             );
         }
         records.push(format!(
-            "{{\"bench\": \"proxy_publish_latency\", \"mode\": \"cpu_host_memory\", \"rings\": \"{name}\", \"qps\": 1, \"p50_us\": {p50:.3}, \"p99_us\": {p99:.3}, \"rtt_p50_us\": {:.3}, \"rtt_p99_us\": {:.3}, \"pingpong_p50_us\": {:.3}, \"publish_pingpong_p50_us\": {}, \"publish_pingpong_p99_us\": {}, \"proxy_share_p50_us\": {}, \"proxy_share_p99_us\": {}, \"samples\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+            "{{\"bench\": \"proxy_publish_latency\", \"mode\": \"cpu_host_memory\", \"ranks\": 1, \"gpus\": 1, \"rings\": \"{name}\", \"qps\": 1, \"p50_us\": {p50:.3}, \"p99_us\": {p99:.3}, \"rtt_p50_us\": {:.3}, \"rtt_p99_us\": {:.3}, \"pingpong_p50_us\": {:.3}, \"publish_pingpong_p50_us\": {}, \"publish_pingpong_p99_us\": {}, \"proxy_share_p50_us\": {}, \"proxy_share_p99_us\": {}, \"samples\": {}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
             percentile(&rtt, 0.5),
             percentile(&rtt, 0.99),
             percentile(&pp, 0.5),
@@ -1833,7 +1833,7 @@ fn main() -> Result<()> {
                             r.variant.name
                         );
                         records.push(format!(
-                            "{{\"bench\": \"proxy_publish_one_way\", \"mode\": \"cpu_host_memory\", \"rings\": \"{name}\", \"qps\": 1, \"variant\": \"{}\", \"path\": \"{path}\", \"safe\": {safe}, \"rtt_p50_us\": {}, \"rtt_p99_us\": {}, \"p50_us\": {}, \"p99_us\": {}, \"ntp_p50_us\": {}, \"offset_err_us\": {}, \"globaltimer_step_ns\": {}, \"drift_ppm\": {}, \"samples\": {}, \"unseen\": {missed}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                            "{{\"bench\": \"proxy_publish_one_way\", \"mode\": \"cpu_host_memory\", \"ranks\": 1, \"gpus\": 1, \"rings\": \"{name}\", \"qps\": 1, \"variant\": \"{}\", \"path\": \"{path}\", \"safe\": {safe}, \"rtt_p50_us\": {}, \"rtt_p99_us\": {}, \"p50_us\": {}, \"p99_us\": {}, \"ntp_p50_us\": {}, \"offset_err_us\": {}, \"globaltimer_step_ns\": {}, \"drift_ppm\": {}, \"samples\": {}, \"unseen\": {missed}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                             r.variant.name,
                             json_num(rt50),
                             json_num(rt99),
@@ -1911,7 +1911,7 @@ fn main() -> Result<()> {
                         if ok { "yes" } else { "no" }
                     );
                     records.push(format!(
-                        "{{\"bench\": \"proxy_doorbell_rate\", \"mode\": \"cpu_host_memory\", \"sink\": \"counter\", \"qps\": {q}, \"proxy_threads\": {t}, \"mdoorbells_per_s\": {rate:.3}, \"gpu_mraises_per_s\": {raises:.3}, \"us_per_raise_per_qp\": {}, \"bound\": \"{}\", \"meets_5m\": {ok}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                        "{{\"bench\": \"proxy_doorbell_rate\", \"mode\": \"cpu_host_memory\", \"ranks\": 1, \"gpus\": 1, \"sink\": \"counter\", \"qps\": {q}, \"proxy_threads\": {t}, \"mdoorbells_per_s\": {rate:.3}, \"gpu_mraises_per_s\": {raises:.3}, \"us_per_raise_per_qp\": {}, \"bound\": \"{}\", \"meets_5m\": {ok}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                         json_num(per_raise_us),
                         bound.to_lowercase()
                     ));
@@ -1957,7 +1957,7 @@ fn main() -> Result<()> {
             Ok((pubs, dbs, ns)) => {
                 println!("  {:<22} {pubs:>14.2} {dbs:>14.2} {ns:>12.0}", v.name);
                 records.push(format!(
-                    "{{\"bench\": \"proxy_publish_stream_rate\", \"mode\": \"cpu_host_memory\", \"rings\": \"device\", \"qps\": 1, \"variant\": \"{}\", \"mpublishes_per_s\": {}, \"mdoorbells_per_s\": {}, \"ns_per_publish\": {}, \"publishes\": {STREAM_PUBLISHES}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
+                    "{{\"bench\": \"proxy_publish_stream_rate\", \"mode\": \"cpu_host_memory\", \"ranks\": 1, \"gpus\": 1, \"rings\": \"device\", \"qps\": 1, \"variant\": \"{}\", \"mpublishes_per_s\": {}, \"mdoorbells_per_s\": {}, \"ns_per_publish\": {}, \"publishes\": {STREAM_PUBLISHES}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}",
                     v.name,
                     json_num(pubs),
                     json_num(dbs),
@@ -1981,7 +1981,7 @@ fn main() -> Result<()> {
             Ok((rate, pubs)) => {
                 println!("  {q:>5} {rate:>14.3} {pubs:>16.3}");
                 records.push(format!(
-                    "{{\"bench\": \"proxy_doorbell_rate\", \"mode\": \"cpu_host_memory\", \"sink\": \"emulator\", \"qps\": {q}, \"proxy_threads\": 1, \"mdoorbells_per_s\": {rate:.3}, \"mpublishes_per_s\": {pubs:.3}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}"
+                    "{{\"bench\": \"proxy_doorbell_rate\", \"mode\": \"cpu_host_memory\", \"ranks\": 1, \"gpus\": 1, \"sink\": \"emulator\", \"qps\": {q}, \"proxy_threads\": 1, \"mdoorbells_per_s\": {rate:.3}, \"mpublishes_per_s\": {pubs:.3}, \"date\": \"{date}\", \"machine\": \"{machine}\"}}"
                 ));
             }
             Err(e) => {
