@@ -42,9 +42,7 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
         topo.nodes(),
         topo.ranks_per_node()
     );
-    // Every operation here takes milliseconds: a bound of seconds keeps a failing case (and the
-    // one GPU run) short.
-    let mut o = options(c, Duration::from_secs(8));
+    let mut o = options(c, op_bound());
     o.buffer.num_experts = world * c.experts_per_rank;
     let mut bufs = InternodeBuffer::create_group(ctxs, topo, &o).expect("create internode buffers");
     if let Some(d) = c.delay_completions {
@@ -81,6 +79,16 @@ fn run_on(c: &Case, topo: &Topology, ctxs: &[Arc<CudaContext>]) {
 }
 
 /// Drops every rank's buffer at once (the teardown is a collective).
+/// Every operation's bound: 8 s (operations here take milliseconds: a failing case, and the
+/// one GPU run, stay short), or `EP_TEST_OP_BOUND_S` seconds, for a run that should still be
+/// waiting when `run.sh` dumps the threads' stacks (after 25 s).
+fn op_bound() -> Duration {
+    std::env::var("EP_TEST_OP_BOUND_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(Duration::from_secs(8), Duration::from_secs)
+}
+
 fn drop_all(bufs: Vec<InternodeBuffer>) {
     release_kept();
     std::thread::scope(|sc| {
