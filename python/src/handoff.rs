@@ -19,6 +19,8 @@ use pyo3::PyResult;
 pub(crate) struct Handoff {
     into_comm: CudaEvent,
     out_of_comm: CudaEvent,
+    /// The buffer's rank, for errors.
+    rank: usize,
 }
 
 fn failed(rank: usize, call: &str, e: DriverError) -> pyo3::PyErr {
@@ -35,21 +37,27 @@ impl Handoff {
         Ok(Self {
             into_comm: make()?,
             out_of_comm: make()?,
+            rank,
         })
     }
 
     /// `comm` waits (on the GPU) for the work queued on `caller` so far.
-    pub(crate) fn comm_after(&self, comm: &CudaStream, caller: u64, rank: usize) -> PyResult<()> {
-        Self::order(&self.into_comm, caller as CUstream, comm.cu_stream(), rank)
+    pub(crate) fn comm_after(&self, comm: &CudaStream, caller: u64) -> PyResult<()> {
+        Self::order(
+            &self.into_comm,
+            caller as CUstream,
+            comm.cu_stream(),
+            self.rank,
+        )
     }
 
     /// `caller` waits (on the GPU) for the work queued on `comm` so far.
-    pub(crate) fn caller_after(&self, comm: &CudaStream, caller: u64, rank: usize) -> PyResult<()> {
+    pub(crate) fn caller_after(&self, comm: &CudaStream, caller: u64) -> PyResult<()> {
         Self::order(
             &self.out_of_comm,
             comm.cu_stream(),
             caller as CUstream,
-            rank,
+            self.rank,
         )
     }
 
@@ -58,10 +66,10 @@ impl Handoff {
         ev.context()
             .bind_to_thread()
             .map_err(|e| failed(rank, "cuCtxSetCurrent", e))?;
+        // The buffer's stream is kept for the process's life (`kept_streams`); torch keeps the
+        // caller's current stream while it is current (read just before this call).
         // SAFETY: `ev` is a live event of this context (owned by `self`); `from` and `to` are
-        // live streams of the same GPU: the buffer's own stream (kept for the process's life,
-        // see `kept_streams`) and the caller's current torch stream, which torch keeps while it
-        // is current (the Python layer reads it just before this call).
+        // live streams of the same GPU (see above).
         unsafe { result::event::record(ev.cu_event(), from) }
             .map_err(|e| failed(rank, "cuEventRecord", e))?;
         // SAFETY: as above.

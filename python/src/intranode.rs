@@ -34,8 +34,6 @@ pub struct Intranode {
     core_ns: u64,
     /// The events of the hand-off between the caller's stream and the communication stream.
     handoff: Handoff,
-    /// This rank (for errors).
-    rank: usize,
 }
 
 /// A dispatch layout computed by the native side (internal).
@@ -141,7 +139,6 @@ impl Intranode {
             ctx,
             core_ns: 0,
             handoff,
-            rank,
         })
     }
 
@@ -155,14 +152,14 @@ impl Intranode {
     /// `caller`, the caller's current stream (a raw `CUstream` of this buffer's GPU).
     fn comm_after(&mut self, caller: u64) -> PyResult<()> {
         let comm = self.inner.as_ref().ok_or_else(released)?.comm_stream();
-        self.handoff.comm_after(comm, caller, self.rank)
+        self.handoff.comm_after(comm, caller)
     }
 
     /// Makes `caller` (a raw `CUstream` of this buffer's GPU) wait (on the GPU) for the work
     /// queued so far on the communication stream.
     fn caller_after(&mut self, caller: u64) -> PyResult<()> {
         let comm = self.inner.as_ref().ok_or_else(released)?.comm_stream();
-        self.handoff.caller_after(comm, caller, self.rank)
+        self.handoff.caller_after(comm, caller)
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts, max_live_outputs]`.

@@ -32,8 +32,6 @@ pub struct LowLatency {
     core_ns: u64,
     /// The events of the hand-off between the caller's stream and the communication stream.
     handoff: Handoff,
-    /// This rank (for errors).
-    rank: usize,
 }
 
 /// What a low-latency combine needs about its dispatch (opaque to callers).
@@ -164,7 +162,6 @@ impl LowLatency {
             ctx,
             core_ns: 0,
             handoff,
-            rank,
         })
     }
 
@@ -179,14 +176,14 @@ impl LowLatency {
     /// `caller`, the caller's current stream (a raw `CUstream` of this buffer's GPU).
     fn comm_after(&mut self, caller: u64) -> PyResult<()> {
         let comm = self.inner.as_ref().ok_or_else(released)?.stream();
-        self.handoff.comm_after(comm, caller, self.rank)
+        self.handoff.comm_after(comm, caller)
     }
 
     /// Makes `caller` (a raw `CUstream` of this buffer's GPU) wait (on the GPU) for the work
     /// queued so far on the communication stream.
     fn caller_after(&mut self, caller: u64) -> PyResult<()> {
         let comm = self.inner.as_ref().ok_or_else(released)?.stream();
-        self.handoff.caller_after(comm, caller, self.rank)
+        self.handoff.caller_after(comm, caller)
     }
 
     /// `[max_tokens_per_rank, max_hidden, max_topk, num_experts]`.

@@ -27,6 +27,18 @@ const COUNTS: usize = 2048;
 const BYTES: usize = 4096;
 const T: Duration = Duration::from_secs(20);
 
+/// The QPs to rank `r` of the tests that use [`NQPS`] QPs of 64 WQEBBs, bounded by [`T`].
+fn qp_config(handler: NicHandler, r: usize) -> QpGroupConfig {
+    QpGroupConfig {
+        handler,
+        nqps: NQPS,
+        nwqes: 64,
+        timeout: T,
+        peer_rank: r as u32,
+        ..Default::default()
+    }
+}
+
 fn row(src: usize, dst: usize) -> Vec<u8> {
     (0..ROW)
         .map(|i| (i as u8).wrapping_mul(7) ^ (src as u8 * 16 + dst as u8) | 1)
@@ -71,14 +83,7 @@ fn mesh_of_carries_writes_and_atomics(
                     let all = comm
                         .all_gather(&[reg.addr(), u64::from(reg.rkey())])
                         .expect("exchanging addresses");
-                    let cfg = |r: usize| QpGroupConfig {
-                        handler,
-                        nqps: NQPS,
-                        nwqes: 64,
-                        timeout: T,
-                        peer_rank: r as u32,
-                        ..Default::default()
-                    };
+                    let cfg = |r: usize| qp_config(handler, r);
                     let mesh = connect_mesh(&*nic, &comm, &*reg, NQPS, cfg, |doing, e| {
                         panic!("rank {rank}: {doing}: {e}")
                     })
@@ -536,14 +541,7 @@ fn mesh_among(peers: fn(usize, usize) -> bool) -> Vec<Result<Vec<usize>, String>
                     let nic = EmulatedTransport::host(fabric, rank as u32).expect("host NIC");
                     let (handler, _) = nic.select(HandlerChoice::Gpu).expect("handler mode");
                     let reg = nic.register(BYTES).expect("registering memory");
-                    let cfg = |r: usize| QpGroupConfig {
-                        handler,
-                        nqps: NQPS,
-                        nwqes: 64,
-                        timeout: T,
-                        peer_rank: r as u32,
-                        ..Default::default()
-                    };
+                    let cfg = |r: usize| qp_config(handler, r);
                     let mesh = connect_mesh_among(
                         &nic,
                         &comm,

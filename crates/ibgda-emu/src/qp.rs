@@ -147,8 +147,8 @@ pub struct QpStatus {
     pub first_error: Option<QpError>,
     /// The peer's node and QP number, once connected.
     pub peer: Option<(NodeId, u32)>,
-    /// The lane's ordering state (empty when it has none worth telling), shown while CQEs
-    /// are pending.
+    /// While CQEs are pending: the first one's mark and the lane's ordering state (else
+    /// empty).
     pub lane: String,
 }
 
@@ -173,7 +173,7 @@ impl std::fmt::Display for QpStatus {
         if let Some(e) = &self.first_error {
             write!(f, ", first error at WQE {}: {}", e.wqe_index, e.reason)?;
         }
-        if self.pending_cqes > 0 && !self.lane.is_empty() {
+        if !self.lane.is_empty() {
             write!(f, " [{}]", self.lane)?;
         }
         Ok(())

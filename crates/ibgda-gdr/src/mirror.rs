@@ -301,10 +301,10 @@ impl Engine for CudaEngine {
         };
         bind(&self.ctx)?;
         for (i, e) in entries.iter().enumerate() {
-            // SAFETY: each entry's range is live GPU memory of this context (its mirror's
-            // contract, and the mirror's drop removes the entry before the memory may go), its
-            // staging is `len` bytes of pinned memory, and the stream belongs to the context,
-            // bound above.
+            // The mirror's drop removes its entry (under this round's lock) before its memory
+            // may go.
+            // SAFETY: each entry's range is live GPU memory of this context, its staging `len`
+            // pinned bytes; the stream belongs to the context, bound above.
             let issued = unsafe { issue(stream, e.slot.range, &e.slot.staging) };
             if issued.is_err() {
                 // Copies issued before this one may still run.
